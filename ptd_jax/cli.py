@@ -1,0 +1,178 @@
+"""`ptd-train`: Megatron-LM's flag names mapped onto ModelConfig, ParallelConfig, TrainConfig and RunOptions.
+
+With no flags it runs the demo: the tiny preset on the embedded corpus (this interpreter's standard library).
+Bad input exits with code 2 and one line on stderr naming the values. The last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES,
+                            ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
+from ptd_jax.data import DataError
+from ptd_jax.indexed_dataset import IndexedDatasetError
+from ptd_jax.tokenizer import ByteTokenizer
+
+DEMO_PRESET = "tiny"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ptd-train", description="Train a GPT with PTD-P parallelism on JAX.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model (unset flags come from --model-preset)")
+    g.add_argument("--model-preset", default=DEMO_PRESET, choices=sorted(MODEL_PRESETS))
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="GeLU form: tanh approximation or exact")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--fake-devices", type=int, help="simulate N CPU devices (sets XLA_FLAGS before JAX starts)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--min-lr", type=float, default=2e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=30)
+    g.add_argument("--lr-decay-iters", type=int)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default="none")
+
+    g = p.add_argument_group("data, checkpoints, logging")
+    g.add_argument("--data-path", help="prefix of a .bin/.idx pair (default: the embedded stdlib corpus)")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--metrics-file", help="JSONL, one object per logged iteration")
+    g.add_argument("--plot-dir", help="write loss_curve.png here")
+    g.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: datasheet or measured)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def model_config_from_args(args) -> ModelConfig:
+    base = model_preset(args.model_preset)
+    overrides = {name: getattr(args, name) for name in
+                 ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                  "max_position_embeddings") if getattr(args, name) is not None}
+    return base.replace(
+        **overrides,
+        vocab_size=ByteTokenizer.vocab_size,  # the data's tokenizer decides V, as in Megatron
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
+        gelu_approximate=args.gelu == "tanh", dtype="bfloat16" if args.bf16 else "float32",
+    )
+
+
+def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) -> ParallelConfig:
+    p = args.pipeline_model_parallel_size
+    virtual = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        k = args.num_layers_per_virtual_pipeline_stage
+        if model_cfg.num_layers % (k * p):
+            raise ConfigError(f"num_layers={model_cfg.num_layers} is not divisible by "
+                              f"num_layers_per_virtual_pipeline_stage={k} x pipeline_model_parallel_size={p}")
+        virtual = model_cfg.num_layers // (k * p)
+    parallel = ParallelConfig.for_devices(
+        num_devices,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, pipeline_model_parallel_size=p,
+        virtual_pipeline_stages=virtual, pipeline_schedule=args.pipeline_schedule,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+        sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    parallel.check_model(model_cfg)
+    return parallel
+
+
+def train_config_from_args(args) -> TrainConfig:
+    return TrainConfig(
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        seed=args.seed, recompute_granularity=args.recompute_granularity, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save_interval=args.save_interval,
+    )
+
+
+def check_implemented(parallel: ParallelConfig) -> None:
+    """Layouts whose executors land in later issues fail clearly instead of silently running on one device."""
+    pending = {
+        "data_parallel_size": (parallel.data_parallel_size, 1, "data parallelism (issue #3)"),
+        "tensor_model_parallel_size": (parallel.tensor_model_parallel_size, 1, "tensor parallelism (issue #3)"),
+        "pipeline_model_parallel_size": (parallel.pipeline_model_parallel_size, 1, "pipeline parallelism (issue #4)"),
+        "sequence_parallel": (parallel.sequence_parallel, False, "sequence parallelism (issue #3)"),
+        "use_distributed_optimizer": (parallel.use_distributed_optimizer, False, "the distributed optimizer"),
+    }
+    for name, (value, supported, feature) in pending.items():
+        if value != supported:
+            raise ConfigError(f"{name}={value} needs {feature}, which is not implemented yet; this build trains "
+                              f"on one device (data-parallel size = devices / (t·p), so pass --fake-devices 1 "
+                              f"or fewer devices)")
+
+
+def run(argv=None) -> dict:
+    """Parse, validate and train; raises ConfigError/DataError/IndexedDatasetError on bad input."""
+    args = build_parser().parse_args(argv)
+    if args.fake_devices is not None:
+        from ptd_jax.mesh import set_fake_devices
+
+        set_fake_devices(args.fake_devices)
+    import jax
+
+    from ptd_jax.train import RunOptions, train
+
+    model_cfg = model_config_from_args(args)
+    parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
+    train_cfg = train_config_from_args(args)
+    check_implemented(parallel)
+    options = RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
+                         metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
+                         progress=not args.no_progress)
+    return train(model_cfg, parallel, train_cfg, options)
+
+
+def main(argv=None) -> int:
+    try:
+        summary = run(argv)
+    except (ConfigError, DataError, IndexedDatasetError) as err:
+        print(f"ptd-train: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Configuration: frozen dataclasses validated on construction, and the paper's presets.
+
+Three configs travel through the whole system (DESIGN.md §1):
+- `ModelConfig`: the GPT architecture (Megatron GPT = GPT-2: learned positions, pre-LayerNorm, tied output).
+- `ParallelConfig`: the PTD-P layout (data × pipe × tensor), microbatching and the pipeline schedule.
+- `TrainConfig`: optimizer, learning-rate schedule, iterations, logging and evaluation cadence.
+
+Every inconsistency raises `ConfigError` with a one-line message that names the offending values; the CLI turns
+it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+class ConfigError(ValueError):
+    """An invalid or inconsistent configuration; the message is one line naming the values."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
+    """Megatron's `--make-vocab-size-divisible-by`: pad V to a multiple of divisible_by · t."""
+    multiple = divisible_by * tensor_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT architecture. Sizes use the paper's letters: l layers, h hidden, a heads, s sequence, V vocabulary."""
+
+    num_layers: int = 4
+    """l: number of transformer layers."""
+    hidden_size: int = 128
+    """h: model width."""
+    num_attention_heads: int = 4
+    """a: attention heads; head dim = h / a."""
+    seq_length: int = 128
+    """s: tokens per training sample."""
+    max_position_embeddings: int | None = None
+    """Rows of the learned position table; defaults to seq_length."""
+    vocab_size: int = 257
+    """V before padding (the tokenizer's size); the embedding holds padded_vocab_size rows."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this (times the tensor-parallel size), as Megatron does."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; defaults to 4h."""
+    gelu_approximate: bool = True
+    """GeLU with the tanh approximation (GPT-2/OpenAI); False uses the exact erf form."""
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    """Std of the normal init; output projections (attention out, fc2) use std / sqrt(2 l)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP outputs and on embeddings (Megatron's default is 0.1)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (Megatron's default is 0.1)."""
+    dtype: str = "float32"
+    """Compute dtype for activations and matmuls (`--bf16` sets bfloat16); softmax and loss stay float32."""
+    param_dtype: str = "float32"
+    """Storage dtype of the master parameters (float64 for exactness tests under jax_enable_x64)."""
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive integer")
+        _check(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}",
+        )
+        _check(
+            self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
+            f"max_position_embeddings={self.max_position_embeddings} is smaller than seq_length={self.seq_length}",
+        )
+        _check(
+            self.ffn_hidden_size is None or self.ffn_hidden_size > 0,
+            f"ffn_hidden_size={self.ffn_hidden_size} must be positive",
+        )
+        _check(self.make_vocab_size_divisible_by > 0,
+               f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be positive")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, f"{name}={value} must be in [0, 1)")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            _check(value in DTYPES, f"{name}={value!r} is not one of {DTYPES}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel_size)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """PTD-P layout. Devices = data · pipe · tensor; tensor is the innermost mesh axis."""
+
+    tensor_model_parallel_size: int = 1
+    """t: tensor-parallel group size (within a node in the paper)."""
+    pipeline_model_parallel_size: int = 1
+    """p: pipeline stages."""
+    data_parallel_size: int = 1
+    """d: data-parallel replicas; Megatron derives it as devices / (t · p) (see `for_devices`)."""
+    virtual_pipeline_stages: int = 1
+    """v: model chunks per pipeline rank (interleaved schedule)."""
+    pipeline_schedule: str = "1f1b"
+    """gpipe, 1f1b or interleaved (v > 1)."""
+    micro_batch_size: int = 1
+    """b: samples per microbatch per data-parallel rank."""
+    global_batch_size: int = 8
+    """B: samples per iteration across all data-parallel ranks."""
+    microbatch_group_size: int | None = None
+    """G of the interleaved schedule (--microbatch-group-size-per-virtual-pipeline-stage); defaults to p."""
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                     "virtual_pipeline_stages", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive integer")
+        _check(self.pipeline_schedule in PIPELINE_SCHEDULES,
+               f"pipeline_schedule={self.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
+        per_step = self.micro_batch_size * self.data_parallel_size
+        _check(
+            self.global_batch_size % per_step == 0,
+            f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+            f"{self.micro_batch_size} x data_parallel_size={self.data_parallel_size}",
+        )
+        if self.virtual_pipeline_stages > 1:
+            _check(self.pipeline_schedule == "interleaved",
+                   f"virtual_pipeline_stages={self.virtual_pipeline_stages} needs pipeline_schedule='interleaved', "
+                   f"got {self.pipeline_schedule!r}")
+        if self.pipeline_schedule == "interleaved":
+            _check(self.pipeline_model_parallel_size >= 2,
+                   f"the interleaved schedule needs pipeline_model_parallel_size >= 2, got "
+                   f"{self.pipeline_model_parallel_size}")
+
+    @classmethod
+    def for_devices(cls, num_devices: int, **kwargs) -> "ParallelConfig":
+        """Megatron's rule: data-parallel size = devices / (t · p)."""
+        t = kwargs.get("tensor_model_parallel_size", 1)
+        p = kwargs.get("pipeline_model_parallel_size", 1)
+        _check(num_devices % (t * p) == 0,
+               f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} does not divide "
+               f"num_devices={num_devices}")
+        return cls(data_parallel_size=num_devices // (t * p), **kwargs)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data_parallel_size * self.pipeline_model_parallel_size * self.tensor_model_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """m: microbatches per pipeline per iteration = B / (b · d)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Cross-checks between the layout and the architecture (one-line errors naming the values)."""
+        t, p, v = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.virtual_pipeline_stages
+        _check(model.num_layers % (p * v) == 0,
+               f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size={p} x "
+               f"virtual_pipeline_stages={v}")
+        _check(model.num_attention_heads % t == 0,
+               f"num_attention_heads={model.num_attention_heads} is not divisible by "
+               f"tensor_model_parallel_size={t}")
+        _check(model.ffn_size % t == 0,
+               f"ffn_hidden_size={model.ffn_size} is not divisible by tensor_model_parallel_size={t}")
+        if self.sequence_parallel:
+            _check(model.seq_length % t == 0,
+                   f"seq_length={model.seq_length} is not divisible by tensor_model_parallel_size={t} "
+                   f"(needed by sequence parallelism)")
+
+    def replace(self, **changes) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer (AdamW), learning-rate schedule and loop cadence, with Megatron's defaults where it has them."""
+
+    train_iters: int = 200
+    lr: float = 1e-3
+    """Peak learning rate after warm-up."""
+    min_lr: float = 0.0
+    """Floor of the decay."""
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    """Iterations over which to decay (including warm-up, as Megatron counts); defaults to train_iters."""
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) decay; biases and LayerNorm parameters are not decayed, as in Megatron."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm (0 disables)."""
+    seed: int = 1234
+    recompute_granularity: str = "none"
+    """none, selective (recompute attention scores) or full (recompute each layer in the backward)."""
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    save_interval: int | None = None
+
+    def __post_init__(self):
+        _check(self.train_iters > 0, f"train_iters={self.train_iters} must be positive")
+        _check(self.lr >= 0 and self.min_lr >= 0, f"lr={self.lr} and min_lr={self.min_lr} must be >= 0")
+        _check(self.min_lr <= self.lr, f"min_lr={self.min_lr} is larger than lr={self.lr}")
+        _check(self.lr_warmup_iters >= 0, f"lr_warmup_iters={self.lr_warmup_iters} must be >= 0")
+        _check(self.lr_decay_style in LR_DECAY_STYLES,
+               f"lr_decay_style={self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+        _check(self.decay_iters >= self.lr_warmup_iters,
+               f"lr_decay_iters={self.decay_iters} is smaller than lr_warmup_iters={self.lr_warmup_iters}")
+        _check(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
+        _check(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        _check(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
+               f"recompute_granularity={self.recompute_granularity!r} is not one of {RECOMPUTE_GRANULARITIES}")
+        for name in ("log_interval", "eval_interval"):
+            _check(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        _check(self.eval_iters >= 0, f"eval_iters={self.eval_iters} must be >= 0")
+        _check(self.save_interval is None or self.save_interval > 0,
+               f"save_interval={self.save_interval} must be positive")
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PaperRow:
+    """One row of the paper's Table 1 as published (weak-scaling runs on A100s)."""
+
+    name: str
+    num_attention_heads: int
+    hidden_size: int
+    num_layers: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    num_gpus: int
+    global_batch_size: int
+    published_params_billion: float
+    published_tflops_per_gpu: float
+
+
+# Table 1 of arXiv 2104.04473 (vocabulary 51,200, sequence length 2,048 for all rows).
+PAPER_TABLE_1: tuple[PaperRow, ...] = (
+    PaperRow("1.7B", 24, 2304, 24, 1, 1, 32, 512, 1.7, 137),
+    PaperRow("3.6B", 32, 3072, 30, 2, 1, 64, 512, 3.6, 138),
+    PaperRow("7.5B", 32, 4096, 36, 4, 1, 128, 512, 7.5, 142),
+    PaperRow("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 18.4, 135),
+    PaperRow("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 39.1, 138),
+    PaperRow("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 76.1, 140),
+    PaperRow("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 145.6, 148),
+    PaperRow("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 310.1, 155),
+    PaperRow("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 529.6, 163),
+    PaperRow("1T", 160, 25600, 128, 8, 64, 3072, 3072, 1008.0, 163),
+)
+
+PAPER_VOCAB_SIZE = 51200
+PAPER_SEQ_LENGTH = 2048
+
+
+def _paper_preset(row: PaperRow) -> ModelConfig:
+    return ModelConfig(num_layers=row.num_layers, hidden_size=row.hidden_size,
+                       num_attention_heads=row.num_attention_heads, seq_length=PAPER_SEQ_LENGTH,
+                       vocab_size=PAPER_VOCAB_SIZE)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Small enough to train to a visibly falling loss on a 2-core CPU in a few minutes.
+    "tiny": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257),
+    "gpt2-small": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
+                              vocab_size=50257),
+    "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
+                        vocab_size=50257),
+    **{f"paper-{row.name.lower()}": _paper_preset(row) for row in PAPER_TABLE_1},
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"model preset {name!r} is not one of {sorted(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name]
+
+
+def paper_parallel_config(row: PaperRow, micro_batch_size: int = 1) -> ParallelConfig:
+    """The layout a Table 1 row was run with (interleaving aside)."""
+    return ParallelConfig.for_devices(
+        row.num_gpus,
+        tensor_model_parallel_size=row.tensor_model_parallel_size,
+        pipeline_model_parallel_size=row.pipeline_model_parallel_size,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=row.global_batch_size,
+    )
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+__all__ = [
+    "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PaperRow", "PAPER_TABLE_1",
+    "MODEL_PRESETS", "model_preset", "paper_parallel_config", "pad_vocab_size", "to_dict",
+]

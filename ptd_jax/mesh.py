@@ -1,0 +1,74 @@
+"""The named device mesh ("data", "pipe", "tensor") and CPU device simulation.
+
+Tensor is the innermost axis so that tensor-parallel groups are neighbouring devices (one host, NVLink): the
+paper's takeaway #1 (§3.3) — tensor parallelism up to the GPUs of a node, pipeline parallelism across nodes.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+
+import numpy as np
+
+from ptd_jax.config import ConfigError, ParallelConfig
+
+
+class Axis(str, enum.Enum):
+    """Mesh axis names; `Axis.TENSOR` is the innermost."""
+
+    DATA = "data"
+    PIPE = "pipe"
+    TENSOR = "tensor"
+
+
+MESH_AXES = (Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value)
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def set_fake_devices(num_devices: int) -> None:
+    """Simulate `num_devices` CPU devices. Must run before JAX initialises its backend (before any JAX op).
+
+    Sets both XLA_FLAGS (read by XLA at backend start) and `jax_num_cpu_devices`; raises ConfigError if the
+    backend is already running with a different device count.
+    """
+    if num_devices < 1:
+        raise ConfigError(f"fake devices={num_devices} must be >= 1")
+    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={num_devices}".strip()
+    import jax  # imported here so that the environment is set first when this is the first import
+
+    try:
+        jax.config.update("jax_num_cpu_devices", num_devices)
+    except RuntimeError:
+        pass  # backend already up: report below with the numbers
+    have = len(jax.devices("cpu"))
+    if have != num_devices:
+        raise ConfigError(
+            f"fake devices={num_devices} requested but the JAX CPU backend is already initialised with {have} "
+            f"device(s); call set_fake_devices before any JAX operation (or set XLA_FLAGS={_DEVICE_COUNT_FLAG}="
+            f"{num_devices} before starting Python)"
+        )
+
+
+def make_mesh(parallel: ParallelConfig, devices=None):
+    """A `jax.sharding.Mesh` of shape (d, p, t) with axes ("data", "pipe", "tensor"), all `AxisType.Auto`.
+
+    Uses the first d·p·t of `devices` (default: `jax.devices()`); fails if there are fewer.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    shape = (parallel.data_parallel_size, parallel.pipeline_model_parallel_size,
+             parallel.tensor_model_parallel_size)
+    needed = int(np.prod(shape))
+    if needed > len(devices):
+        raise ConfigError(
+            f"the layout data={shape[0]} x pipe={shape[1]} x tensor={shape[2]} needs {needed} devices but only "
+            f"{len(devices)} exist (on CPU, simulate more with --fake-devices {needed})"
+        )
+    grid = np.array(devices[:needed], dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -1,0 +1,231 @@
+"""Megatron's GPT (= GPT-2 architecture) as pure functions over a parameter pytree.
+
+Learned position embeddings, pre-LayerNorm blocks, causal multi-head attention, a 4h GeLU MLP, a final
+LayerNorm and an output layer tied to the word embedding (paper §2, Megatron-LM `GPTModel`).
+
+Parameter layout (DESIGN.md §1): the transformer layers are *stacked* along a leading layer dim L so that
+(a) one `lax.scan` runs them (half the CPU step time and a quarter of the compile time of unrolled layers,
+DESIGN.md §6), (b) the pipeline can reshape L into [pipe, chunk, layers_per_chunk], and (c) tensor
+parallelism splits a named dim of each weight without renaming anything:
+
+    embed/word          [Vp, D]          split Vp over "tensor" (vocab-parallel embedding and tied output)
+    embed/position      [S, D]
+    layers/ln1/{scale,bias}   [L, D]
+    layers/attn/qkv_kernel    [L, D, 3, H, K]   column-parallel: split H
+    layers/attn/qkv_bias      [L, 3, H, K]
+    layers/attn/out_kernel    [L, H, K, D]      row-parallel: split H
+    layers/attn/out_bias      [L, D]
+    layers/ln2/{scale,bias}   [L, D]
+    layers/mlp/fc1_kernel     [L, D, F]         column-parallel: split F
+    layers/mlp/fc1_bias       [L, F]
+    layers/mlp/fc2_kernel     [L, F, D]         row-parallel: split F
+    layers/mlp/fc2_bias       [L, D]
+    final_ln/{scale,bias}     [D]
+
+Shape legend: B batch, S sequence, D hidden, F ffn, H heads, K head dim, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ptd_jax.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def _dtype(name: str):
+    return jnp.dtype(name)
+
+
+def _acc(dtype):
+    """Accumulation dtype: float32 for 16-bit inputs, the input's own for float32/float64 (exactness tests)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Initialisation
+# ---------------------------------------------------------------------------------------------------------------
+
+def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
+    """Megatron's init: N(0, 0.02) weights, output projections N(0, 0.02/sqrt(2l)), zero biases, unit LN scales.
+
+    Every layer draws from its own `fold_in(key, layer)` stream, so a layer's weights do not depend on how many
+    layers there are or how they are later split over devices.
+    """
+    pdt = _dtype(cfg.param_dtype)
+    L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
+    std = cfg.init_method_std
+    out_std = std / math.sqrt(2.0 * L)
+    k_word, k_pos, k_layers = jax.random.split(key, 3)
+
+    def normal(k, shape, scale):
+        return (scale * jax.random.normal(k, shape, dtype=jnp.float32)).astype(pdt)
+
+    def one_layer(k):
+        k_qkv, k_out, k_fc1, k_fc2 = jax.random.split(k, 4)
+        return {
+            "ln1": {"scale": jnp.ones((D,), pdt), "bias": jnp.zeros((D,), pdt)},
+            "attn": {
+                "qkv_kernel": normal(k_qkv, (D, 3, H, K), std),
+                "qkv_bias": jnp.zeros((3, H, K), pdt),
+                "out_kernel": normal(k_out, (H, K, D), out_std),
+                "out_bias": jnp.zeros((D,), pdt),
+            },
+            "ln2": {"scale": jnp.ones((D,), pdt), "bias": jnp.zeros((D,), pdt)},
+            "mlp": {
+                "fc1_kernel": normal(k_fc1, (D, F), std),
+                "fc1_bias": jnp.zeros((F,), pdt),
+                "fc2_kernel": normal(k_fc2, (F, D), out_std),
+                "fc2_bias": jnp.zeros((D,), pdt),
+            },
+        }
+
+    layer_keys = jnp.stack([jax.random.fold_in(k_layers, i) for i in range(L)])
+    return {
+        "embed": {
+            "word": normal(k_word, (cfg.padded_vocab_size(), D), std),
+            "position": normal(k_pos, (cfg.max_positions, D), std),
+        },
+        "layers": jax.vmap(one_layer)(layer_keys),
+        "final_ln": {"scale": jnp.ones((D,), pdt), "bias": jnp.zeros((D,), pdt)},
+    }
+
+
+def count_params(params: Params) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+def layer_norm(x_BxSxD, p, eps: float):
+    """LayerNorm over the last dim, statistics in float32 whatever the compute dtype."""
+    acc = _acc(x_BxSxD.dtype)
+    x = x_BxSxD.astype(acc)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["scale"].astype(acc) + p["bias"].astype(acc)).astype(x_BxSxD.dtype)
+
+
+def gelu(x, approximate: bool):
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+def dropout(x, rate: float, key):
+    """Inverted dropout; identity when rate == 0 or key is None (evaluation)."""
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0.0, key=None):
+    """softmax(q kᵀ / sqrt(K) + causal mask) v, scores and softmax in float32."""
+    S, K = q_BxSxHxK.shape[1], q_BxSxHxK.shape[-1]
+    acc = _acc(q_BxSxHxK.dtype)
+    scores_BxHxSxS = jnp.einsum("bqhk,bshk->bhqs", q_BxSxHxK, k_BxSxHxK,
+                                preferred_element_type=acc) / math.sqrt(K)
+    causal_SxS = jnp.tril(jnp.ones((S, S), dtype=bool))
+    scores_BxHxSxS = jnp.where(causal_SxS, scores_BxHxSxS, jnp.finfo(acc).min)
+    probs_BxHxSxS = jax.nn.softmax(scores_BxHxSxS, axis=-1)
+    probs_BxHxSxS = dropout(probs_BxHxSxS, dropout_rate, key).astype(v_BxSxHxK.dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxSxS, v_BxSxHxK)
+
+
+def attention_block(p, x_BxSxD, cfg: ModelConfig, key=None):
+    qkv_BxSx3xHxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
+    q, k, v = (qkv_BxSx3xHxK[:, :, i] for i in range(3))
+    ctx_BxSxHxK = causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key)
+    return jnp.einsum("bshk,hkd->bsd", ctx_BxSxHxK, p["out_kernel"]) + p["out_bias"]
+
+
+def mlp_block(p, x_BxSxD, cfg: ModelConfig):
+    h_BxSxF = gelu(x_BxSxD @ p["fc1_kernel"] + p["fc1_bias"], cfg.gelu_approximate)
+    return h_BxSxF @ p["fc2_kernel"] + p["fc2_bias"]
+
+
+def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None):
+    """One pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x)))."""
+    k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+    h = attention_block(p["attn"], layer_norm(x_BxSxD, p["ln1"], cfg.layernorm_epsilon), cfg, k_attn)
+    x_BxSxD = x_BxSxD + dropout(h, cfg.hidden_dropout, k_h1)
+    h = mlp_block(p["mlp"], layer_norm(x_BxSxD, p["ln2"], cfg.layernorm_epsilon), cfg)
+    return x_BxSxD + dropout(h, cfg.hidden_dropout, k_h2)
+
+
+def remat_layer(layer_fn, granularity: str):
+    """Activation recomputation (paper §3.5): full recomputes the whole layer in the backward; selective keeps
+    the weight matmuls' outputs and recomputes only the batched attention core (scores, softmax, context)."""
+    if granularity == "full":
+        return jax.checkpoint(layer_fn)
+    if granularity == "selective":
+        return jax.checkpoint(layer_fn, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+    return layer_fn
+
+
+def run_layers(layers, x_BxSxD, cfg: ModelConfig, *, key=None, recompute: str = "none", first_layer=0):
+    """Scan the stacked layers [L, ...] over the residual stream. `first_layer` offsets dropout streams so a
+    chunk of layers draws the same masks as the same layers inside the full stack."""
+    num = jax.tree.leaves(layers)[0].shape[0]
+    layer_fn = remat_layer(lambda p, x, k: transformer_layer(p, x, cfg, k), recompute)
+
+    def body(x, xs):
+        p, index = xs
+        k = jax.random.fold_in(key, index) if key is not None else None
+        return layer_fn(p, x, k), None
+
+    x_BxSxD, _ = jax.lax.scan(body, x_BxSxD, (layers, first_layer + jnp.arange(num)))
+    return x_BxSxD
+
+
+def embed(params, tokens_BxS, cfg: ModelConfig, key=None):
+    dt = _dtype(cfg.dtype)
+    S = tokens_BxS.shape[1]
+    x_BxSxD = jnp.take(params["embed"]["word"], tokens_BxS, axis=0) + params["embed"]["position"][:S]
+    return dropout(x_BxSxD.astype(dt), cfg.hidden_dropout, key)
+
+
+def output_logits(params, x_BxSxD, cfg: ModelConfig):
+    """Final LayerNorm and the output layer tied to the word embedding; float32 logits [B, S, Vp]."""
+    x_BxSxD = layer_norm(x_BxSxD, params["final_ln"], cfg.layernorm_epsilon)
+    word_VxD = params["embed"]["word"].astype(x_BxSxD.dtype)
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VxD, preferred_element_type=_acc(x_BxSxD.dtype))
+
+
+def cast_params(params: Params, cfg: ModelConfig) -> Params:
+    dt = _dtype(cfg.dtype)
+    return jax.tree.map(lambda x: x.astype(dt), params)
+
+
+def forward(params, tokens_BxS, cfg: ModelConfig, *, key=None, recompute: str = "none"):
+    """Token ids [B, S] -> float32 logits [B, S, Vp]. `key` enables dropout (None = deterministic)."""
+    params = cast_params(params, cfg)
+    k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
+    x_BxSxD = embed(params, tokens_BxS, cfg, k_embed)
+    x_BxSxD = run_layers(params["layers"], x_BxSxD, cfg, key=k_layers, recompute=recompute)
+    return output_logits(params, x_BxSxD, cfg)
+
+
+def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int):
+    """Per-token -log softmax(logits)[label] in float32 (or float64); padded vocabulary entries (>= vocab_size) are excluded
+    from the normaliser, so padding never changes the loss."""
+    logits = logits_BxSxV.astype(_acc(logits_BxSxV.dtype))
+    valid_V = jnp.arange(logits.shape[-1]) < vocab_size
+    logits = jnp.where(valid_V, logits, -jnp.inf)
+    lse_BxS = jax.nn.logsumexp(logits, axis=-1)
+    target_BxS = jnp.take_along_axis(logits, labels_BxS[..., None], axis=-1)[..., 0]
+    return lse_BxS - target_BxS
+
+
+def loss_sum(params, tokens_BxS, labels_BxS, mask_BxS, cfg: ModelConfig, *, key=None, recompute: str = "none"):
+    """Sum of masked token losses (divide by the global token count outside: layout-independent averaging)."""
+    logits = forward(params, tokens_BxS, cfg, key=key, recompute=recompute)
+    losses_BxS = cross_entropy(logits, labels_BxS, cfg.vocab_size)
+    return jnp.sum(jnp.where(mask_BxS > 0, losses_BxS, 0.0))

@@ -1,0 +1,64 @@
+"""AdamW with Megatron's learning-rate schedule, built from optax.
+
+Schedule (Megatron's OptimizerParamScheduler): linear warm-up from 0 to `lr` over `lr_warmup_iters`, then decay
+to `min_lr` by iteration `lr_decay_iters` (counted from 0, warm-up included) — cosine, linear or constant — and
+`min_lr` afterwards. Biases and LayerNorm parameters are not weight-decayed. Gradient clipping by global norm is
+done by the train step itself (it also reports the norm and, later, must count sharded parameters once).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ptd_jax.config import TrainConfig
+
+
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+    warmup, decay_end = cfg.lr_warmup_iters, cfg.decay_iters
+    peak, floor = cfg.lr, cfg.min_lr
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = peak * step / max(warmup, 1)
+        ratio = jnp.clip((step - warmup) / max(decay_end - warmup, 1), 0.0, 1.0)
+        if cfg.lr_decay_style == "cosine":
+            coeff = 0.5 * (jnp.cos(math.pi * ratio) + 1.0)
+        elif cfg.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = jnp.ones_like(ratio)
+        decayed = floor + coeff * (peak - floor)
+        return jnp.where(step < warmup, warm, decayed)
+
+    return schedule
+
+
+def weight_decay_mask(params):
+    """True for matrices and embeddings; False for biases and LayerNorm scale/shift (Megatron's no-decay group)."""
+
+    def decays(path, _):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return not (name.endswith("bias") or name == "scale")
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    return optax.adamw(
+        learning_rate=learning_rate_schedule(cfg),
+        b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay, mask=weight_decay_mask,
+    )
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """Scale grads so their global L2 norm is at most max_norm (0 disables); returns (grads, norm before)."""
+    norm = optax.global_norm(grads)
+    if max_norm <= 0:
+        return grads, norm
+    scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
