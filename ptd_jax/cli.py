@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, default=300)
     g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--min-lr", type=float, default=2e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=30)
+    g.add_argument("--lr-warmup-iters", type=int, help="default: --lr-warmup-fraction of --lr-decay-iters")
+    g.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of the decay iterations "
+                   "(default 0.1 when --lr-warmup-iters is not given)")
     g.add_argument("--lr-decay-iters", type=int)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -118,8 +120,17 @@ def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) ->
 
 
 def train_config_from_args(args) -> TrainConfig:
+    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
+        raise ConfigError(f"give one of lr_warmup_iters={args.lr_warmup_iters} and "
+                          f"lr_warmup_fraction={args.lr_warmup_fraction}, not both")
+    warmup = args.lr_warmup_iters
+    if warmup is None:
+        fraction = 0.1 if args.lr_warmup_fraction is None else args.lr_warmup_fraction
+        if not 0 <= fraction <= 1:
+            raise ConfigError(f"lr_warmup_fraction={fraction} must be in [0, 1]")
+        warmup = int(fraction * (args.lr_decay_iters or args.train_iters))
     return TrainConfig(
-        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=warmup,
         lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         seed=args.seed, recompute_granularity=args.recompute_granularity, log_interval=args.log_interval,
@@ -155,8 +166,8 @@ def run(argv=None) -> dict:
     from ptd_jax.train import RunOptions, train
 
     model_cfg = model_config_from_args(args)
-    parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
     train_cfg = train_config_from_args(args)
+    parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
     check_implemented(parallel)
     options = RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
                          metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,

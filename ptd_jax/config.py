@@ -164,6 +164,9 @@ class ParallelConfig:
         """Megatron's rule: data-parallel size = devices / (t · p)."""
         t = kwargs.get("tensor_model_parallel_size", 1)
         p = kwargs.get("pipeline_model_parallel_size", 1)
+        _check(t * p <= num_devices,
+               f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} needs {t * p} devices but "
+               f"only num_devices={num_devices} exist (on CPU, simulate more with --fake-devices)")
         _check(num_devices % (t * p) == 0,
                f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} does not divide "
                f"num_devices={num_devices}")

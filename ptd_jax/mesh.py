@@ -36,7 +36,8 @@ def set_fake_devices(num_devices: int) -> None:
     """
     if num_devices < 1:
         raise ConfigError(f"fake devices={num_devices} must be >= 1")
-    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    previous = os.environ.get("XLA_FLAGS")
+    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", previous or "").strip()
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={num_devices}".strip()
     import jax  # imported here so that the environment is set first when this is the first import
 
@@ -46,6 +47,10 @@ def set_fake_devices(num_devices: int) -> None:
         pass  # backend already up: report below with the numbers
     have = len(jax.devices("cpu"))
     if have != num_devices:
+        if previous is None:  # leave the environment as it was: child processes must not inherit the failed ask
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = previous
         raise ConfigError(
             f"fake devices={num_devices} requested but the JAX CPU backend is already initialised with {have} "
             f"device(s); call set_fake_devices before any JAX operation (or set XLA_FLAGS={_DEVICE_COUNT_FLAG}="

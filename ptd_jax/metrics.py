@@ -43,11 +43,11 @@ class MetricsLogger:
     def log_eval(self, record: dict) -> None:
         self.eval_records.append(record)
         self._write(record)
-        self._bar.write(f"iteration {record['iteration']}: validation lm loss {record['valid_lm_loss']:.4f} "
-                        f"(ppl {record['valid_ppl']:.2f})")
+        self.message(f"iteration {record['iteration']}: validation lm loss {record['valid_lm_loss']:.4f} "
+                     f"(ppl {record['valid_ppl']:.2f})")
 
     def message(self, text: str) -> None:
-        self._bar.write(text)
+        tqdm.write(text, file=sys.stderr)
 
     def close(self) -> None:
         self._bar.close()

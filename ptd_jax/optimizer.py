@@ -55,9 +55,15 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
+def global_norm(tree):
+    """L2 norm over every leaf (accumulated in at least float32)."""
+    leaves = [jnp.sum(jnp.square(x.astype(jnp.promote_types(x.dtype, jnp.float32)))) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(leaves))
+
+
 def clip_by_global_norm(grads, max_norm: float):
     """Scale grads so their global L2 norm is at most max_norm (0 disables); returns (grads, norm before)."""
-    norm = optax.global_norm(grads)
+    norm = global_norm(grads)
     if max_norm <= 0:
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))

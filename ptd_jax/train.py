@@ -48,8 +48,8 @@ def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_c
     """Sum over microbatches of d(loss_sum / total_tokens)/d(params), accumulated in float32 (or float64).
 
     Returns (mean token loss of the batch, grads)."""
-    total_tokens = jnp.maximum(jnp.sum(mask_MxBxS > 0), 1).astype(jnp.float32)
-    acc_dtype = lambda x: jnp.promote_types(x.dtype, jnp.float32)  # noqa: E731
+    acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    total_tokens = jnp.maximum(jnp.sum(mask_MxBxS > 0), 1).astype(acc)
 
     def micro_loss(p, tokens, labels, mask, k):
         return gpt.loss_sum(p, tokens, labels, mask, model_cfg, key=k, recompute=recompute) / total_tokens
@@ -64,9 +64,9 @@ def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_c
         grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
         return (loss_acc + loss, grad_acc), None
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dtype(x)), params)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), params)
     indices = jnp.arange(tokens_MxBxS.shape[0])
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), acc), zeros),
                                     (indices, tokens_MxBxS, labels_MxBxS, mask_MxBxS))
     return loss, grads
 
@@ -97,7 +97,8 @@ def make_eval_step(model_cfg: ModelConfig):
         def body(total, xs):
             return total + gpt.loss_sum(params, *xs, model_cfg), None
 
-        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (tokens, labels, mask))
+        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        total, _ = jax.lax.scan(body, jnp.zeros((), acc), (tokens, labels, mask))
         return total / jnp.maximum(jnp.sum(mask > 0), 1)
 
     return jax.jit(eval_step)

@@ -1,0 +1,34 @@
+"""Eight simulated CPU devices for every test (set before JAX starts) and a private corpus cache."""
+
+import os
+import re
+import tempfile
+
+_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+os.environ.setdefault("PTD_JAX_CACHE", tempfile.mkdtemp(prefix="ptd_jax_test_cache_"))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+TEXT = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """A .bin/.idx pair of 60 small Python-like documents (about 15k byte tokens)."""
+    from ptd_jax.preprocess import build_indexed_dataset
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.RandomState(0)
+    for i in range(60):
+        lines = TEXT.splitlines(keepends=True)
+        start = rng.randint(0, len(lines) - 4)
+        (root / f"doc{i:03d}.txt").write_text(f"# document {i}\n" + "".join(lines[start:]) * 2)
+    prefix = str(tmp_path_factory.mktemp("data") / "small_text_document")
+    build_indexed_dataset([str(root)], prefix, progress=False)
+    return prefix

@@ -1,0 +1,90 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptd_jax.cli import main
+
+REQUIRED_KEYS = {"iteration", "lm_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--no-progress"]
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "ptd_jax.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def test_smoke_train_with_metrics_plot_and_fake_devices(small_corpus, tmp_path):
+    proc = run_cli(*SMALL, "--fake-devices", "1", "--data-path", small_corpus, "--train-iters", "6",
+                   "--log-interval", "2", "--eval-interval", "3", "--eval-iters", "1", "--split", "90,10,0",
+                   "--metrics-file", str(tmp_path / "m.jsonl"), "--plot-dir", str(tmp_path / "plots"))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["iterations"] == 6 and summary["num_devices"] == 1
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "lm_loss" in r]
+    assert [r["iteration"] for r in train_records] == [2, 4, 6]
+    assert all(REQUIRED_KEYS <= set(r) for r in train_records)
+    assert [r["iteration"] for r in records if "valid_lm_loss" in r] == [3, 6]
+    png = tmp_path / "plots" / "loss_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "peak" in proc.stderr and "TFLOP/s" in proc.stderr  # the layout/peak banner says what peak it used
+
+
+def test_console_scripts_are_installed():
+    bindir = Path(sys.executable).parent
+    for script in ("ptd-train", "ptd-preprocess"):
+        proc = subprocess.run([str(bindir / script), "--help"], capture_output=True, text=True)
+        assert proc.returncode == 0 and "--" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hidden-size", "100", "--num-attention-heads", "3"],
+     "hidden_size=100 is not divisible by num_attention_heads=3"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"],
+     "num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"],
+     "global_batch_size=10 is not divisible by micro_batch_size=4 x data_parallel_size=8"),
+    (["--tensor-model-parallel-size", "16"], "needs 16 devices but only num_devices=8 exist"),
+    (["--tensor-model-parallel-size", "3"], "does not divide num_devices=8"),
+    (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
+     "num_layers=4 is not divisible by num_layers_per_virtual_pipeline_stage=3"),
+    (["--lr", "0.1", "--min-lr", "1.0"], "min_lr=1.0 is larger than lr=0.1"),
+    (["--global-batch-size", "32"], "data_parallel_size=8 needs data parallelism (issue #3)"),
+])
+def test_bad_configuration_exits_2_with_one_line(args, message, capsys, tmp_path):
+    """In-process (8 simulated devices): one line on stderr naming the values, nothing written."""
+    assert main([*args, "--save", str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / "m.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ptd-train: error: ") and err.count("\n") == 1 and message in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_and_corrupt_data_exit_2(small_corpus, tmp_path):
+    proc = run_cli(*SMALL, "--fake-devices", "1", "--data-path", str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and "missing file" in proc.stderr and proc.stderr.count("\n") == 1
+    corrupt = tmp_path / "corrupt"
+    (tmp_path / "corrupt.bin").write_bytes(Path(small_corpus + ".bin").read_bytes()[:100])
+    (tmp_path / "corrupt.idx").write_bytes(Path(small_corpus + ".idx").read_bytes())
+    proc = run_cli(*SMALL, "--fake-devices", "1", "--data-path", str(corrupt),
+                   "--metrics-file", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 2 and "has 100 bytes but" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_unknown_flag_is_argparse_exit_2():
+    proc = run_cli("--no-such-flag")
+    assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def test_default_demo_flags_are_the_tiny_preset_on_one_device():
+    from ptd_jax.cli import build_parser, model_config_from_args
+
+    args = build_parser().parse_args([])
+    cfg = model_config_from_args(args)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (4, 128, 257) and args.data_path is None
+    assert os.environ["XLA_FLAGS"]  # the in-process tests above ran on the conftest's 8 devices

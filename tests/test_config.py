@@ -1,0 +1,96 @@
+import pytest
+
+from ptd_jax.config import (PAPER_TABLE_1, ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset,
+                            pad_vocab_size, paper_parallel_config)
+from ptd_jax.flops import num_params
+
+
+def test_heads_must_divide_hidden():
+    with pytest.raises(ConfigError, match=r"hidden_size=100 is not divisible by num_attention_heads=3"):
+        ModelConfig(hidden_size=100, num_attention_heads=3)
+
+
+def test_layers_must_divide_by_pipeline_and_virtual_stages():
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_stages=2,
+                              pipeline_schedule="interleaved")
+    with pytest.raises(ConfigError, match=r"num_layers=6 is not divisible by pipeline_model_parallel_size=2 x "
+                                          r"virtual_pipeline_stages=2"):
+        parallel.check_model(ModelConfig(num_layers=6))
+    parallel.check_model(ModelConfig(num_layers=8))
+
+
+def test_heads_and_ffn_must_divide_by_tensor_size():
+    with pytest.raises(ConfigError, match=r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=8"):
+        ParallelConfig(tensor_model_parallel_size=8).check_model(ModelConfig(num_attention_heads=4))
+
+
+def test_global_batch_must_divide_by_micro_times_data():
+    with pytest.raises(ConfigError, match=r"global_batch_size=10 is not divisible by micro_batch_size=2 x "
+                                          r"data_parallel_size=2"):
+        ParallelConfig(global_batch_size=10, micro_batch_size=2, data_parallel_size=2)
+    assert ParallelConfig(global_batch_size=12, micro_batch_size=2, data_parallel_size=2).num_microbatches == 3
+
+
+def test_devices_must_divide_by_tensor_times_pipe():
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 x pipeline_model_parallel_size=2 needs "
+                                          r"8 devices but only num_devices=4 exist"):
+        ParallelConfig.for_devices(4, tensor_model_parallel_size=4, pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 does "
+                                          r"not divide num_devices=4"):
+        ParallelConfig.for_devices(4, tensor_model_parallel_size=3)
+    layout = ParallelConfig.for_devices(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                        global_batch_size=8)
+    assert (layout.data_parallel_size, layout.num_devices) == (2, 8)
+
+
+def test_interleaving_rules():
+    with pytest.raises(ConfigError, match=r"virtual_pipeline_stages=2 needs pipeline_schedule='interleaved'"):
+        ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_stages=2, pipeline_schedule="1f1b")
+    with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size >= 2, got 1"):
+        ParallelConfig(pipeline_schedule="interleaved")
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    ({"train_iters": 0}, r"train_iters=0"),
+    ({"min_lr": 1.0, "lr": 0.1}, r"min_lr=1.0 is larger than lr=0.1"),
+    ({"lr_decay_style": "exp"}, r"lr_decay_style='exp'"),
+    ({"lr_warmup_iters": 50, "lr_decay_iters": 10}, r"lr_decay_iters=10 is smaller than lr_warmup_iters=50"),
+    ({"recompute_granularity": "some"}, r"recompute_granularity='some'"),
+])
+def test_train_config_errors_name_values(changes, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        TrainConfig(**changes)
+
+
+def test_errors_are_one_line():
+    try:
+        ModelConfig(hidden_size=100, num_attention_heads=3)
+    except ConfigError as err:
+        assert "\n" not in str(err)
+
+
+def test_vocab_padding_is_megatrons():
+    assert pad_vocab_size(257) == 384
+    assert pad_vocab_size(50257) == 50304
+    assert pad_vocab_size(50257, 128, 8) == 51200  # multiple of 128 * t
+    assert ModelConfig(vocab_size=257).padded_vocab_size(tensor_parallel_size=4) == 512
+
+
+@pytest.mark.parametrize("row", PAPER_TABLE_1, ids=[r.name for r in PAPER_TABLE_1])
+def test_table1_presets_match_published_parameter_counts(row):
+    """eq. (2) on our transcription of heads/hidden/layers gives the paper's published parameter count."""
+    cfg = model_preset(f"paper-{row.name.lower()}")
+    assert (cfg.num_attention_heads, cfg.hidden_size, cfg.num_layers) == (row.num_attention_heads, row.hidden_size,
+                                                                          row.num_layers)
+    assert cfg.padded_vocab_size() == 51200 and cfg.seq_length == 2048
+    assert abs(num_params(cfg) / 1e9 - row.published_params_billion) <= 0.051
+    layout = paper_parallel_config(row)
+    assert layout.num_devices == row.num_gpus
+    layout.check_model(cfg)
+
+
+def test_other_presets():
+    assert model_preset("gpt2-small").padded_vocab_size() == 50304
+    assert model_preset("1.3b").num_layers == 24
+    with pytest.raises(ConfigError, match="model preset 'gpt5'"):
+        model_preset("gpt5")

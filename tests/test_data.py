@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+
+from ptd_jax.data import (DataError, GPTData, GPTDataset, parse_split, split_documents, split_global_batch,
+                          stdlib_files)
+from ptd_jax.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+
+
+def make_data(prefix, **kw):
+    args = dict(seq_length=32, global_batch_size=8, train_iters=20, eval_iters=2, seed=7)
+    args.update(kw)
+    return GPTData(prefix, **args)
+
+
+def test_same_seed_same_batches_other_seed_other_batches(small_corpus):
+    a, b, c = make_data(small_corpus), make_data(small_corpus), make_data(small_corpus, seed=8)
+    for i in (0, 5, 19):
+        np.testing.assert_array_equal(a.train_batch(i).tokens, b.train_batch(i).tokens)
+    assert not np.array_equal(a.train_batch(0).tokens, c.train_batch(0).tokens)
+
+
+def test_samples_are_windows_of_the_shuffled_document_stream(small_corpus):
+    """Reference by brute force: concatenate the documents in the dataset's order and slice."""
+    data = make_data(small_corpus)
+    ds = data.train
+    stream = np.concatenate([data.indexed[int(i)] for i in ds.order]).astype(np.int32)
+    for index in (0, 3, 17, len(ds) - 1):
+        start = int(ds.shuffle[index]) * ds.seq_length
+        np.testing.assert_array_equal(ds[index], stream[start:start + ds.seq_length + 1])
+    batch = data.train_batch(2)
+    np.testing.assert_array_equal(batch.tokens[:, 1:], batch.labels[:, :-1])
+    assert batch.tokens.shape == (8, 32) and batch.loss_mask.sum() == 8 * 32
+
+
+def test_many_epochs_when_the_corpus_is_small(small_corpus):
+    data = make_data(small_corpus, train_iters=400)  # 3200 samples x 32 tokens > the corpus
+    assert len(set(data.train.order.tolist())) < len(data.train.order)
+    assert data.train_batch(399).tokens.shape == (8, 32)
+
+
+def test_train_and_valid_documents_are_disjoint(small_corpus):
+    data = make_data(small_corpus, split="80,20,0")
+    assert not set(data.train.order.tolist()) & set(data.valid.order.tolist())
+    assert len(list(data.valid_batches())) == 2
+
+
+def test_split_parsing():
+    assert parse_split("969,30,1") == pytest.approx((0.969, 0.03, 0.001))
+    assert parse_split("1") == (1.0, 0.0, 0.0)
+    docs = split_documents(10, "8,2,0")
+    assert [len(d) for d in docs] == [8, 2, 0]
+    with pytest.raises(DataError, match=r"split='a,b'"):
+        parse_split("a,b")
+    with pytest.raises(DataError, match=r"split='0,0,0'"):
+        parse_split("0,0,0")
+
+
+def test_global_batch_cut_is_megatrons_order():
+    rows = np.arange(16)
+    cut = split_global_batch(rows, num_microbatches=2, data_parallel_size=2, micro_batch_size=4)
+    assert cut.shape == (2, 2, 4)
+    assert cut[1, 0].tolist() == [8, 9, 10, 11] and cut[0, 1].tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("layout", [(16, 1, 1), (4, 2, 2), (1, 4, 4), (2, 8, 1)])
+def test_global_batch_content_does_not_depend_on_layout(small_corpus, layout):
+    """Every layout (m, d, b) sees the same samples in one iteration; only the cut differs."""
+    m, d, b = layout
+    batch = make_data(small_corpus, global_batch_size=16).train_batch(3).tokens
+    cut = split_global_batch(batch, m, d, b)
+    np.testing.assert_array_equal(cut.reshape(16, -1), batch)
+    reference = make_data(small_corpus, global_batch_size=16).train_batch(3).tokens
+    np.testing.assert_array_equal(batch, reference)
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "empty") as writer:
+        pass
+    assert len(IndexedDataset(tmp_path / "empty")) == 0
+    with pytest.raises(DataError, match=r"is empty \(0 documents, 0 tokens\)"):
+        make_data(tmp_path / "empty")
+
+
+def test_too_little_data_for_one_sample(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "tiny") as writer:
+        writer.add_document([1, 2, 3])
+    with pytest.raises(DataError, match=r"holds 3 tokens in 1 sequences, fewer than one sample of "
+                                        r"seq_length\+1=33"):
+        GPTDataset(IndexedDataset(tmp_path / "tiny"), np.array([0]), 32, 4, 0)
+
+
+def test_default_corpus_is_the_stdlib():
+    files = stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
