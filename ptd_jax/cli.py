@@ -141,17 +141,12 @@ def train_config_from_args(args) -> TrainConfig:
 def check_implemented(parallel: ParallelConfig) -> None:
     """Layouts whose executors land in later issues fail clearly instead of silently running on one device."""
     pending = {
-        "data_parallel_size": (parallel.data_parallel_size, 1, "data parallelism (issue #3)"),
-        "tensor_model_parallel_size": (parallel.tensor_model_parallel_size, 1, "tensor parallelism (issue #3)"),
         "pipeline_model_parallel_size": (parallel.pipeline_model_parallel_size, 1, "pipeline parallelism (issue #4)"),
-        "sequence_parallel": (parallel.sequence_parallel, False, "sequence parallelism (issue #3)"),
         "use_distributed_optimizer": (parallel.use_distributed_optimizer, False, "the distributed optimizer"),
     }
     for name, (value, supported, feature) in pending.items():
         if value != supported:
-            raise ConfigError(f"{name}={value} needs {feature}, which is not implemented yet; this build trains "
-                              f"on one device (data-parallel size = devices / (t·p), so pass --fake-devices 1 "
-                              f"or fewer devices)")
+            raise ConfigError(f"{name}={value} needs {feature}, which is not implemented yet")
 
 
 def run(argv=None) -> dict:

@@ -42,7 +42,7 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
-def _acc(dtype):
+def acc_dtype(dtype):
     """Accumulation dtype: float32 for 16-bit inputs, the input's own for float32/float64 (exactness tests)."""
     return jnp.promote_types(dtype, jnp.float32)
 
@@ -51,11 +51,14 @@ def _acc(dtype):
 # Initialisation
 # ---------------------------------------------------------------------------------------------------------------
 
-def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
+def init_params(key: jax.Array, cfg: ModelConfig, tensor_parallel_size: int = 1) -> Params:
     """Megatron's init: N(0, 0.02) weights, output projections N(0, 0.02/sqrt(2l)), zero biases, unit LN scales.
 
     Every layer draws from its own `fold_in(key, layer)` stream, so a layer's weights do not depend on how many
-    layers there are or how they are later split over devices.
+    layers there are or how they are later split over devices. The word embedding has
+    `cfg.padded_vocab_size(tensor_parallel_size)` rows: the V real rows are drawn independently of the padding
+    and the padded rows are zero (they are never looked up and never enter the loss), so every t starts from
+    the same real weights.
     """
     pdt = _dtype(cfg.param_dtype)
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
@@ -86,9 +89,11 @@ def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
         }
 
     layer_keys = jnp.stack([jax.random.fold_in(k_layers, i) for i in range(L)])
+    padding = cfg.padded_vocab_size(tensor_parallel_size) - cfg.vocab_size
+    word = jnp.concatenate([normal(k_word, (cfg.vocab_size, D), std), jnp.zeros((padding, D), pdt)])
     return {
         "embed": {
-            "word": normal(k_word, (cfg.padded_vocab_size(), D), std),
+            "word": word,
             "position": normal(k_pos, (cfg.max_positions, D), std),
         },
         "layers": jax.vmap(one_layer)(layer_keys),
@@ -106,7 +111,7 @@ def count_params(params: Params) -> int:
 
 def layer_norm(x_BxSxD, p, eps: float):
     """LayerNorm over the last dim, statistics in float32 whatever the compute dtype."""
-    acc = _acc(x_BxSxD.dtype)
+    acc = acc_dtype(x_BxSxD.dtype)
     x = x_BxSxD.astype(acc)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
@@ -129,7 +134,7 @@ def dropout(x, rate: float, key):
 def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0.0, key=None):
     """softmax(q kᵀ / sqrt(K) + causal mask) v, scores and softmax in float32."""
     S, K = q_BxSxHxK.shape[1], q_BxSxHxK.shape[-1]
-    acc = _acc(q_BxSxHxK.dtype)
+    acc = acc_dtype(q_BxSxHxK.dtype)
     scores_BxHxSxS = jnp.einsum("bqhk,bshk->bhqs", q_BxSxHxK, k_BxSxHxK,
                                 preferred_element_type=acc) / math.sqrt(K)
     causal_SxS = jnp.tril(jnp.ones((S, S), dtype=bool))
@@ -196,7 +201,7 @@ def output_logits(params, x_BxSxD, cfg: ModelConfig):
     """Final LayerNorm and the output layer tied to the word embedding; float32 logits [B, S, Vp]."""
     x_BxSxD = layer_norm(x_BxSxD, params["final_ln"], cfg.layernorm_epsilon)
     word_VxD = params["embed"]["word"].astype(x_BxSxD.dtype)
-    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VxD, preferred_element_type=_acc(x_BxSxD.dtype))
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VxD, preferred_element_type=acc_dtype(x_BxSxD.dtype))
 
 
 def cast_params(params: Params, cfg: ModelConfig) -> Params:
@@ -216,7 +221,7 @@ def forward(params, tokens_BxS, cfg: ModelConfig, *, key=None, recompute: str = 
 def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int):
     """Per-token -log softmax(logits)[label] in float32 (or float64); padded vocabulary entries (>= vocab_size) are excluded
     from the normaliser, so padding never changes the loss."""
-    logits = logits_BxSxV.astype(_acc(logits_BxSxV.dtype))
+    logits = logits_BxSxV.astype(acc_dtype(logits_BxSxV.dtype))
     valid_V = jnp.arange(logits.shape[-1]) < vocab_size
     logits = jnp.where(valid_V, logits, -jnp.inf)
     lse_BxS = jax.nn.logsumexp(logits, axis=-1)

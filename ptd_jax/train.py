@@ -1,4 +1,5 @@
-"""The single-device training step — the reference every parallel path is compared against — and the loop.
+"""The single-device training step — the reference every parallel path is compared against — and the loop,
+which runs the tensor/data-parallel step of `parallel_step` on the mesh.
 
 One iteration (Megatron's `train_step`): the global batch of B samples is cut into M = B / b microbatches;
 the gradient of each microbatch's summed token loss is accumulated in float32 (a `lax.scan`), divided by the
@@ -19,9 +20,10 @@ import numpy as np
 import optax
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.data import Batch, GPTData, split_global_batch
 from ptd_jax.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
+from ptd_jax.mesh import make_mesh
 from ptd_jax.metrics import MetricsLogger
 from ptd_jax.optimizer import clip_by_global_norm, learning_rate_schedule, make_optimizer
 
@@ -117,6 +119,8 @@ class RunOptions:
     plot_dir: str | None = None
     peak_tflops: float | None = None
     progress: bool = True
+    reference_step: bool = False
+    """Run the single-device reference step instead of the shard_map step (one device only; for comparisons)."""
 
 
 def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops, num_devices):
@@ -138,9 +142,11 @@ def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops,
 
 def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
           options: RunOptions | None = None) -> dict:
-    """Train and return a summary dict (also the CLI's final JSON line). Single device for now."""
+    """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line)."""
     from ptd_jax import checkpoint
     from ptd_jax.data import default_corpus
+    from ptd_jax.parallel_step import init_sharded_state, make_parallel_eval_step, make_parallel_train_step
+    from ptd_jax.sharding import param_specs
 
     options = options or RunOptions()
     parallel.check_model(model_cfg)
@@ -152,14 +158,23 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     optimizer = make_optimizer(train_cfg)
     key = jax.random.key(train_cfg.seed)
     init_key, dropout_key = jax.random.split(key)
-    state = init_state(init_key, model_cfg, optimizer)
+    mesh = make_mesh(parallel)
+    if options.reference_step:
+        if parallel.num_devices != 1:
+            raise ConfigError(f"the reference step runs on one device, not num_devices={parallel.num_devices}")
+        state = init_state(init_key, model_cfg, optimizer)
+    else:
+        state = init_sharded_state(init_key, model_cfg, optimizer, mesh)
     start = 0
     if options.load:
         state, start = checkpoint.restore(options.load, state, model_cfg)
     num_params = gpt.count_params(state["params"])
 
-    train_step = make_train_step(model_cfg, train_cfg, optimizer)
-    eval_step = make_eval_step(model_cfg)
+    if options.reference_step:
+        train_step, eval_step = make_train_step(model_cfg, train_cfg, optimizer), make_eval_step(model_cfg)
+    else:
+        train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state)
+        eval_step = make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"]))
     device = jax.devices()[0]
     num_devices = parallel.num_devices
     peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype == "bfloat16",

@@ -54,7 +54,12 @@ def test_console_scripts_are_installed():
     (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
      "num_layers=4 is not divisible by num_layers_per_virtual_pipeline_stage=3"),
     (["--lr", "0.1", "--min-lr", "1.0"], "min_lr=1.0 is larger than lr=0.1"),
-    (["--global-batch-size", "32"], "data_parallel_size=8 needs data parallelism (issue #3)"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "64"],
+     "pipeline_model_parallel_size=2 needs pipeline parallelism (issue #4)"),
+    (["--tensor-model-parallel-size", "8", "--num-attention-heads", "4"],
+     "num_attention_heads=4 is not divisible by tensor_model_parallel_size=8"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33", "--global-batch-size", "32"],
+     "seq_length=33 is not divisible by tensor_model_parallel_size=2"),
 ])
 def test_bad_configuration_exits_2_with_one_line(args, message, capsys, tmp_path):
     """In-process (8 simulated devices): one line on stderr naming the values, nothing written."""

@@ -65,12 +65,21 @@ def test_init_statistics():
     std = lambda x: float(jnp.std(x))  # noqa: E731
     assert std(p["layers"]["attn"]["qkv_kernel"]) == pytest.approx(0.02, rel=0.02)
     assert std(p["layers"]["mlp"]["fc1_kernel"]) == pytest.approx(0.02, rel=0.02)
-    assert std(p["embed"]["word"]) == pytest.approx(0.02, rel=0.02)
+    assert std(p["embed"]["word"][:257]) == pytest.approx(0.02, rel=0.02)
+    assert not np.any(np.asarray(p["embed"]["word"][257:]))  # padded rows: zero, never looked up
     out_std = 0.02 / math.sqrt(2 * 8)
     assert std(p["layers"]["attn"]["out_kernel"]) == pytest.approx(out_std, rel=0.02)
     assert std(p["layers"]["mlp"]["fc2_kernel"]) == pytest.approx(out_std, rel=0.02)
     assert not np.any(np.asarray(p["layers"]["mlp"]["fc1_bias"]))
     np.testing.assert_array_equal(np.asarray(p["layers"]["ln1"]["scale"]), 1.0)
+
+
+def test_real_vocabulary_rows_do_not_depend_on_padding():
+    """t only changes the padding (384 rows at t=1, 1024 at t=8); the 257 real rows are the same."""
+    p1 = gpt.init_params(jax.random.key(5), CFG, tensor_parallel_size=1)
+    p8 = gpt.init_params(jax.random.key(5), CFG, tensor_parallel_size=8)
+    assert p1["embed"]["word"].shape == (384, 32) and p8["embed"]["word"].shape == (1024, 32)
+    np.testing.assert_array_equal(np.asarray(p1["embed"]["word"][:257]), np.asarray(p8["embed"]["word"][:257]))
 
 
 def test_layer_init_does_not_depend_on_depth():

@@ -1,0 +1,161 @@
+"""The tensor- and data-parallel training step: one `jit(shard_map(...))` over the ("data", "pipe", "tensor") mesh.
+
+Per iteration, on every device (paper §2.3 for tensor, §2.1 for data parallelism):
+1. take this data rank's b rows of each of the M microbatches (in_specs split the batch over "data");
+2. accumulate float32 gradients of the tensor-parallel loss over the M microbatches (`lax.scan`); parameters are
+   first marked varying over "data" (and, under sequence parallelism, the tensor-replicated ones over "tensor")
+   so that autodiff does not all-reduce them once per microbatch;
+3. all-reduce the gradients over "data" once (and the sequence-parallel replicated ones over "tensor" once);
+4. clip by a global norm that counts each parameter once, then AdamW on the local shards.
+
+Initialisation shards the serial `model.init_params` (jit with out_shardings), so a run at t = 4 starts from
+exactly the weights of t = 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from ptd_jax import model as gpt
+from ptd_jax import sharding
+from ptd_jax import tensor_parallel as tp
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.mesh import Axis
+from ptd_jax.optimizer import learning_rate_schedule
+
+DATA, TENSOR = Axis.DATA.value, Axis.TENSOR.value
+
+
+def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh):
+    """The serial initial state, laid out on the mesh (TP-sharded init equals the serial init)."""
+
+    def init(k):
+        params = gpt.init_params(k, model_cfg, mesh.shape[TENSOR])
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    abstract = jax.eval_shape(init, key)
+    specs = sharding.state_specs(optimizer, abstract)
+    return jax.jit(init, out_shardings=sharding.named(mesh, specs))(key)
+
+
+def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, key):
+    """Per-rank float32 sums over microbatches of the loss and its gradient (not yet reduced over data)."""
+    sequence_parallel = parallel.sequence_parallel
+    acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+
+    def micro_loss(p, t, l, m, k):
+        return tp.loss_sum(p, t, l, m, model_cfg, sequence_parallel=sequence_parallel, key=k,
+                           recompute=recompute) / total_tokens
+
+    grad_fn = jax.value_and_grad(micro_loss)
+
+    def body(carry, xs):
+        loss_acc, grad_acc = carry
+        index, t, l, m = xs
+        k = jax.random.fold_in(key, index) if key is not None else None
+        loss, grads = grad_fn(params, t, l, m, k)
+        return (loss_acc + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)), None
+
+    zeros = jax.tree.map(lambda x: mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x),
+                         params)
+    loss0 = tp.mark_varying(jnp.zeros((), acc), (DATA,))
+    (loss, grads), _ = jax.lax.scan(body, (loss0, zeros), (jnp.arange(tokens.shape[0]), tokens, labels, mask))
+    return loss, grads
+
+
+def mark_like(x, like):
+    """x marked varying over the same mesh axes as `like` (scan carries must match their updates)."""
+    return tp.mark_varying(x, tuple(sorted(tp.varying_axes(like))))
+
+
+def _replicated_over_tensor(param_specs):
+    return jax.tree.map(lambda s: not sharding.is_tensor_split(s), param_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig, parallel: ParallelConfig,
+                   recompute: str, param_specs):
+    """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm)."""
+    # Gradients stay per data rank until the single reduction below (else autodiff would all-reduce the
+    # data-invariant parameters' gradients in every microbatch).
+    replicated = _replicated_over_tensor(param_specs)
+    varying = jax.tree.map(lambda p: tp.mark_varying(p, (DATA,)), params)
+    if parallel.sequence_parallel:  # replicated weights act on S/t tokens per rank: partial gradients
+        varying = jax.tree.map(lambda p, rep: tp.mark_varying(p, (TENSOR,)) if rep else p, varying, replicated)
+    loss, grads = _accumulate(varying, tokens, labels, mask, model_cfg, parallel, recompute, key)
+    loss = jax.lax.psum(loss, DATA)
+    grads = jax.lax.psum(grads, DATA)
+    if parallel.sequence_parallel:
+        grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, TENSOR) if rep else g, grads, replicated)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return loss, grads, sharding.global_norm(grads, param_specs)
+
+
+def make_parallel_grad_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs,
+                            recompute: str = "none"):
+    """jit(params, tokens, labels, mask) -> (loss, grads, grad_norm), for comparing with the reference."""
+
+    def body(params, tokens, labels, mask):
+        return loss_and_grads(params, tokens, labels, mask, None, model_cfg=model_cfg, parallel=parallel,
+                              recompute=recompute, param_specs=param_specs)
+
+    batch = sharding.BATCH_SPEC
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch, batch, batch),
+                                 out_specs=(P(), param_specs, P())))
+
+
+def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
+                             optimizer: optax.GradientTransformation, state):
+    """jit(state, tokens, labels, mask [M, d·b, S], key) -> (state, metrics); state donated, shardings declared.
+
+    `state` (or its abstract shape) fixes the pytree structure of the in/out specifications."""
+    schedule = learning_rate_schedule(train_cfg)
+    use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
+    specs = sharding.state_specs(optimizer, state)
+
+    def step(state, tokens, labels, mask, key):
+        params = state["params"]
+        if use_dropout:  # a different stream per iteration and per data rank
+            key = jax.random.fold_in(jax.random.fold_in(key, state["step"]), jax.lax.axis_index(DATA))
+        else:
+            key = None
+        loss, grads, grad_norm = loss_and_grads(params, tokens, labels, mask, key, model_cfg=model_cfg,
+                                                parallel=parallel, recompute=train_cfg.recompute_granularity,
+                                                param_specs=specs["params"])
+        if train_cfg.clip_grad > 0:
+            scale = jnp.minimum(1.0, train_cfg.clip_grad / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    batch = sharding.BATCH_SPEC
+    metric_specs = {"lm_loss": P(), "grad_norm": P(), "lr": P()}
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(specs, batch, batch, batch, P()),
+                            out_specs=(specs, metric_specs))
+    state_shardings = sharding.named(mesh, specs)
+    batch_sharding = sharding.named(mesh, batch)
+    replicated = sharding.named(mesh, P())
+    return jax.jit(sharded, donate_argnums=0,
+                   in_shardings=(state_shardings, batch_sharding, batch_sharding, batch_sharding, replicated),
+                   out_shardings=(state_shardings, sharding.named(mesh, metric_specs)))
+
+
+def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs):
+    """jit(params, tokens, labels, mask [M, d·b, S]) -> mean token loss over the global batch."""
+
+    def eval_step(params, tokens, labels, mask):
+        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+
+        def body(total, xs):
+            return total + tp.loss_sum(params, *xs, model_cfg, sequence_parallel=parallel.sequence_parallel), None
+
+        total, _ = jax.lax.scan(body, tp.mark_varying(jnp.zeros((), acc), (DATA,)), (tokens, labels, mask))
+        return jax.lax.psum(total, DATA) / jax.lax.psum(jnp.sum(mask > 0), DATA)
+
+    batch = sharding.BATCH_SPEC
+    return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(param_specs, batch, batch, batch), out_specs=P()))
