@@ -1,0 +1,130 @@
+"""Count the collectives of a traced or compiled step, with loop trip counts: the check that every collective
+is one the paper names, and the measured side of the communication report.
+
+- `jaxpr_collectives(closed_jaxpr)`: dynamic counts per (primitive, mesh axes) from a jaxpr, multiplying the
+  bodies of `scan`s by their length (each tick/microbatch/layer counted). Elements are the operand sizes.
+- `hlo_collectives(hlo_text)`: the same from compiled HLO text (after XLA's own rewrites and combining), bytes
+  from result shapes, `while` bodies multiplied by their `known_trip_count`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+COLLECTIVE_PRIMITIVES = {
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "reduce_scatter",
+    "psum_scatter", "ppermute", "all_to_all",
+}
+
+
+def _axes(params) -> tuple[str, ...]:
+    axes = params.get("axes", params.get("axis_name", ()))
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def _sub_jaxprs(value):
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _sub_jaxprs(item)
+
+
+def jaxpr_collectives(jaxpr, multiplier: int = 1, counts=None) -> dict:
+    """{(primitive, axes): {"count": n, "elements": e}} over the whole program, loops unrolled by count.
+
+    `cond` branches are counted once (the largest branch): exactly one runs per execution."""
+    counts = counts if counts is not None else defaultdict(lambda: {"count": 0, "elements": 0})
+    jaxpr = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in COLLECTIVE_PRIMITIVES:
+            entry = counts[(name, _axes(eqn.params))]
+            entry["count"] += multiplier
+            entry["elements"] += multiplier * sum(math.prod(v.aval.shape) for v in eqn.invars)
+            continue
+        if name == "cond":
+            branches = [jaxpr_collectives(b, multiplier) for b in eqn.params["branches"]]
+            biggest = max(branches, key=lambda c: sum(e["count"] for e in c.values()))
+            for key, entry in biggest.items():
+                counts[key]["count"] += entry["count"]
+                counts[key]["elements"] += entry["elements"]
+            continue
+        inner = multiplier * (eqn.params["length"] if name == "scan" else 1)
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                jaxpr_collectives(sub, inner, counts)
+    return counts
+
+
+def summarize(counts) -> dict:
+    """JSON-friendly {"psum_invariant@tensor": {...}, ...}."""
+    return {f"{name}@{','.join(axes)}": dict(entry) for (name, axes), entry in sorted(counts.items())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiled HLO
+# ---------------------------------------------------------------------------------------------------------------
+
+_HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1,
+                "u8": 1, "pred": 1, "s16": 2, "u16": 2}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+_SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s32|u32|s64|u64|s8|u8|pred|s16|u16)\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in
+               _SHAPE.findall(text))
+
+
+def hlo_collectives(hlo_text: str) -> dict:
+    """{op: {"count", "bytes", "replica_groups", "ops": [{shape, bytes, times, replica_groups}]}} per execution
+    of the ENTRY computation."""
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        match = _COMPUTATION.match(line.strip()) if line and not line.startswith(" ") else None
+        if match:
+            current = match.group(1)
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None and line.startswith("  "):
+            computations[current].append(line.strip())
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for name, lines in computations.items():
+        for line in lines:
+            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            for callee_key in ("body", "condition", "to_apply", "calls", "true_computation", "false_computation"):
+                for callee in re.findall(rf"\b{callee_key}=%([\w.\-]+)", line):
+                    times = int(trip.group(1)) if (trip and callee_key == "body") else 1
+                    calls[name].append((callee, times))
+    multiplicity: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, times: int) -> None:
+        multiplicity[name] += times
+        for callee, k in calls.get(name, ()):
+            visit(callee, times * k)
+
+    visit(entry, 1)
+    result: dict[str, dict] = {}
+    for name, lines in computations.items():
+        times = multiplicity.get(name, 0)
+        for line in lines:
+            op = re.search(r"= (.*?) (" + "|".join(_HLO_COLLECTIVES) + r")(?:-start)?\(", line)
+            if not op or times == 0:
+                continue
+            entry_ = result.setdefault(op.group(2), {"count": 0, "bytes": 0, "replica_groups": set(), "ops": []})
+            nbytes = _shape_bytes(op.group(1))
+            entry_["count"] += times
+            entry_["bytes"] += times * nbytes
+            groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)
+            group = groups.group(1) if groups else ""
+            entry_["replica_groups"].add(group)
+            entry_["ops"].append({"shape": op.group(1), "bytes": nbytes, "times": times, "replica_groups": group})
+    return result
