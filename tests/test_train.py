@@ -97,8 +97,10 @@ def test_train_step_applies_adamw(small_corpus):
     np.testing.assert_allclose((w0 - w1)[big], 1e-2 * np.sign(g[big]), rtol=1e-3)
 
 
-def test_checkpoint_resume_reproduces_an_uninterrupted_run(small_corpus, tmp_path):
-    parallel = ParallelConfig(micro_batch_size=4, global_batch_size=4)
+@pytest.mark.parametrize("d, t", [(1, 1), (2, 4)])
+def test_checkpoint_resume_reproduces_an_uninterrupted_run(small_corpus, tmp_path, d, t):
+    parallel = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=4 // d,
+                              global_batch_size=4)
     base = dict(lr=1e-3, lr_warmup_iters=1, log_interval=1, eval_iters=0)
     straight = train(TINY, parallel, TrainConfig(train_iters=4, **base),
                      RunOptions(data_path=small_corpus, progress=False, metrics_file=str(tmp_path / "a.jsonl")))
