@@ -135,6 +135,8 @@ class ParallelConfig:
     microbatch_group_size: int | None = None
     """G of the interleaved schedule (--microbatch-group-size-per-virtual-pipeline-stage); defaults to p."""
     sequence_parallel: bool = False
+    scatter_gather: bool = True
+    """Paper §4.1: send 1/t of each pipeline boundary activation per tensor rank and re-assemble it after."""
     use_distributed_optimizer: bool = False
 
     def __post_init__(self):

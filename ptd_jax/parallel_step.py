@@ -22,22 +22,29 @@ from jax.sharding import PartitionSpec as P
 from ptd_jax import model as gpt
 from ptd_jax import sharding
 from ptd_jax import tensor_parallel as tp
-from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.mesh import Axis
 from ptd_jax.optimizer import learning_rate_schedule
+from ptd_jax.pipeline.executor import pipeline_accumulate
+from ptd_jax.pipeline.schedule import build, validate
 
-DATA, TENSOR = Axis.DATA.value, Axis.TENSOR.value
+DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
 
 
-def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh):
-    """The serial initial state, laid out on the mesh (TP-sharded init equals the serial init)."""
+def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None):
+    """The serial initial state, laid out on the mesh (TP-sharded init equals the serial init). With p > 1 the
+    layers are stored [v, p, L/(p·v), ...] (`sharding.stage_layers`)."""
+    p = mesh.shape[PIPE]
+    v = parallel.virtual_pipeline_stages if parallel is not None else 1
 
     def init(k):
         params = gpt.init_params(k, model_cfg, mesh.shape[TENSOR])
+        if p > 1:
+            params["layers"] = sharding.stage_layers(params["layers"], p, v)
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
     abstract = jax.eval_shape(init, key)
-    specs = sharding.state_specs(optimizer, abstract)
+    specs = sharding.state_specs(optimizer, abstract, pipelined=p > 1)
     return jax.jit(init, out_shardings=sharding.named(mesh, specs))(key)
 
 
@@ -72,35 +79,58 @@ def mark_like(x, like):
     return tp.mark_varying(x, tuple(sorted(tp.varying_axes(like))))
 
 
-def _replicated_over_tensor(param_specs):
-    return jax.tree.map(lambda s: not sharding.is_tensor_split(s), param_specs, is_leaf=lambda x: isinstance(x, P))
+def replicated_axes(spec, parallel: ParallelConfig) -> tuple[str, ...]:
+    """Mesh axes a parameter is replicated on but used with differing data, so that its gradient is a partial
+    sum: "data" always, "pipe" for the embeddings/final LayerNorm under pipelining, "tensor" for the
+    tensor-replicated weights under sequence parallelism. Marked varying before autodiff (no per-microbatch
+    all-reduce) and summed once after."""
+    marked = (DATA,) + ((PIPE,) if parallel.pipeline_model_parallel_size > 1 else ()) + \
+        ((TENSOR,) if parallel.sequence_parallel else ())
+    split = sharding.split_axes(spec)
+    return tuple(a for a in marked if a not in split)
 
 
 def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-                   recompute: str, param_specs):
+                   recompute: str, param_specs, sched=None, scatter_gather: bool = True):
     """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm)."""
-    # Gradients stay per data rank until the single reduction below (else autodiff would all-reduce the
-    # data-invariant parameters' gradients in every microbatch).
-    replicated = _replicated_over_tensor(param_specs)
-    varying = jax.tree.map(lambda p: tp.mark_varying(p, (DATA,)), params)
-    if parallel.sequence_parallel:  # replicated weights act on S/t tokens per rank: partial gradients
-        varying = jax.tree.map(lambda p, rep: tp.mark_varying(p, (TENSOR,)) if rep else p, varying, replicated)
-    loss, grads = _accumulate(varying, tokens, labels, mask, model_cfg, parallel, recompute, key)
-    loss = jax.lax.psum(loss, DATA)
-    grads = jax.lax.psum(grads, DATA)
-    if parallel.sequence_parallel:
-        grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, TENSOR) if rep else g, grads, replicated)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    axes = jax.tree.map(lambda s: replicated_axes(s, parallel), param_specs, is_leaf=is_spec)
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+    varying = jax.tree.map(lambda a, p: tp.mark_varying(p, a), axes, params, is_leaf=is_axes)
+    if sched is None:
+        loss, grads = _accumulate(varying, tokens, labels, mask, model_cfg, parallel, recompute, key)
+        loss = jax.lax.psum(loss, DATA)
+    else:
+        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+        loss, grads = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
+                                          sequence_parallel=parallel.sequence_parallel,
+                                          scatter_gather=scatter_gather, recompute=recompute)
+        loss = jax.lax.psum(loss, (DATA, PIPE))
+    grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a), axes, grads, is_leaf=is_axes)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, grads, sharding.global_norm(grads, param_specs)
 
 
+def pipeline_schedule(parallel: ParallelConfig):
+    """The validated schedule table for the layout, or None without pipelining."""
+    if parallel.pipeline_model_parallel_size == 1:
+        return None
+    sched = build(parallel.pipeline_schedule, parallel.pipeline_model_parallel_size,
+                  parallel.virtual_pipeline_stages, parallel.num_microbatches, parallel.microbatch_group_size)
+    validate(sched)
+    return sched
+
+
 def make_parallel_grad_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs,
-                            recompute: str = "none"):
+                            recompute: str = "none", scatter_gather: bool = True):
     """jit(params, tokens, labels, mask) -> (loss, grads, grad_norm), for comparing with the reference."""
+    sched = pipeline_schedule(parallel)
 
     def body(params, tokens, labels, mask):
         return loss_and_grads(params, tokens, labels, mask, None, model_cfg=model_cfg, parallel=parallel,
-                              recompute=recompute, param_specs=param_specs)
+                              recompute=recompute, param_specs=param_specs, sched=sched,
+                              scatter_gather=scatter_gather)
 
     batch = sharding.BATCH_SPEC
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch, batch, batch),
@@ -114,7 +144,11 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
     `state` (or its abstract shape) fixes the pytree structure of the in/out specifications."""
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
-    specs = sharding.state_specs(optimizer, state)
+    sched = pipeline_schedule(parallel)
+    if sched is not None and use_dropout:
+        raise ConfigError("dropout with pipeline parallelism is not implemented yet: hidden_dropout="
+                          f"{model_cfg.hidden_dropout}, attention_dropout={model_cfg.attention_dropout}")
+    specs = sharding.state_specs(optimizer, state, pipelined=sched is not None)
 
     def step(state, tokens, labels, mask, key):
         params = state["params"]
@@ -124,7 +158,8 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
             key = None
         loss, grads, grad_norm = loss_and_grads(params, tokens, labels, mask, key, model_cfg=model_cfg,
                                                 parallel=parallel, recompute=train_cfg.recompute_granularity,
-                                                param_specs=specs["params"])
+                                                param_specs=specs["params"], sched=sched,
+                                                scatter_gather=parallel.scatter_gather)
         if train_cfg.clip_grad > 0:
             scale = jnp.minimum(1.0, train_cfg.clip_grad / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)

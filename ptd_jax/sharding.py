@@ -1,7 +1,10 @@
 """Every sharding decision of the model in one table: which dim of which parameter is split over "tensor".
 
 Parameters not in the table are replicated over "tensor". Nothing is split over "data" (replicated weights,
-data-parallel gradients reduced once per step) and, until the pipeline lands, over "pipe".
+data-parallel gradients reduced once per step). With pipeline parallelism the stacked layers are stored
+[v, p, L/(p·v), ...] and split over "pipe" on dim 1; embeddings and the final LayerNorm are replicated over
+"pipe" (used by the first and last virtual stages, their gradients summed — Megatron's tied-embedding
+all-reduce).
 Batches [M, d·b, S] are split over "data" on dim 1 (each data rank takes its b rows of every microbatch).
 """
 
@@ -15,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ptd_jax.mesh import Axis
 
-TENSOR, DATA = Axis.TENSOR.value, Axis.DATA.value
+TENSOR, DATA, PIPE = Axis.TENSOR.value, Axis.DATA.value, Axis.PIPE.value
 
 # parameter path -> dim split over tensor (the stored arrays: layers carry a leading L dim)
 TENSOR_SPLIT_DIM: dict[tuple[str, ...], int] = {
@@ -35,16 +38,38 @@ def _path_names(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", k)) for k in path)
 
 
-def param_spec(path, leaf) -> P:
-    dim = TENSOR_SPLIT_DIM.get(_path_names(path))
-    if dim is None:
-        return P()
-    return P(*([None] * dim + [TENSOR] + [None] * (leaf.ndim - dim - 1)))
+def param_spec(path, leaf, pipelined: bool = False) -> P:
+    """Spec of one parameter. With `pipelined`, layer leaves are stored [v, p, L/(p·v), ...] (see
+    `stage_layers`) and their dim 1 is split over "pipe"."""
+    names = _path_names(path)
+    dims: list = [None] * leaf.ndim
+    offset = 0
+    if pipelined and names[0] == "layers":
+        dims[1], offset = PIPE, 2
+    dim = TENSOR_SPLIT_DIM.get(names)
+    if dim is not None:
+        dims[dim + offset] = TENSOR
+    return P(*dims)
 
 
-def param_specs(params):
+def param_specs(params, pipelined: bool = False):
     """PartitionSpec tree matching `params`."""
-    return jax.tree_util.tree_map_with_path(param_spec, params)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: param_spec(path, leaf, pipelined), params)
+
+
+def stage_layers(layers, p: int, v: int):
+    """[L, ...] -> [v, p, L/(p·v), ...]: a free reshape that puts layer (c·p + r)·k + j at [c, r, j], i.e. chunk c
+    of pipeline rank r holds virtual stage c·p + r — the paper's round-robin assignment (§2.2.2)."""
+    return jax.tree.map(lambda x: x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]), layers)
+
+
+def unstage_layers(layers):
+    """[v, p, k, ...] -> [L, ...] (the reference layout)."""
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), layers)
+
+
+def split_axes(spec: P) -> tuple[str, ...]:
+    return tuple(a for a in tuple(spec) if a is not None)
 
 
 def is_tensor_split(spec: P) -> bool:
@@ -57,8 +82,8 @@ def opt_state_specs(optimizer: optax.GradientTransformation, opt_state, specs):
                                  transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
 
-def state_specs(optimizer, state):
-    specs = param_specs(state["params"])
+def state_specs(optimizer, state, pipelined: bool = False):
+    specs = param_specs(state["params"], pipelined)
     return {"params": specs, "opt_state": opt_state_specs(optimizer, state["opt_state"], specs), "step": P()}
 
 
@@ -67,15 +92,13 @@ def named(mesh, specs):
 
 
 def global_norm(grads, specs):
-    """L2 norm counting every parameter once, inside shard_map: tensor-split leaves are summed over their shards
-    (one scalar all-reduce over tensor), replicated leaves (LayerNorm, biases of row-parallel layers) counted
-    once — not t times."""
-    split = jnp.zeros((), jnp.float32)
-    replicated = jnp.zeros((), jnp.float32)
+    """L2 norm counting every parameter once, inside shard_map: each leaf's sum of squares is summed over the mesh
+    axes it is split on (one scalar all-reduce per group of axes), and replicated leaves (LayerNorm, biases of
+    row-parallel layers, embeddings over "pipe") are counted once — not once per replica."""
+    groups: dict[tuple[str, ...], jax.Array] = {}
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
         square = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-        if is_tensor_split(spec):
-            split = split + square
-        else:
-            replicated = replicated + square
-    return jnp.sqrt(jax.lax.psum(split, TENSOR) + replicated)
+        axes = split_axes(spec)
+        groups[axes] = groups.get(axes, 0.0) + square
+    total = sum(jax.lax.psum(value, axes) if axes else value for axes, value in sorted(groups.items()))
+    return jnp.sqrt(total)
