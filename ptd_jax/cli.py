@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true",
+                   help="send whole boundary activations between pipeline stages (paper §4.1 off)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=16)
@@ -114,6 +116,7 @@ def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) ->
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
+        scatter_gather=not args.no_scatter_gather_tensors_in_pipeline,
     )
     parallel.check_model(model_cfg)
     return parallel
@@ -141,7 +144,6 @@ def train_config_from_args(args) -> TrainConfig:
 def check_implemented(parallel: ParallelConfig) -> None:
     """Layouts whose executors land in later issues fail clearly instead of silently running on one device."""
     pending = {
-        "pipeline_model_parallel_size": (parallel.pipeline_model_parallel_size, 1, "pipeline parallelism (issue #4)"),
         "use_distributed_optimizer": (parallel.use_distributed_optimizer, False, "the distributed optimizer"),
     }
     for name, (value, supported, feature) in pending.items():

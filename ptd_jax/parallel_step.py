@@ -26,7 +26,7 @@ from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.mesh import Axis
 from ptd_jax.optimizer import learning_rate_schedule
 from ptd_jax.pipeline.executor import pipeline_accumulate
-from ptd_jax.pipeline.schedule import build, validate
+from ptd_jax.pipeline.schedule import build, build_forward_only, validate
 
 DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
 
@@ -181,16 +181,31 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
 
 
 def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs):
-    """jit(params, tokens, labels, mask [M, d·b, S]) -> mean token loss over the global batch."""
+    """jit(params, tokens, labels, mask [M, d·b, S]) -> mean token loss over the global batch (no dropout).
+    With p > 1 the forwards of the training schedule run through the pipeline executor."""
+    p = parallel.pipeline_model_parallel_size
+    sched = None if p == 1 else build_forward_only(
+        parallel.pipeline_schedule, p, parallel.virtual_pipeline_stages, parallel.num_microbatches,
+        parallel.microbatch_group_size)
 
     def eval_step(params, tokens, labels, mask):
         acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+        if sched is not None:
+            axes = jax.tree.map(lambda s: replicated_axes(s, parallel), param_specs,
+                                is_leaf=lambda x: isinstance(x, P))
+            varying = jax.tree.map(lambda a, w: tp.mark_varying(w, a), axes, params,
+                                   is_leaf=lambda x: isinstance(x, tuple))
+            loss, _ = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
+                                          sequence_parallel=parallel.sequence_parallel,
+                                          scatter_gather=parallel.scatter_gather, forward_only=True)
+            return jax.lax.psum(loss, (DATA, PIPE))
 
         def body(total, xs):
             return total + tp.loss_sum(params, *xs, model_cfg, sequence_parallel=parallel.sequence_parallel), None
 
         total, _ = jax.lax.scan(body, tp.mark_varying(jnp.zeros((), acc), (DATA,)), (tokens, labels, mask))
-        return jax.lax.psum(total, DATA) / jax.lax.psum(jnp.sum(mask > 0), DATA)
+        return jax.lax.psum(total, DATA) / total_tokens
 
     batch = sharding.BATCH_SPEC
     return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(param_specs, batch, batch, batch), out_specs=P()))

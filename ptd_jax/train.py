@@ -164,7 +164,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
             raise ConfigError(f"the reference step runs on one device, not num_devices={parallel.num_devices}")
         state = init_state(init_key, model_cfg, optimizer)
     else:
-        state = init_sharded_state(init_key, model_cfg, optimizer, mesh)
+        state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel)
     start = 0
     if options.load:
         state, start = checkpoint.restore(options.load, state, model_cfg)
@@ -174,7 +174,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         train_step, eval_step = make_train_step(model_cfg, train_cfg, optimizer), make_eval_step(model_cfg)
     else:
         train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state)
-        eval_step = make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"]))
+        eval_step = make_parallel_eval_step(mesh, model_cfg, parallel,
+                                            param_specs(state["params"], pipelined=parallel.pipeline_model_parallel_size > 1))
     device = jax.devices()[0]
     num_devices = parallel.num_devices
     peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype == "bfloat16",

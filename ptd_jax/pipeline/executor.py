@@ -78,10 +78,11 @@ def _gather(slice_BxSxDt, t: int, like):
 
 def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
                         sched: Schedule, sequence_parallel: bool, scatter_gather: bool = True,
-                        recompute: str = "none"):
+                        recompute: str = "none", forward_only: bool = False):
     """shard_map body: this device's (loss sum / total_tokens, float32 gradients) over the whole schedule —
     loss only on the last virtual stage's rank, embedding/output gradients only where those stages run (the
-    caller sums them over "pipe" and "data"). `params["layers"]` is the local shard [v, 1, k, ...]."""
+    caller sums them over "pipe" and "data"). `params["layers"]` is the local shard [v, 1, k, ...].
+    `forward_only` (evaluation) runs a schedule of F ticks without the backward branch."""
     p, v = sched.p, sched.v
     t = jax.lax.psum(1, TENSOR)
     rank = jax.lax.axis_index(PIPE)
@@ -135,12 +136,18 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             return dx.astype(act_dtype), like_varying(jnp.zeros((), acc), loss), grads
 
         is_f = cell["kind"] > 0
-        send, loss, (d_layers, d_shared) = jax.lax.cond(is_f, forward, backward, None)
+        if forward_only:
+            send, loss, (d_layers, d_shared) = forward(None)
+        else:
+            send, loss, (d_layers, d_shared) = jax.lax.cond(is_f, forward, backward, None)
 
         if use_scatter:
             send = _scatter(send, t)
-        recv = jax.lax.cond(is_f, lambda z: jax.lax.ppermute(z, PIPE, _ring(p, 1)),
-                            lambda z: jax.lax.ppermute(z, PIPE, _ring(p, -1)), send)
+        if forward_only:
+            recv = jax.lax.ppermute(send, PIPE, _ring(p, 1))
+        else:
+            recv = jax.lax.cond(is_f, lambda z: jax.lax.ppermute(z, PIPE, _ring(p, 1)),
+                                lambda z: jax.lax.ppermute(z, PIPE, _ring(p, -1)), send)
         if use_scatter:
             recv = _gather(recv, t, x_stash)
         act_buf = act_buf.at[jnp.where(is_f, cell["recv_slot"], act_buf.shape[0] - 1)].set(recv)

@@ -313,6 +313,13 @@ def build(schedule: str, p: int, v: int = 1, m: int = 1, group: int | None = Non
     return lockstep(schedule, build_orders(schedule, p, v, m, group), p, v, m, g)
 
 
+def build_forward_only(schedule: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -> Schedule:
+    """The forwards of a schedule alone (evaluation): same per-rank order, no backwards, no stash reuse."""
+    g = check_request(schedule, p, v, m, group)
+    orders = [[a for a in order if a.kind == "F"] for order in build_orders(schedule, p, v, m, group)]
+    return lockstep(schedule, orders, p, v, m, g)
+
+
 def validate(sched: Schedule) -> None:
     """Every F and B exactly once per (virtual stage, microbatch); every B after its F; every dependency at an
     earlier tick; every read from a slot written earlier and not overwritten before it is read."""
