@@ -44,7 +44,7 @@ def latest_step(directory) -> int | None:
         return manager.latest_step()
 
 
-def restore(directory, like_state, model_cfg: ModelConfig):
+def restore(directory, like_state, model_cfg: ModelConfig, parallel: ParallelConfig | None = None):
     """Restore the latest step into the structure (and shardings) of `like_state`; returns (state, step)."""
     step = latest_step(directory)
     if step is None:
@@ -58,5 +58,12 @@ def restore(directory, like_state, model_cfg: ModelConfig):
         if mismatched:
             raise ConfigError(f"--load {directory} step {step} has a different architecture (saved, requested): "
                               f"{mismatched}")
+        if parallel is not None:
+            layout = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_stages")
+            saved_layout = {k: configs["parallel"].get(k) for k in layout}
+            wanted = {k: getattr(parallel, k) for k in layout}
+            if saved_layout != wanted:
+                raise ConfigError(f"--load {directory} step {step} was saved with {saved_layout}, this run uses "
+                                  f"{wanted}; resuming on another t/p/v layout is not supported yet")
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     return restored["state"], step

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--vocab-size", type=int, help="V of data made with another tokenizer (default: the byte "
+                   "tokenizer's 257)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
@@ -92,7 +94,7 @@ def model_config_from_args(args) -> ModelConfig:
                   "max_position_embeddings") if getattr(args, name) is not None}
     return base.replace(
         **overrides,
-        vocab_size=ByteTokenizer.vocab_size,  # the data's tokenizer decides V, as in Megatron
+        vocab_size=args.vocab_size or ByteTokenizer.vocab_size,  # the data's tokenizer decides V, as in Megatron
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
@@ -151,6 +153,20 @@ def check_implemented(parallel: ParallelConfig) -> None:
             raise ConfigError(f"{name}={value} needs {feature}, which is not implemented yet")
 
 
+def check_outputs(args) -> None:
+    """Fail before training, not after, on output paths that cannot be written."""
+    from pathlib import Path
+
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ConfigError(f"peak_tflops={args.peak_tflops} must be positive")
+    if args.metrics_file and Path(args.metrics_file).is_dir():
+        raise ConfigError(f"metrics_file={args.metrics_file!r} is a folder")
+    for name in ("plot_dir", "save"):
+        value = getattr(args, name)
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise ConfigError(f"{name}={value!r} exists and is not a folder")
+
+
 def run(argv=None) -> dict:
     """Parse, validate and train; raises ConfigError/DataError/IndexedDatasetError on bad input."""
     args = build_parser().parse_args(argv)
@@ -166,6 +182,7 @@ def run(argv=None) -> dict:
     train_cfg = train_config_from_args(args)
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
     check_implemented(parallel)
+    check_outputs(args)
     options = RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
                          metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
                          progress=not args.no_progress)
@@ -175,7 +192,7 @@ def run(argv=None) -> dict:
 def main(argv=None) -> int:
     try:
         summary = run(argv)
-    except (ConfigError, DataError, IndexedDatasetError) as err:
+    except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-train: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(summary))

@@ -160,12 +160,22 @@ class ParallelConfig:
             _check(self.pipeline_model_parallel_size >= 2,
                    f"the interleaved schedule needs pipeline_model_parallel_size >= 2, got "
                    f"{self.pipeline_model_parallel_size}")
+        if self.pipeline_model_parallel_size > 1:
+            from ptd_jax.pipeline.schedule import ScheduleError, check_request
+
+            try:
+                check_request(self.pipeline_schedule, self.pipeline_model_parallel_size,
+                              self.virtual_pipeline_stages, self.num_microbatches, self.microbatch_group_size)
+            except ScheduleError as err:
+                raise ConfigError(str(err)) from None
 
     @classmethod
     def for_devices(cls, num_devices: int, **kwargs) -> "ParallelConfig":
         """Megatron's rule: data-parallel size = devices / (t · p)."""
         t = kwargs.get("tensor_model_parallel_size", 1)
         p = kwargs.get("pipeline_model_parallel_size", 1)
+        _check(t > 0 and p > 0, f"tensor_model_parallel_size={t} and pipeline_model_parallel_size={p} must be "
+                                f"positive")
         _check(t * p <= num_devices,
                f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} needs {t * p} devices but "
                f"only num_devices={num_devices} exist (on CPU, simulate more with --fake-devices)")

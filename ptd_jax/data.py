@@ -42,11 +42,9 @@ def parse_split(split: str) -> tuple[float, float, float]:
 def split_documents(num_docs: int, split: str) -> list[np.ndarray]:
     """Contiguous document ranges for train/valid/test, as Megatron's get_split_indices."""
     fractions = parse_split(split)
-    bounds = [0]
-    for fraction in fractions:
-        bounds.append(bounds[-1] + int(round(fraction * num_docs)))
+    cumulative = np.cumsum(fractions)
+    bounds = [0] + [int(round(c * num_docs)) for c in cumulative]
     bounds[-1] = num_docs
-    bounds = [min(b, num_docs) for b in bounds]
     return [np.arange(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
@@ -122,12 +120,17 @@ class GPTData:
     """The train/validation datasets of one run; `train_batch(i)` is global batch i, `valid_batches()` fixed."""
 
     def __init__(self, prefix, *, seq_length: int, global_batch_size: int, train_iters: int, eval_iters: int,
-                 seed: int, split: str = "969,30,1"):
+                 seed: int, split: str = "969,30,1", vocab_size: int | None = None):
         self.indexed = IndexedDataset(prefix)
         num_docs = len(self.indexed.doc_index) - 1
         if num_docs <= 0 or self.indexed.num_tokens == 0:
             raise DataError(f"the dataset at {prefix!r} is empty ({num_docs} documents, "
                             f"{self.indexed.num_tokens} tokens)")
+        if vocab_size is not None:
+            largest = self.indexed.max_token()
+            if largest >= vocab_size:
+                raise DataError(f"the dataset at {prefix!r} holds token id {largest} but vocab_size={vocab_size} "
+                                f"(pass --vocab-size for data made with another tokenizer)")
         train_docs, valid_docs, _ = split_documents(num_docs, split)
         self.global_batch_size = global_batch_size
         self.train = GPTDataset(self.indexed, train_docs, seq_length, train_iters * global_batch_size, seed)

@@ -79,8 +79,9 @@ def device_peak_tflops(device_kind: str, bf16: bool, override: float | None = No
     among the simulated devices of the host."""
     if override is not None:
         return override, "--peak-tflops"
-    for name, (half, single) in PEAK_TFLOPS.items():
-        if name.lower() in device_kind.lower():
+    words = device_kind.lower().replace("-", " ").split()
+    for name, (half, single) in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if name.lower() in device_kind.lower() and (" " in name or name.lower() in words):
             return (half if bf16 else single), f"{name} datasheet ({'bf16' if bf16 else 'fp32/tf32'} dense)"
     measured = measure_matmul_tflops() / max(num_local_devices, 1)
     return measured, (f"measured 1024^3 fp32 matmul on {device_kind} / {num_local_devices} device(s) "

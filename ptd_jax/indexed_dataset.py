@@ -170,6 +170,10 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.lengths.astype(np.int64).sum())
 
+    def max_token(self) -> int:
+        """Largest token id in .bin (one pass over the memory map)."""
+        return int(self._bin.max()) if self._bin.size else -1
+
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset+length) of sequence `index`."""
         start = int(self.pointers[index]) // self.dtype.itemsize + offset

@@ -39,7 +39,7 @@ def collect_files(inputs: list[str], extensions=DEFAULT_EXTENSIONS) -> list[Path
 def iter_documents(path: Path, json_keys: list[str]):
     """Yield the texts of one input file."""
     if path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -47,6 +47,8 @@ def iter_documents(path: Path, json_keys: list[str]):
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}:{line_no} is not valid JSON ({err.msg})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{line_no} is a JSON {type(record).__name__}, expected an object")
                 for key in json_keys:
                     if key not in record:
                         raise DataError(f"{path}:{line_no} has no key {key!r} (keys: {sorted(record)})")

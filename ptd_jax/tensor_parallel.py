@@ -86,6 +86,7 @@ def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None):
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
     qkv_BxSx3xHlxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
     q, k, v = (qkv_BxSx3xHlxK[:, :, i] for i in range(3))
+    key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
     ctx_BxSxHlxK = gpt.causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key)
     partial_BxSxD = jnp.einsum("bshk,hkd->bsd", ctx_BxSxHlxK, p["out_kernel"])
     return leave_tensor_region(partial_BxSxD, sequence_parallel) + p["out_bias"]
@@ -98,9 +99,17 @@ def mlp(p, x, cfg: ModelConfig, sequence_parallel: bool):
     return leave_tensor_region(h_BxSxFl @ p["fc2_kernel"], sequence_parallel) + p["fc2_bias"]
 
 
+def _per_tensor_rank(key):
+    return None if key is None else jax.random.fold_in(key, jax.lax.axis_index(TENSOR))
+
+
 def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None):
-    """The pre-LN block of `model.transformer_layer` with TP attention and MLP ([B, S or Sl, D] in and out)."""
+    """The pre-LN block of `model.transformer_layer` with TP attention and MLP ([B, S or Sl, D] in and out).
+    Hidden dropout acts on replicated activations (same mask on every tensor rank) or, under sequence
+    parallelism, on a rank's own tokens (its own mask)."""
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+    if sequence_parallel:
+        k_h1, k_h2 = _per_tensor_rank(k_h1), _per_tensor_rank(k_h2)
     h = attention(p["attn"], gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon), cfg, sequence_parallel, k_attn)
     x = x + gpt.dropout(h, cfg.hidden_dropout, k_h1)
     h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon), cfg, sequence_parallel)
@@ -139,6 +148,7 @@ def vocab_parallel_embed(params, tokens_BxS, cfg: ModelConfig, sequence_parallel
         x = x_BxSlxD + position_SlxD
     else:
         x = reduce_from_tensor_region(rows_BxSxD) + position_SxD
+    key = _per_tensor_rank(key) if sequence_parallel else key
     return gpt.dropout(x.astype(jnp.dtype(cfg.dtype)), cfg.hidden_dropout, key)
 
 

@@ -10,6 +10,7 @@ norm, and applied by AdamW. State is donated.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,7 @@ def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops,
     tflops = flops / step_time / num_devices / 1e12
     mfu = model_flops_per_iteration(model_cfg, B) / step_time / num_devices / (peak_tflops * 1e12)
     return {
+        "kind": "train",
         "iteration": iteration,
         "lm_loss": float(metrics["lm_loss"]),
         "grad_norm": float(metrics["grad_norm"]),
@@ -153,7 +155,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     data_path = options.data_path or default_corpus(progress=options.progress)
     data = GPTData(data_path, seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
                    train_iters=train_cfg.train_iters, eval_iters=train_cfg.eval_iters, seed=train_cfg.seed,
-                   split=options.split)
+                   split=options.split, vocab_size=model_cfg.vocab_size)
 
     optimizer = make_optimizer(train_cfg)
     key = jax.random.key(train_cfg.seed)
@@ -167,19 +169,22 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel)
     start = 0
     if options.load:
-        state, start = checkpoint.restore(options.load, state, model_cfg)
+        state, start = checkpoint.restore(options.load, state, model_cfg, parallel)
     num_params = gpt.count_params(state["params"])
 
     if options.reference_step:
         train_step, eval_step = make_train_step(model_cfg, train_cfg, optimizer), make_eval_step(model_cfg)
     else:
         train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state)
-        eval_step = make_parallel_eval_step(mesh, model_cfg, parallel,
-                                            param_specs(state["params"], pipelined=parallel.pipeline_model_parallel_size > 1))
+        pipelined = parallel.pipeline_model_parallel_size > 1
+        eval_step = make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"], pipelined))
     device = jax.devices()[0]
     num_devices = parallel.num_devices
     peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype == "bfloat16",
                                            options.peak_tflops, jax.local_device_count())
+    if data.valid is None and train_cfg.eval_iters > 0:
+        print(f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
+              f"no validation loss will be reported", file=sys.stderr)
 
     def evaluate(params):
         losses = [float(eval_step(params, *microbatches(b, parallel))) for b in data.valid_batches()]
@@ -218,10 +223,13 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 window_start, window_iters = now, 0
             if data.valid is not None and (done % train_cfg.eval_interval == 0 or done == train_cfg.train_iters):
                 valid = evaluate(state["params"])
-                logger.log_eval({"iteration": done, "valid_lm_loss": valid, "valid_ppl": math.exp(min(valid, 50))})
+                logger.log_eval({"kind": "valid", "iteration": done, "valid_lm_loss": valid,
+                                 "valid_ppl": math.exp(min(valid, 50))})
             if options.save and ((train_cfg.save_interval and done % train_cfg.save_interval == 0)
                                  or done == train_cfg.train_iters):
                 checkpoint.save(options.save, done, state, model_cfg, parallel, train_cfg)
+            if window_iters == 0:  # eval and save are not training time: restart the window after them
+                window_start = time.perf_counter()
     finally:
         logger.close()
 

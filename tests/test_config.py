@@ -63,10 +63,21 @@ def test_train_config_errors_name_values(changes, pattern):
 
 
 def test_errors_are_one_line():
-    try:
+    with pytest.raises(ConfigError) as info:
         ModelConfig(hidden_size=100, num_attention_heads=3)
-    except ConfigError as err:
-        assert "\n" not in str(err)
+    assert "\n" not in str(info.value)
+
+
+def test_ffn_must_divide_by_tensor_size():
+    with pytest.raises(ConfigError, match=r"ffn_hidden_size=100 is not divisible by tensor_model_parallel_size=8"):
+        ParallelConfig(tensor_model_parallel_size=8).check_model(ModelConfig(num_attention_heads=8,
+                                                                             ffn_hidden_size=100))
+
+
+def test_zero_parallel_sizes():
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=0 and pipeline_model_parallel_size=1 must "
+                                          r"be positive"):
+        ParallelConfig.for_devices(8, tensor_model_parallel_size=0)
 
 
 def test_vocab_padding_is_megatrons():

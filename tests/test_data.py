@@ -49,6 +49,7 @@ def test_split_parsing():
     assert parse_split("1") == (1.0, 0.0, 0.0)
     docs = split_documents(10, "8,2,0")
     assert [len(d) for d in docs] == [8, 2, 0]
+    assert [len(d) for d in split_documents(5, "1,1,1")] == [2, 1, 2]  # megatron-core's cumulative rounding
     with pytest.raises(DataError, match=r"split='a,b'"):
         parse_split("a,b")
     with pytest.raises(DataError, match=r"split='0,0,0'"):
@@ -62,15 +63,42 @@ def test_global_batch_cut_is_megatrons_order():
     assert cut[1, 0].tolist() == [8, 9, 10, 11] and cut[0, 1].tolist() == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize("layout", [(16, 1, 1), (4, 2, 2), (1, 4, 4), (2, 8, 1)])
-def test_global_batch_content_does_not_depend_on_layout(small_corpus, layout):
-    """Every layout (m, d, b) sees the same samples in one iteration; only the cut differs."""
+@pytest.mark.parametrize("layout", [(16, 1, 1), (4, 2, 2), (1, 4, 4), (2, 8, 1), (8, 2, 1)])
+def test_each_data_rank_gets_megatrons_rows(layout):
+    """Rows tagged with their sample id, cut by the train loop and placed on the mesh: microbatch j of data rank
+    r must hold samples j·b·d + r·b ... + b on every device of that rank."""
+    import jax
+
+    from ptd_jax.config import ParallelConfig
+    from ptd_jax.data import Batch
+    from ptd_jax.mesh import make_mesh
+    from ptd_jax.sharding import BATCH_SPEC, named
+    from ptd_jax.train import microbatches
+
     m, d, b = layout
-    batch = make_data(small_corpus, global_batch_size=16).train_batch(3).tokens
-    cut = split_global_batch(batch, m, d, b)
-    np.testing.assert_array_equal(cut.reshape(16, -1), batch)
-    reference = make_data(small_corpus, global_batch_size=16).train_batch(3).tokens
-    np.testing.assert_array_equal(batch, reference)
+    ids = np.repeat(np.arange(16)[:, None], 4, axis=1)
+    parallel = ParallelConfig(data_parallel_size=d, micro_batch_size=b, global_batch_size=16)
+    mesh = make_mesh(parallel)
+    tokens, _, _ = microbatches(Batch(ids, ids, ids), parallel)
+    placed = jax.device_put(tokens, named(mesh, BATCH_SPEC))
+    rank_of = {dev.id: r for r, plane in enumerate(mesh.devices) for dev in plane.ravel()}
+    for shard in placed.addressable_shards:
+        r = rank_of[shard.device.id]
+        for j in range(m):
+            expected = [j * b * d + r * b + i for i in range(b)]
+            assert np.asarray(shard.data)[j, :, 0].tolist() == expected
+
+
+def test_global_batch_does_not_depend_on_the_layout(small_corpus):
+    """The samples of iteration i depend on (seed, B, i) only: two GPTData built for different layouts agree."""
+    a = make_data(small_corpus, global_batch_size=16).train_batch(3).tokens
+    b = make_data(small_corpus, global_batch_size=16, train_iters=7).train_batch(3).tokens
+    np.testing.assert_array_equal(a, b)
+
+
+def test_token_ids_beyond_the_vocabulary_are_rejected(small_corpus):
+    with pytest.raises(DataError, match=r"holds token id 256 but vocab_size=200"):
+        make_data(small_corpus, vocab_size=200)
 
 
 def test_empty_corpus_is_an_error(tmp_path):
