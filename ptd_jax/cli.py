@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, help="t (default 1; see the demo layout below)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, help="p (default 1; see the demo layout below)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true",
                    help="send whole boundary activations between pipeline stages (paper §4.1 off)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--micro-batch-size", type=int, help="b (default 4; 2 in the demo layout)")
     g.add_argument("--global-batch-size", type=int, default=16)
     g.add_argument("--fake-devices", type=int, help="simulate N CPU devices (sets XLA_FLAGS before JAX starts)")
 
@@ -85,6 +85,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: datasheet or measured)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+DEMO_LAYOUT = {"fake_devices": 8, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+               "num_layers_per_virtual_pipeline_stage": 1, "pipeline_schedule": "interleaved", "micro_batch_size": 2}
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin", "libtpu")
+
+
+def accelerator_installed() -> bool:
+    """Whether a GPU/TPU plugin for JAX is installed (checked without starting a JAX backend)."""
+    import importlib.metadata
+    import importlib.util
+
+    if any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_PLUGINS):
+        return True
+    return bool(list(importlib.metadata.entry_points(group="jax_plugins")))
+
+
+def apply_demo_layout(args) -> bool:
+    """With no layout flags on a machine without accelerators, the demo runs the paper's 3-D layout on 8
+    simulated CPU devices: d=2, p=2 (interleaved, v=2), t=2."""
+    layout_flags = ("fake_devices", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "num_layers_per_virtual_pipeline_stage")
+    if any(getattr(args, name) is not None for name in layout_flags) or accelerator_installed():
+        return False
+    for name, value in DEMO_LAYOUT.items():
+        if name == "pipeline_schedule" and args.pipeline_schedule != "1f1b":
+            continue  # an explicit --pipeline-schedule wins
+        if getattr(args, name) is None or name == "pipeline_schedule":
+            setattr(args, name, value)
+    return True
+
+
+def fill_defaults(args) -> None:
+    for name, value in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+                        ("micro_batch_size", 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def model_config_from_args(args) -> ModelConfig:
@@ -170,6 +207,8 @@ def check_outputs(args) -> None:
 def run(argv=None) -> dict:
     """Parse, validate and train; raises ConfigError/DataError/IndexedDatasetError on bad input."""
     args = build_parser().parse_args(argv)
+    demo = apply_demo_layout(args)
+    fill_defaults(args)
     if args.fake_devices is not None:
         from ptd_jax.mesh import set_fake_devices
 
@@ -183,6 +222,10 @@ def run(argv=None) -> dict:
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
     check_implemented(parallel)
     check_outputs(args)
+    if demo:
+        print("ptd-train: no accelerator found and no layout given: running the 3-D demo layout d=2 p=2 t=2 "
+              "(interleaved 1F1B, v=2) on 8 simulated CPU devices (--fake-devices 1 for a single device)",
+              file=sys.stderr)
     options = RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
                          metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
                          progress=not args.no_progress)

@@ -196,6 +196,14 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                    f"p={parallel.pipeline_model_parallel_size} t={parallel.tensor_model_parallel_size}, "
                    f"B={parallel.global_batch_size} b={parallel.micro_batch_size} m={parallel.num_microbatches}, "
                    f"peak {peak:.3g} TFLOP/s/device ({peak_source}), data {data_path}")
+    if parallel.pipeline_model_parallel_size > 1:
+        from ptd_jax.parallel_step import pipeline_schedule
+
+        sched = pipeline_schedule(parallel)
+        sim = sched.simulate()
+        logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
+                       f"bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = {sched.formula_bubble():.3f}), "
+                       f"peak stash per rank {sched.peak_stash}")
     wall_start = time.perf_counter()
     records, compile_time = [], None
     window_start, window_iters = time.perf_counter(), 0

@@ -47,8 +47,10 @@ def test_console_scripts_are_installed():
      "hidden_size=100 is not divisible by num_attention_heads=3"),
     (["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"],
      "num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
-    (["--global-batch-size", "10", "--micro-batch-size", "4"],
+    (["--global-batch-size", "10", "--micro-batch-size", "4", "--fake-devices", "8"],
      "global_batch_size=10 is not divisible by micro_batch_size=4 x data_parallel_size=8"),
+    (["--global-batch-size", "10"],  # the demo layout: d = 8 / (t=2 · p=2) = 2, b = 2
+     "global_batch_size=10 is not divisible by micro_batch_size=2 x data_parallel_size=2"),
     (["--tensor-model-parallel-size", "16"], "needs 16 devices but only num_devices=8 exist"),
     (["--tensor-model-parallel-size", "3"], "does not divide num_devices=8"),
     (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
@@ -91,10 +93,20 @@ def test_unknown_flag_is_argparse_exit_2():
     assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
 
 
-def test_default_demo_flags_are_the_tiny_preset_on_one_device():
-    from ptd_jax.cli import build_parser, model_config_from_args
+def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):
+    from ptd_jax import cli
 
-    args = build_parser().parse_args([])
-    cfg = model_config_from_args(args)
+    args = cli.build_parser().parse_args([])
+    monkeypatch.setattr(cli, "accelerator_installed", lambda: False)
+    assert cli.apply_demo_layout(args)
+    cli.fill_defaults(args)
+    cfg = cli.model_config_from_args(args)
+    parallel = cli.parallel_config_from_args(args, cfg, args.fake_devices)
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (4, 128, 257) and args.data_path is None
-    assert os.environ["XLA_FLAGS"]  # the in-process tests above ran on the conftest's 8 devices
+    assert (parallel.data_parallel_size, parallel.pipeline_model_parallel_size,
+            parallel.tensor_model_parallel_size, parallel.virtual_pipeline_stages) == (2, 2, 2, 2)
+    assert parallel.pipeline_schedule == "interleaved" and parallel.num_microbatches == 4
+    # any layout flag, or an accelerator, turns the demo layout off
+    assert not cli.apply_demo_layout(cli.build_parser().parse_args(["--fake-devices", "1"]))
+    monkeypatch.setattr(cli, "accelerator_installed", lambda: True)
+    assert not cli.apply_demo_layout(cli.build_parser().parse_args([]))

@@ -6,17 +6,16 @@ replicated table), so collectives inside — tensor-parallel all-reduces, the vo
 are issued identically everywhere (XLA:CPU deadlocks otherwise, DESIGN.md §2). In a tick each pipeline rank
 reads its cell of the row:
 
-- F: x = embedding (virtual stage 0) or the stashed activation; y = chunk(x); the last virtual stage also
-  computes the loss. y travels to rank + 1 over "pipe" (rank p−1 -> 0 carries it into the next chunk: the ring
-  that makes interleaving work).
+- F: x = embedding (virtual stage 0) or the stashed activation; y = chunk(x). y travels to rank + 1 over "pipe"
+  (rank p−1 -> 0 carries it into the next chunk: the ring that makes interleaving work).
 - B: full recomputation — `jax.vjp` of the same stage function on the stashed input, with cotangent dy
-  (received from the next virtual stage) or d loss = 1/tokens on the last stage; parameter gradients accumulate
-  per chunk in float32; dx travels to rank − 1.
+  (received from the next virtual stage) or d loss = 1/tokens on the last stage, whose recomputed forward also
+  yields the loss value; parameter gradients accumulate per chunk in float32; dx travels to rank − 1.
 - Idle cells compute on a dummy and write to a trash slot; their cotangents are zero, so they add nothing.
 
 Reads from buffers happen before the cond and writes after it (a buffer read and written inside a cond is kept
-twice by XLA). The embedding and the output layer are computed by every rank on every tick (masked): they hold
-tensor-parallel collectives and must be uniform. Scatter/gather (§4.1): with t > 1 and no sequence
+twice by XLA). The embedding (every tick) and the output layer (every backward tick) are computed by every rank
+(masked): they hold tensor-parallel collectives and must be uniform. Scatter/gather (§4.1): with t > 1 and no sequence
 parallelism, each tensor rank sends 1/t of the hidden dim; the receivers re-assemble it with an all-reduce of
 the zero-padded slices (jax 0.10 has no public all-gather whose result is typed tensor-invariant).
 """
@@ -96,13 +95,15 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     act_dtype = jnp.dtype(cfg.dtype)
     use_scatter = scatter_gather and not sequence_parallel and t > 1
 
-    def stage(layers_c, shared_p, x_stash, tokens, labels, mask, is_first):
+    def stage(layers_c, shared_p, x_stash, tokens, labels, mask, is_first, with_loss=True):
         """Virtual stage function: (embedding on stage 0 | stashed input) -> chunk layers -> (y, loss sum).
         The embedding and the loss are computed on every rank (uniform collectives) and masked by the caller."""
         cast = gpt.cast_params({"shared": shared_p, "layers": layers_c}, cfg)
         emb = tp.vocab_parallel_embed(cast["shared"], tokens, cfg, sequence_parallel)
         x = jnp.where(is_first, emb, x_stash)
         y = tp.run_layers(cast["layers"], x, cfg, sequence_parallel, recompute=recompute)
+        if not with_loss:
+            return y, None
         logits = tp.vocab_parallel_logits(cast["shared"], y, cfg, sequence_parallel)
         losses = tp.vocab_parallel_cross_entropy(logits, labels, cfg.vocab_size)
         return y, jnp.sum(jnp.where(mask > 0, losses, 0.0))
@@ -121,9 +122,13 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         grads_layers_c_like = jax.tree.map(lambda g: g[0], grads_layers)
 
         def forward(_):
-            y, loss = stage(layers_c, shared, x_stash, tokens, labels, mask, is_first)
+            # In training the loss is taken from the backward tick's recomputation (the output layer runs once
+            # per microbatch, not twice); evaluation has no backward, so it computes the loss here.
+            y, loss = stage(layers_c, shared, x_stash, tokens, labels, mask, is_first, with_loss=forward_only)
+            loss = jnp.where(is_last, loss, 0.0).astype(acc) if forward_only else like_varying(
+                jnp.zeros((), acc), loss_acc)
             zeros = jax.tree.map(jnp.zeros_like, (grads_layers_c_like, grads_shared))
-            return y.astype(act_dtype), jnp.where(is_last, loss, 0.0).astype(acc), zeros
+            return y.astype(act_dtype), loss, zeros
 
         def backward(_):
             (y, loss), vjp = jax.vjp(lambda lc, sh, x: stage(lc, sh, x, tokens, labels, mask, is_first),
@@ -133,7 +138,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             d_layers, d_shared, dx = vjp((ct_y, ct_loss))
             grads = jax.tree.map(lambda g, like: g.astype(like.dtype), (d_layers, d_shared),
                                  (grads_layers_c_like, grads_shared))
-            return dx.astype(act_dtype), like_varying(jnp.zeros((), acc), loss), grads
+            return dx.astype(act_dtype), jnp.where(is_last, loss, 0.0).astype(acc), grads
 
         is_f = cell["kind"] > 0
         if forward_only:
