@@ -219,8 +219,8 @@ def forward(params, tokens_BxS, cfg: ModelConfig, *, key=None, recompute: str = 
 
 
 def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int):
-    """Per-token -log softmax(logits)[label] in float32 (or float64); padded vocabulary entries (>= vocab_size) are excluded
-    from the normaliser, so padding never changes the loss."""
+    """Per-token -log softmax(logits)[label] in float32 (or float64); padded vocabulary entries (>= vocab_size)
+    are excluded from the normaliser, so padding never changes the loss."""
     logits = logits_BxSxV.astype(acc_dtype(logits_BxSxV.dtype))
     valid_V = jnp.arange(logits.shape[-1]) < vocab_size
     logits = jnp.where(valid_V, logits, -jnp.inf)

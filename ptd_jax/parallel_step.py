@@ -67,16 +67,11 @@ def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, ke
         loss, grads = grad_fn(params, t, l, m, k)
         return (loss_acc + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)), None
 
-    zeros = jax.tree.map(lambda x: mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x),
+    zeros = jax.tree.map(lambda x: tp.mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x),
                          params)
     loss0 = tp.mark_varying(jnp.zeros((), acc), (DATA,))
     (loss, grads), _ = jax.lax.scan(body, (loss0, zeros), (jnp.arange(tokens.shape[0]), tokens, labels, mask))
     return loss, grads
-
-
-def mark_like(x, like):
-    """x marked varying over the same mesh axes as `like` (scan carries must match their updates)."""
-    return tp.mark_varying(x, tuple(sorted(tp.varying_axes(like))))
 
 
 def replicated_axes(spec, parallel: ParallelConfig) -> tuple[str, ...]:

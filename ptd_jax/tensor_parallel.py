@@ -45,6 +45,11 @@ def mark_varying(x, axes: tuple[str, ...]):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def mark_like(x, like):
+    """x marked varying over the same mesh axes as `like` (scan carries and cond branches must match types)."""
+    return mark_varying(x, tuple(sorted(varying_axes(like))))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Megatron's conjugate operators (paper §2.3, Figure 3)
 # ---------------------------------------------------------------------------------------------------------------

@@ -118,15 +118,16 @@ def test_tensor_parallel_collectives_are_exactly_megatrons(L, m, recompute):
 
 
 def test_sequence_parallel_collectives():
-    """All-reduces become all-gather + reduce-scatter pairs; replicated weights' gradients are summed over the
-    sequence shards once per step (one all-reduce per replicated leaf)."""
+    """All-reduces become all-gather + reduce-scatter pairs; replicated weights' gradients are partial sums over
+    the sequence shards and over data ranks, reduced once per step by one all-reduce over both axes per leaf."""
     L, m = 2, 2
     assert step_collectives(2, 4, True, "none", L, m) == {
         "all_gather@tensor": m * (2 * L + 1 + 2 * L + 1),       # layers fwd, final LN -> logits, layers bwd, embed bwd
         "reduce_scatter@tensor": m * (2 * L + 1 + 2 * L + 1),   # layers fwd, embedding, layers bwd, logits bwd
-        "psum_invariant@tensor": m * 2 + 1 + REPLICATED_LEAVES,
+        "psum_invariant@tensor": m * 2 + 1,                      # cross-entropy sums, grad norm
         "pmax@tensor": m,
-        "psum_invariant@data": NUM_LEAVES + 2,
+        "psum_invariant@data": NUM_LEAVES - REPLICATED_LEAVES + 2,
+        "psum_invariant@data,tensor": REPLICATED_LEAVES,
     }
 
 

@@ -125,7 +125,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             # In training the loss is taken from the backward tick's recomputation (the output layer runs once
             # per microbatch, not twice); evaluation has no backward, so it computes the loss here.
             y, loss = stage(layers_c, shared, x_stash, tokens, labels, mask, is_first, with_loss=forward_only)
-            loss = jnp.where(is_last, loss, 0.0).astype(acc) if forward_only else like_varying(
+            loss = jnp.where(is_last, loss, 0.0).astype(acc) if forward_only else tp.mark_like(
                 jnp.zeros((), acc), loss_acc)
             zeros = jax.tree.map(jnp.zeros_like, (grads_layers_c_like, grads_shared))
             return y.astype(act_dtype), loss, zeros
@@ -133,8 +133,8 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         def backward(_):
             (y, loss), vjp = jax.vjp(lambda lc, sh, x: stage(lc, sh, x, tokens, labels, mask, is_first),
                                      layers_c, shared, x_stash)
-            ct_y = like_varying(jnp.where(active & ~is_last, dy, jnp.zeros_like(dy)).astype(y.dtype), y)
-            ct_loss = like_varying(jnp.where(is_last, 1.0 / total_tokens, 0.0).astype(loss.dtype), loss)
+            ct_y = tp.mark_like(jnp.where(active & ~is_last, dy, jnp.zeros_like(dy)).astype(y.dtype), y)
+            ct_loss = tp.mark_like(jnp.where(is_last, 1.0 / total_tokens, 0.0).astype(loss.dtype), loss)
             d_layers, d_shared, dx = vjp((ct_y, ct_loss))
             grads = jax.tree.map(lambda g, like: g.astype(like.dtype), (d_layers, d_shared),
                                  (grads_layers_c_like, grads_shared))
@@ -161,17 +161,14 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         grads_shared = jax.tree.map(jnp.add, grads_shared, d_shared)
         return (act_buf, grad_buf, grads_layers, grads_shared, loss_acc + loss), None
 
-    def like_varying(x, ref):
-        return tp.mark_varying(x, tuple(sorted(tp.varying_axes(ref))))
-
     act_ref = tp.mark_varying(jnp.zeros(act_shape, act_dtype), (PIPE,) + tuple(sorted(tp.varying_axes(tokens_MxBxS))))
     if sequence_parallel:
         act_ref = tp.mark_varying(act_ref, (TENSOR,))
     act_buf = jnp.zeros((sched.num_act_slots + 1, *act_shape), act_dtype) + act_ref[None]
     grad_buf = jnp.zeros((sched.num_grad_slots + 1, *act_shape), act_dtype) + act_ref[None]
-    grads_layers = jax.tree.map(lambda x: like_varying(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
+    grads_layers = jax.tree.map(lambda x: tp.mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
                                                        x), layers)
-    grads_shared = jax.tree.map(lambda x: like_varying(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
+    grads_shared = jax.tree.map(lambda x: tp.mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
                                                        x), shared)
     loss0 = tp.mark_varying(jnp.zeros((), acc), tuple(sorted(tp.varying_axes(tokens_MxBxS) | {PIPE})))
     (_, _, grads_layers, grads_shared, loss), _ = jax.lax.scan(
