@@ -115,7 +115,8 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         stage_id = c * p + rank
         is_first = active & (stage_id == 0)
         is_last = active & (stage_id == p * v - 1)
-        layers_c = jax.tree.map(lambda x: x[c], layers)
+        # With one chunk per rank the index is static: no dynamic slice of the parameters every tick.
+        layers_c = jax.tree.map(lambda x: x[c] if v > 1 else x[0], layers)
         tokens, labels, mask = tokens_MxBxS[mb], labels_MxBxS[mb], mask_MxBxS[mb]
         x_stash = act_buf[cell["in_slot"]]
         dy = grad_buf[cell["grad_slot"]]
@@ -157,7 +158,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             recv = _gather(recv, t, x_stash)
         act_buf = act_buf.at[jnp.where(is_f, cell["recv_slot"], act_buf.shape[0] - 1)].set(recv)
         grad_buf = grad_buf.at[jnp.where(is_f, grad_buf.shape[0] - 1, cell["recv_slot"])].set(recv)
-        grads_layers = jax.tree.map(lambda g, d: g.at[c].add(d), grads_layers, d_layers)
+        grads_layers = jax.tree.map(lambda g, d: g.at[c if v > 1 else 0].add(d), grads_layers, d_layers)
         grads_shared = jax.tree.map(jnp.add, grads_shared, d_shared)
         return (act_buf, grad_buf, grads_layers, grads_shared, loss_acc + loss), None
 
