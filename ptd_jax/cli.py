@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="GeLU form: tanh approximation or exact")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
+    g.add_argument("--attention-backend", choices=["xla", "pallas", "cudnn"],
+                   help="attention implementation (default: pallas on GPU, xla elsewhere)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, help="t (default 1; see the demo layout below)")
@@ -136,7 +138,19 @@ def model_config_from_args(args) -> ModelConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
         gelu_approximate=args.gelu == "tanh", dtype="bfloat16" if args.bf16 else "float32",
+        attention_backend=args.attention_backend or default_attention_backend(),
     )
+
+
+def default_attention_backend() -> str:
+    """pallas on GPUs, xla elsewhere (checked without starting a JAX backend)."""
+    return "pallas" if accelerator_installed() and not _tpu_only() else "xla"
+
+
+def _tpu_only() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
 
 
 def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) -> ParallelConfig:

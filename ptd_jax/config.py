@@ -19,6 +19,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float64")
+ATTENTION_BACKENDS = ("xla", "pallas", "cudnn")
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,9 @@ class ModelConfig:
     """Dropout after attention and MLP outputs and on embeddings (Megatron's default is 0.1)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities (Megatron's default is 0.1)."""
+    attention_backend: str = "xla"
+    """xla (einsum + softmax), pallas (fused flash attention, pallas_kernels/; interpret mode on CPU) or cudnn
+    (jax.nn.dot_product_attention on GPU)."""
     dtype: str = "float32"
     """Compute dtype for activations and matmuls (`--bf16` sets bfloat16); softmax and loss stay float32."""
     param_dtype: str = "float32"
@@ -91,6 +95,11 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, f"{name}={value} must be in [0, 1)")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+        _check(self.attention_backend == "xla" or self.attention_dropout == 0.0,
+               f"attention_dropout={self.attention_dropout} needs attention_backend='xla', got "
+               f"{self.attention_backend!r} (the fused kernels have no dropout)")
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             _check(value in DTYPES, f"{name}={value!r} is not one of {DTYPES}")

@@ -131,8 +131,17 @@ def dropout(x, rate: float, key):
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0.0, key=None):
-    """softmax(q kᵀ / sqrt(K) + causal mask) v, scores and softmax in float32."""
+def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0.0, key=None,
+                     backend: str = "xla"):
+    """softmax(q kᵀ / sqrt(K) + causal mask) v, scores and softmax in float32. backend 'pallas' runs the fused
+    flash-attention kernel (interpreted on CPU), 'cudnn' jax.nn.dot_product_attention's cuDNN path."""
+    if backend == "pallas":
+        from pallas_kernels import flash_attention
+
+        return flash_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, causal=True,
+                               interpret=jax.default_backend() == "cpu")
+    if backend == "cudnn":
+        return jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True, implementation="cudnn")
     S, K = q_BxSxHxK.shape[1], q_BxSxHxK.shape[-1]
     acc = acc_dtype(q_BxSxHxK.dtype)
     scores_BxHxSxS = jnp.einsum("bqhk,bshk->bhqs", q_BxSxHxK, k_BxSxHxK,
@@ -147,7 +156,8 @@ def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0
 def attention_block(p, x_BxSxD, cfg: ModelConfig, key=None):
     qkv_BxSx3xHxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
     q, k, v = (qkv_BxSx3xHxK[:, :, i] for i in range(3))
-    ctx_BxSxHxK = causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key)
+    ctx_BxSxHxK = causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
+                                   backend=cfg.attention_backend)
     return jnp.einsum("bshk,hkd->bsd", ctx_BxSxHxK, p["out_kernel"]) + p["out_bias"]
 
 

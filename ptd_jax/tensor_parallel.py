@@ -92,7 +92,8 @@ def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None):
     qkv_BxSx3xHlxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
     q, k, v = (qkv_BxSx3xHlxK[:, :, i] for i in range(3))
     key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
-    ctx_BxSxHlxK = gpt.causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key)
+    ctx_BxSxHlxK = gpt.causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
+                                        backend=cfg.attention_backend)
     partial_BxSxD = jnp.einsum("bshk,hkd->bsd", ctx_BxSxHlxK, p["out_kernel"])
     return leave_tensor_region(partial_BxSxD, sequence_parallel) + p["out_bias"]
 

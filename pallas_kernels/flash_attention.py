@@ -1,0 +1,220 @@
+"""Fused causal multi-head attention (FlashAttention-2 style) in Pallas: forward and backward, `jax.custom_vjp`.
+
+Shapes [batch, seq, heads, head_dim] (the layout of `ptd_jax.model`), float32 or bfloat16 inputs, float32
+accumulation. The forward keeps a running max and normaliser per query row (online softmax) over key blocks, so
+no [seq, seq] matrix exists in memory; it saves the log-sum-exp per row for the backward, which recomputes the
+probabilities block by block: one kernel accumulates dK and dV per key block, another dQ per query block.
+
+Written with the generic `pl.pallas_call` + `BlockSpec` API so that `interpret=True` runs it on CPU (DESIGN.md §5);
+`flash_attention_reference` is the pure-jnp definition it is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Query/key block lengths; the sequence length must be a multiple of both (shorter sequences use one block)."""
+
+    block_q: int = 64
+    block_k: int = 64
+
+    def for_seq(self, seq_len: int) -> "BlockSizes":
+        block_q, block_k = min(self.block_q, seq_len), min(self.block_k, seq_len)
+        if seq_len % block_q or seq_len % block_k:
+            raise ValueError(f"{seq_len=} must be a multiple of {block_q=} and {block_k=} (pass other BlockSizes)")
+        return BlockSizes(block_q, block_k)
+
+
+def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
+    """softmax(q kᵀ · scale + causal mask) v in float32, [B, S, H, K] -> [B, S, H, K] in q's dtype."""
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("bqhk,bshk->bhqs", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if causal:
+        S = q.shape[1]
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqs,bshk->bqhk", p, v.astype(jnp.float32)).astype(q.dtype)
+
+
+def _causal_mask(q_start, k_start, block_q, block_k):
+    rows = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+    cols = k_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    return rows >= cols
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k, seq_len):
+    i = pl.program_id(2)
+    q = q_ref[...]                                               # [bq, K]
+    m0 = jnp.full((block_q,), -jnp.inf, jnp.float32)
+    l0 = jnp.zeros((block_q,), jnp.float32)
+    acc0 = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
+
+    def body(j, carry):
+        m, l, acc = carry
+        k = k_ref[pl.ds(j * block_k, block_k), :]                # [bk, K]
+        v = v_ref[pl.ds(j * block_k, block_k), :]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [bq, bk]
+        if causal:
+            s = jnp.where(_causal_mask(i * block_q, j * block_k, block_q, block_k), s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        l_new = alpha * l + p.sum(axis=-1)
+        acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l_new, acc
+
+    num_k = pl.cdiv((i + 1) * block_q, block_k) if causal else seq_len // block_k
+    m, l, acc = jax.lax.fori_loop(0, num_k, body, (m0, l0, acc0))
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, block_q,
+                 block_k, seq_len):
+    j = pl.program_id(2)
+    k = k_ref[...]                                               # [bk, K]
+    v = v_ref[...]
+    dk0 = jnp.zeros(k.shape, jnp.float32)
+    dv0 = jnp.zeros(v.shape, jnp.float32)
+
+    def body(i, carry):
+        dk, dv = carry
+        q = q_ref[pl.ds(i * block_q, block_q), :]                # [bq, K]
+        do = do_ref[pl.ds(i * block_q, block_q), :]
+        lse = lse_ref[pl.ds(i * block_q, block_q)]
+        delta = delta_ref[pl.ds(i * block_q, block_q)]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+        p = jnp.exp(s - lse[:, None])
+        if causal:
+            p = jnp.where(_causal_mask(i * block_q, j * block_k, block_q, block_k), p, 0.0)
+        dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None]) * scale
+        dk = dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        return dk, dv
+
+    first = (j * block_k) // block_q if causal else 0
+    dk, dv = jax.lax.fori_loop(first, seq_len // block_q, body, (dk0, dv0))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, block_q, block_k,
+               seq_len):
+    i = pl.program_id(2)
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * block_k, block_k), :]
+        v = v_ref[pl.ds(j * block_k, block_k), :]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+        p = jnp.exp(s - lse[:, None])
+        if causal:
+            p = jnp.where(_causal_mask(i * block_q, j * block_k, block_q, block_k), p, 0.0)
+        dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None]) * scale
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    num_k = pl.cdiv((i + 1) * block_q, block_k) if causal else seq_len // block_k
+    dq = jax.lax.fori_loop(0, num_k, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _specs(B, S, H, K, blocks):
+    """BlockSpecs over the grid (batch, head, block): a block of rows, the whole sequence, per-row vectors."""
+    rows_q = pl.BlockSpec((None, blocks.block_q, None, K), lambda b, h, i: (b, i, h, 0))
+    rows_k = pl.BlockSpec((None, blocks.block_k, None, K), lambda b, h, i: (b, i, h, 0))
+    whole = pl.BlockSpec((None, S, None, K), lambda b, h, i: (b, 0, h, 0))
+    vec_q = pl.BlockSpec((None, None, blocks.block_q), lambda b, h, i: (b, h, i))
+    vec_whole = pl.BlockSpec((None, None, S), lambda b, h, i: (b, h, 0))
+    return rows_q, rows_k, whole, vec_q, vec_whole
+
+
+def _out_struct(shape, dtype, like):
+    """ShapeDtypeStruct varying over the same shard_map axes as `like` (needed inside shard_map with vma
+    checking: jax 0.10 calls it manual_axis_type, earlier releases vma)."""
+    aval = jax.typeof(like)
+    params = inspect.signature(jax.ShapeDtypeStruct).parameters
+    if "manual_axis_type" in params and getattr(aval, "manual_axis_type", None) is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+    if "vma" in params and getattr(aval, "vma", None) is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _check(q, k, v):
+    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one [batch, seq, heads, head_dim] shape, got {q.shape=}, {k.shape=}, "
+                         f"{v.shape=}")
+
+
+def _forward(q, k, v, causal, scale, blocks, interpret):
+    B, S, H, K = q.shape
+    rows_q, _, whole, vec_q, _ = _specs(B, S, H, K, blocks)
+    kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, block_q=blocks.block_q,
+                               block_k=blocks.block_k, seq_len=S)
+    return pl.pallas_call(
+        kernel, grid=(B, H, S // blocks.block_q),
+        in_specs=[rows_q, whole, whole], out_specs=[rows_q, vec_q],
+        out_shape=[_out_struct(q.shape, q.dtype, q), _out_struct((B, H, S), jnp.float32, q)],
+        interpret=interpret, name="flash_attention_fwd",
+    )(q, k, v)
+
+
+def _backward(q, k, v, o, lse, do, causal, scale, blocks, interpret):
+    B, S, H, K = q.shape
+    rows_q, rows_k, whole, vec_q, vec_whole = _specs(B, S, H, K, blocks)
+    delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))  # rowsum(dO ∘ O)
+    common = dict(scale=scale, causal=causal, block_q=blocks.block_q, block_k=blocks.block_k, seq_len=S)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, **common), grid=(B, H, S // blocks.block_k),
+        in_specs=[whole, rows_k, rows_k, whole, vec_whole, vec_whole], out_specs=[rows_k, rows_k],
+        out_shape=[_out_struct(k.shape, k.dtype, k), _out_struct(v.shape, v.dtype, v)],
+        interpret=interpret, name="flash_attention_dkdv",
+    )(q, k, v, do, lse, delta)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **common), grid=(B, H, S // blocks.block_q),
+        in_specs=[rows_q, whole, whole, rows_q, vec_q, vec_q], out_specs=rows_q,
+        out_shape=_out_struct(q.shape, q.dtype, q),
+        interpret=interpret, name="flash_attention_dq",
+    )(q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _flash(q, k, v, causal, scale, blocks, interpret):
+    return _forward(q, k, v, causal, scale, blocks, interpret)[0]
+
+
+def _flash_fwd(q, k, v, causal, scale, blocks, interpret):
+    o, lse = _forward(q, k, v, causal, scale, blocks, interpret)
+    return o, (q, k, v, o, lse)
+
+
+def _flash_bwd(causal, scale, blocks, interpret, residuals, do):
+    q, k, v, o, lse = residuals
+    return _backward(q, k, v, o, lse, do, causal, scale, blocks, interpret)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
+                    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+    """Causal (or full) attention over [batch, seq, heads, head_dim]; differentiable (custom VJP)."""
+    _check(q, k, v)
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _flash(q, k, v, causal, scale, block_sizes.for_seq(q.shape[1]), interpret)
