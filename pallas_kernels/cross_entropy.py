@@ -1,0 +1,151 @@
+"""Fused softmax cross-entropy in Pallas that never materialises the float32 softmax, vocab-parallel aware.
+
+Forward: one kernel streams each row block's logits over vocabulary blocks and keeps three numbers per row —
+running max, sum of exponentials relative to it, and the target logit (if the label falls in this shard).
+Under tensor parallelism those three are combined across the vocabulary shards with one pmax and two psums
+(the same reduction as `ptd_jax.tensor_parallel.vocab_parallel_cross_entropy`), so composing is just passing
+`axis_name`. Backward: a second kernel writes d logits = (softmax − one-hot) · d loss block by block from the
+saved log-sum-exp. Padded vocabulary columns (global id >= vocab_size) never enter the normaliser.
+
+`softmax_cross_entropy(logits [N, V], labels [N], *, vocab_size=None, vocab_start=0, axis_name=None,
+interpret=False)` -> per-row loss [N] in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.flash_attention import _out_struct
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_rows: int = 64
+    block_vocab: int = 512
+
+    def for_shape(self, rows: int, vocab: int) -> tuple[int, int]:
+        br, bv = min(self.block_rows, rows), min(self.block_vocab, vocab)
+        if rows % br or vocab % bv:
+            raise ValueError(f"{rows=} and {vocab=} must be multiples of block_rows={br} and block_vocab={bv}")
+        return br, bv
+
+
+def cross_entropy_reference(logits, labels, *, vocab_size=None):
+    """-log softmax(logits)[label] in float32 over the columns < vocab_size."""
+    logits = logits.astype(jnp.float32)
+    if vocab_size is not None:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+
+
+def _stats_kernel(logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target_ref, *, block_vocab, vocab):
+    labels = labels_ref[...]                                          # [br] local label (may be out of range)
+    valid = valid_ref[0]                                              # columns < valid are real vocabulary
+    rows = labels.shape[0]
+
+    def body(j, carry):
+        m, s, t = carry
+        x = logits_ref[:, pl.ds(j * block_vocab, block_vocab)].astype(jnp.float32)  # [br, bv]
+        cols = j * block_vocab + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        x = jnp.where(cols < valid, x, -jnp.inf)
+        m_new = jnp.maximum(m, x.max(axis=-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        s = s * jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf)) + jnp.exp(x - safe[:, None]).sum(axis=-1)
+        t = t + jnp.where(cols == labels[:, None], x, 0.0).sum(axis=-1)
+        return m_new, s, t
+
+    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    m, s, t = jax.lax.fori_loop(0, vocab // block_vocab, body, init)
+    max_ref[...] = m
+    sum_ref[...] = s
+    target_ref[...] = t
+
+
+def _grad_kernel(logits_ref, labels_ref, valid_ref, lse_ref, g_ref, dlogits_ref, *, block_vocab, vocab):
+    labels = labels_ref[...]
+    valid = valid_ref[0]
+    lse = lse_ref[...]
+    g = g_ref[...]
+
+    def body(j, _):
+        sl = pl.ds(j * block_vocab, block_vocab)
+        x = logits_ref[:, sl].astype(jnp.float32)
+        cols = j * block_vocab + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        p = jnp.where(cols < valid, jnp.exp(x - lse[:, None]), 0.0)
+        d = (p - (cols == labels[:, None]).astype(jnp.float32)) * g[:, None]
+        dlogits_ref[:, sl] = d.astype(dlogits_ref.dtype)
+        return 0
+
+    jax.lax.fori_loop(0, vocab // block_vocab, body, 0)
+
+
+def _specs(rows, vocab, br):
+    return (pl.BlockSpec((br, vocab), lambda i: (i, 0)), pl.BlockSpec((br,), lambda i: (i,)),
+            pl.BlockSpec((1,), lambda i: (0,)))
+
+
+def _stats(logits, local_labels, valid, blocks, interpret):
+    rows, vocab = logits.shape
+    br, bv = blocks.for_shape(rows, vocab)
+    mat, vec, scalar = _specs(rows, vocab, br)
+    out = _out_struct((rows,), jnp.float32, logits)
+    return pl.pallas_call(
+        functools.partial(_stats_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
+        in_specs=[mat, vec, scalar], out_specs=[vec, vec, vec], out_shape=[out, out, out],
+        interpret=interpret, name="cross_entropy_stats",
+    )(logits, local_labels, valid)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _cross_entropy(logits, local_labels, valid, axis_name, blocks, interpret):
+    return _cross_entropy_fwd(logits, local_labels, valid, axis_name, blocks, interpret)[0]
+
+
+def _cross_entropy_fwd(logits, local_labels, valid, axis_name, blocks, interpret):
+    row_max, sum_exp, target = _stats(logits, local_labels, valid, blocks, interpret)
+    if axis_name is not None:  # combine the vocabulary shards: max, rescaled sum of exponentials, target
+        global_max = jax.lax.pmax(row_max, axis_name)
+        scale = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - global_max), 0.0)
+        sum_exp = jax.lax.psum(sum_exp * scale, axis_name)
+        target = jax.lax.psum(target, axis_name)
+        row_max = global_max
+    lse = row_max + jnp.log(sum_exp)
+    return lse - target, (logits, local_labels, valid, lse)
+
+
+def _cross_entropy_bwd(axis_name, blocks, interpret, residuals, g):
+    logits, local_labels, valid, lse = residuals
+    rows, vocab = logits.shape
+    br, bv = blocks.for_shape(rows, vocab)
+    mat, vec, scalar = _specs(rows, vocab, br)
+    dlogits = pl.pallas_call(
+        functools.partial(_grad_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
+        in_specs=[mat, vec, scalar, vec, vec], out_specs=mat,
+        out_shape=_out_struct(logits.shape, logits.dtype, logits),
+        interpret=interpret, name="cross_entropy_grad",
+    )(logits, local_labels, valid, lse, g.astype(jnp.float32))
+    return dlogits, None, None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def softmax_cross_entropy(logits, labels, *, vocab_size: int | None = None, vocab_start=0,
+                          axis_name: str | None = None, block_sizes: BlockSizes = BlockSizes(),
+                          interpret: bool = False):
+    """Per-row -log softmax(logits)[label] for logits [N, V] (this device's vocabulary shard when axis_name is
+    given; vocab_start is the shard's first global id). Differentiable in logits (custom VJP)."""
+    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [N, V] and labels [N], got {logits.shape=} and {labels.shape=}")
+    vocab = logits.shape[1]
+    limit = vocab_size if vocab_size is not None else vocab_start + vocab
+    valid = jnp.clip(jnp.asarray(limit - vocab_start, jnp.int32), 0, vocab).reshape(1)
+    local_labels = (labels - vocab_start).astype(jnp.int32)
+    return _cross_entropy(logits, local_labels, valid, axis_name, block_sizes, interpret)
