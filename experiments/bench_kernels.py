@@ -1,0 +1,170 @@
+"""Pallas kernels against XLA (and cuDNN attention) over a sweep of sequence lengths, plus one training step of a
+~1.3B GPT on one device (TFLOP/s per device by eq. 3, and MFU). JSON and a plot.
+
+On a GPU:   PYTHONPATH=. python experiments/bench_kernels.py            (bf16, compiled kernels)
+On a CPU:   python -m experiments.bench_kernels --smoke                  (tiny shapes, interpret mode: checks only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def timed(fn, *args, repeats=10):
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def attention_rows(seqs, batch, heads, head_dim, dtype, interpret, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import flash_attention, flash_attention_reference
+
+    rows = []
+    for s in seqs:
+        keys = jax.random.split(jax.random.key(s), 3)
+        q, k, v = (jax.random.normal(kk, (batch, s, heads, head_dim), jnp.float32).astype(dtype) for kk in keys)
+        impls = {
+            "pallas": lambda q, k, v: flash_attention(q, k, v, interpret=interpret),
+            "xla": lambda q, k, v: flash_attention_reference(q, k, v),
+        }
+        if jax.default_backend() == "gpu":
+            impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                          implementation="cudnn")
+        row = {"seq": s}
+        for name, fn in impls.items():
+            fwd = jax.jit(fn)
+            fwd_bwd = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+                                       argnums=(0, 1, 2)))
+            try:
+                row[f"{name}_fwd_ms"] = 1e3 * timed(fwd, q, k, v, repeats=repeats)
+                row[f"{name}_fwd_bwd_ms"] = 1e3 * timed(fwd_bwd, q, k, v, repeats=repeats)
+            except Exception as err:  # a backend without this implementation: record why, keep going
+                row[f"{name}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        flops = 4 * batch * heads * s * s * head_dim / 2  # causal: half of QKᵀ and PV
+        for name in impls:
+            if f"{name}_fwd_ms" in row:
+                row[f"{name}_fwd_tflops"] = flops / (row[f"{name}_fwd_ms"] / 1e3) / 1e12
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def norm_and_loss_rows(tokens, hidden, vocab, dtype, interpret, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import cross_entropy_reference, layer_norm, layer_norm_reference, softmax_cross_entropy
+
+    x = jax.random.normal(jax.random.key(0), (tokens, hidden), jnp.float32).astype(dtype)
+    w, b = jnp.ones((hidden,)), jnp.zeros((hidden,))
+    logits = jax.random.normal(jax.random.key(1), (tokens, vocab), jnp.float32).astype(dtype)
+    labels = jax.random.randint(jax.random.key(2), (tokens,), 0, vocab)
+    out = {}
+    cases = {
+        "layer_norm": (lambda x: layer_norm(x, w, b, interpret=interpret), lambda x: layer_norm_reference(x, w, b), x),
+        "cross_entropy": (lambda z: softmax_cross_entropy(z, labels, interpret=interpret),
+                          lambda z: cross_entropy_reference(z, labels), logits),
+    }
+    for name, (pallas_fn, xla_fn, arg) in cases.items():
+        for impl, fn in (("pallas", pallas_fn), ("xla", xla_fn)):
+            grad = jax.jit(jax.grad(lambda a, fn=fn: jnp.sum(fn(a).astype(jnp.float32))))
+            out[f"{name}_{impl}_fwd_bwd_ms"] = 1e3 * timed(grad, arg, repeats=repeats)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def training_step_row(preset, micro_batch, dtype, attention_backend, steps):
+    import jax
+    import numpy as np
+
+    from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
+    from ptd_jax.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
+    from ptd_jax.mesh import make_mesh
+    from ptd_jax.optimizer import make_optimizer
+    from ptd_jax.parallel_step import init_sharded_state, make_parallel_train_step
+
+    cfg = model_preset(preset).replace(vocab_size=50257, dtype=dtype, attention_backend=attention_backend)
+    parallel = ParallelConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch)
+    tcfg = TrainConfig(recompute_granularity="selective")
+    opt = make_optimizer(tcfg)
+    mesh = make_mesh(parallel)
+    state = init_sharded_state(jax.random.key(0), cfg, opt, mesh, parallel)
+    step = make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, state)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, micro_batch, cfg.seq_length), dtype=np.int32)
+    mask = np.ones_like(tokens)
+    key = jax.random.key(1)
+    state, metrics = step(state, tokens, tokens, mask, key)
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, tokens, tokens, mask, key)
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - start) / steps
+    peak, source = device_peak_tflops(jax.devices()[0].device_kind, dtype == "bfloat16")
+    row = {"preset": preset, "micro_batch": micro_batch, "seq": cfg.seq_length, "dtype": dtype,
+           "attention_backend": attention_backend, "step_s": step_s,
+           "tflops_per_device_eq3": flops_per_iteration(cfg, micro_batch) / step_s / 1e12,
+           "mfu": model_flops_per_iteration(cfg, micro_batch) / step_s / (peak * 1e12), "peak_source": source}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
+    parser.add_argument("--out", default="experiments/results/bench_kernels.json")
+    parser.add_argument("--plot", default="experiments/results/bench_kernels.png")
+    args = parser.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    on_gpu = jax.default_backend() == "gpu"
+    interpret = not on_gpu
+    if args.smoke or not on_gpu:
+        attn = attention_rows([32, 64], 1, 2, 16, jnp.float32, interpret, repeats=2)
+        other = norm_and_loss_rows(64, 64, 512, jnp.float32, interpret, repeats=2)
+        steps = [training_step_row("tiny", 2, "float32", "xla", 2)]
+    else:
+        attn = attention_rows([512, 1024, 2048, 4096, 8192], 4, 16, 128, jnp.bfloat16, False, repeats=10)
+        other = norm_and_loss_rows(8192, 2048, 50304, jnp.bfloat16, False, repeats=10)
+        steps = [training_step_row("1.3b", mb, "bfloat16", backend, 5) for backend in ("xla", "pallas", "cudnn")
+                 for mb in (4,)]
+    result = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "attention": attn,
+              "norm_and_loss": other, "training_step": steps}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in ("pallas", "xla", "cudnn"):
+            pts = [(r["seq"], r[f"{name}_fwd_bwd_ms"]) for r in attn if f"{name}_fwd_bwd_ms" in r]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=name)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("attention fwd+bwd (ms)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend()
+        ax.set_title(f"causal attention on {result['device']}")
+        fig.savefig(args.plot, dpi=110, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()
