@@ -102,7 +102,7 @@ def test_token_ids_beyond_the_vocabulary_are_rejected(small_corpus):
 
 
 def test_empty_corpus_is_an_error(tmp_path):
-    with IndexedDatasetWriter(tmp_path / "empty") as writer:
+    with IndexedDatasetWriter(tmp_path / "empty"):
         pass
     assert len(IndexedDataset(tmp_path / "empty")) == 0
     with pytest.raises(DataError, match=r"is empty \(0 documents, 0 tokens\)"):
