@@ -126,9 +126,10 @@ class RunOptions:
 
 def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops, num_devices):
     B, s = parallel.global_batch_size, model_cfg.seq_length
-    flops = flops_per_iteration(model_cfg, B)
+    vocab = model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size)  # the logits actually computed
+    flops = flops_per_iteration(model_cfg, B, vocab)
     tflops = flops / step_time / num_devices / 1e12
-    mfu = model_flops_per_iteration(model_cfg, B) / step_time / num_devices / (peak_tflops * 1e12)
+    mfu = model_flops_per_iteration(model_cfg, B, vocab) / step_time / num_devices / (peak_tflops * 1e12)
     return {
         "kind": "train",
         "iteration": iteration,
