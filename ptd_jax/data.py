@@ -72,9 +72,7 @@ class GPTDataset:
         lengths = indexed.lengths[self.order].astype(np.int64)
         self.ends = np.cumsum(lengths)
         total_samples = (int(self.ends[-1]) - 1) // seq_length
-        self.shuffle = rng.permutation(total_samples)[:num_samples] if num_samples else np.zeros(0, np.int64)
-        if len(self.shuffle) < num_samples:  # cannot happen with the epoch count above; kept as a guard
-            raise DataError(f"num_samples={num_samples} exceeds the {total_samples} samples available")
+        self.shuffle = rng.permutation(total_samples)[:num_samples]  # enough epochs were made above
 
     def __len__(self) -> int:
         return self.num_samples

@@ -38,10 +38,6 @@ from ptd_jax.config import ModelConfig
 Params = dict[str, Any]
 
 
-def _dtype(name: str):
-    return jnp.dtype(name)
-
-
 def acc_dtype(dtype):
     """Accumulation dtype: float32 for 16-bit inputs, the input's own for float32/float64 (exactness tests)."""
     return jnp.promote_types(dtype, jnp.float32)
@@ -60,7 +56,7 @@ def init_params(key: jax.Array, cfg: ModelConfig, tensor_parallel_size: int = 1)
     and the padded rows are zero (they are never looked up and never enter the loss), so every t starts from
     the same real weights.
     """
-    pdt = _dtype(cfg.param_dtype)
+    pdt = jnp.dtype(cfg.param_dtype)
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
     std = cfg.init_method_std
     out_std = std / math.sqrt(2.0 * L)
@@ -201,7 +197,7 @@ def run_layers(layers, x_BxSxD, cfg: ModelConfig, *, key=None, recompute: str = 
 
 
 def embed(params, tokens_BxS, cfg: ModelConfig, key=None):
-    dt = _dtype(cfg.dtype)
+    dt = jnp.dtype(cfg.dtype)
     S = tokens_BxS.shape[1]
     x_BxSxD = jnp.take(params["embed"]["word"], tokens_BxS, axis=0) + params["embed"]["position"][:S]
     return dropout(x_BxSxD.astype(dt), cfg.hidden_dropout, key)
@@ -215,7 +211,7 @@ def output_logits(params, x_BxSxD, cfg: ModelConfig):
 
 
 def cast_params(params: Params, cfg: ModelConfig) -> Params:
-    dt = _dtype(cfg.dtype)
+    dt = jnp.dtype(cfg.dtype)
     return jax.tree.map(lambda x: x.astype(dt), params)
 
 

@@ -72,10 +72,6 @@ def split_axes(spec: P) -> tuple[str, ...]:
     return tuple(a for a in tuple(spec) if a is not None)
 
 
-def is_tensor_split(spec: P) -> bool:
-    return TENSOR in tuple(spec)
-
-
 def opt_state_specs(optimizer: optax.GradientTransformation, opt_state, specs):
     """Optimizer moments shard like their parameters; counters and other scalars are replicated."""
     return optax.tree_map_params(optimizer, lambda _, spec: spec, opt_state, specs,

@@ -120,7 +120,8 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         tokens, labels, mask = tokens_MxBxS[mb], labels_MxBxS[mb], mask_MxBxS[mb]
         x_stash = act_buf[cell["in_slot"]]
         dy = grad_buf[cell["grad_slot"]]
-        grads_layers_c_like = jax.tree.map(lambda g: g[0], grads_layers)
+        # one chunk's gradient: the accumulator without its chunk dim (shape and type only, no slicing)
+        grad_c_like = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype), grads_layers)
 
         def forward(_):
             # In training the loss is taken from the backward tick's recomputation (the output layer runs once
@@ -128,7 +129,8 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             y, loss = stage(layers_c, shared, x_stash, tokens, labels, mask, is_first, with_loss=forward_only)
             loss = jnp.where(is_last, loss, 0.0).astype(acc) if forward_only else tp.mark_like(
                 jnp.zeros((), acc), loss_acc)
-            zeros = jax.tree.map(jnp.zeros_like, (grads_layers_c_like, grads_shared))
+            zeros = jax.tree.map(lambda d, ref: tp.mark_like(jnp.zeros(d.shape, d.dtype), ref),
+                                 (grad_c_like, grads_shared), (layers_c, grads_shared))
             return y.astype(act_dtype), loss, zeros
 
         def backward(_):
@@ -138,7 +140,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             ct_loss = tp.mark_like(jnp.where(is_last, 1.0 / total_tokens, 0.0).astype(loss.dtype), loss)
             d_layers, d_shared, dx = vjp((ct_y, ct_loss))
             grads = jax.tree.map(lambda g, like: g.astype(like.dtype), (d_layers, d_shared),
-                                 (grads_layers_c_like, grads_shared))
+                                 (grad_c_like, grads_shared))
             return dx.astype(act_dtype), jnp.where(is_last, loss, 0.0).astype(acc), grads
 
         is_f = cell["kind"] > 0
