@@ -15,24 +15,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention import _out_struct
+from pallas_kernels._common import match_varying, out_struct, pallas_call
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
+    """Rows per program and vocabulary columns per inner step. Rows need not divide (a partial last block);
+    the vocabulary block is the largest power of two <= block_vocab that divides the shard's width (Megatron
+    pads the vocabulary to a multiple of 128·t, so every shard's width is a multiple of 128)."""
+
     block_rows: int = 64
     block_vocab: int = 512
 
     def for_shape(self, rows: int, vocab: int) -> tuple[int, int]:
-        br, bv = min(self.block_rows, rows), min(self.block_vocab, vocab)
-        if rows % br or vocab % bv:
-            raise ValueError(f"{rows=} and {vocab=} must be multiples of block_rows={br} and block_vocab={bv}")
-        return br, bv
+        if self.block_rows <= 0 or self.block_vocab <= 0 or self.block_vocab & (self.block_vocab - 1):
+            raise ValueError(f"block_rows={self.block_rows} must be positive and block_vocab={self.block_vocab} a "
+                             f"power of two")
+        bv = math.gcd(self.block_vocab, vocab)
+        if bv < min(vocab, 16):
+            raise ValueError(f"{vocab=} has no power-of-two block of at least 16 columns <= block_vocab="
+                             f"{self.block_vocab}; pad the vocabulary (make_vocab_size_divisible_by)")
+        return min(self.block_rows, rows), bv
 
 
 def cross_entropy_reference(logits, labels, *, vocab_size=None):
@@ -44,7 +53,7 @@ def cross_entropy_reference(logits, labels, *, vocab_size=None):
     return lse - jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
 
 
-def _stats_kernel(logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target_ref, *, block_vocab, vocab):
+def _stats_kernel(_, logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target_ref, *, block_vocab, vocab):
     labels = labels_ref[...]                                          # [br] local label (may be out of range)
     valid = valid_ref[0]                                              # columns < valid are real vocabulary
     rows = labels.shape[0]
@@ -68,7 +77,7 @@ def _stats_kernel(logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target_re
     target_ref[...] = t
 
 
-def _grad_kernel(logits_ref, labels_ref, valid_ref, lse_ref, g_ref, dlogits_ref, *, block_vocab, vocab):
+def _grad_kernel(_, logits_ref, labels_ref, valid_ref, lse_ref, g_ref, dlogits_ref, *, block_vocab, vocab):
     labels = labels_ref[...]
     valid = valid_ref[0]
     lse = lse_ref[...]
@@ -95,9 +104,9 @@ def _stats(logits, local_labels, valid, blocks, interpret):
     rows, vocab = logits.shape
     br, bv = blocks.for_shape(rows, vocab)
     mat, vec, scalar = _specs(rows, vocab, br)
-    out = _out_struct((rows,), jnp.float32, logits)
-    return pl.pallas_call(
-        functools.partial(_stats_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
+    out = out_struct((rows,), jnp.float32, logits)
+    return pallas_call(
+        functools.partial(_stats_kernel, block_vocab=bv, vocab=vocab), grid=(pl.cdiv(rows, br),),
         in_specs=[mat, vec, scalar], out_specs=[vec, vec, vec], out_shape=[out, out, out],
         interpret=interpret, name="cross_entropy_stats",
     )(logits, local_labels, valid)
@@ -125,12 +134,12 @@ def _cross_entropy_bwd(axis_name, blocks, interpret, residuals, g):
     rows, vocab = logits.shape
     br, bv = blocks.for_shape(rows, vocab)
     mat, vec, scalar = _specs(rows, vocab, br)
-    dlogits = pl.pallas_call(
-        functools.partial(_grad_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
+    dlogits = pallas_call(
+        functools.partial(_grad_kernel, block_vocab=bv, vocab=vocab), grid=(pl.cdiv(rows, br),),
         in_specs=[mat, vec, scalar, vec, vec], out_specs=mat,
-        out_shape=_out_struct(logits.shape, logits.dtype, logits),
+        out_shape=out_struct(logits.shape, logits.dtype, logits),
         interpret=interpret, name="cross_entropy_grad",
-    )(logits, local_labels, valid, lse, g.astype(jnp.float32))
+    )(logits, local_labels, valid, *match_varying(lse, g.astype(jnp.float32), logits)[:2])
     return dlogits, None, None
 
 
@@ -148,4 +157,5 @@ def softmax_cross_entropy(logits, labels, *, vocab_size: int | None = None, voca
     limit = vocab_size if vocab_size is not None else vocab_start + vocab
     valid = jnp.clip(jnp.asarray(limit - vocab_start, jnp.int32), 0, vocab).reshape(1)
     local_labels = (labels - vocab_start).astype(jnp.int32)
+    logits, local_labels, valid = match_varying(logits, local_labels, valid)
     return _cross_entropy(logits, local_labels, valid, axis_name, block_sizes, interpret)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pallas_kernels._common import match_varying, out_struct, pallas_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,8 @@ def _causal_mask(q_start, k_start, block_q, block_k):
     return rows >= cols
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k, seq_len):
-    i = pl.program_id(2)
+def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k, seq_len):
+    i = ids[2]
     q = q_ref[...]                                               # [bq, K]
     m0 = jnp.full((block_q,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_q,), jnp.float32)
@@ -79,9 +80,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, 
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, block_q,
+def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, block_q,
                  block_k, seq_len):
-    j = pl.program_id(2)
+    j = ids[2]
     k = k_ref[...]                                               # [bk, K]
     v = v_ref[...]
     dk0 = jnp.zeros(k.shape, jnp.float32)
@@ -109,9 +110,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, block_q, block_k,
+def _dq_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, block_q, block_k,
                seq_len):
-    i = pl.program_id(2)
+    i = ids[2]
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
@@ -143,18 +144,6 @@ def _specs(B, S, H, K, blocks):
     return rows_q, rows_k, whole, vec_q, vec_whole
 
 
-def _out_struct(shape, dtype, like):
-    """ShapeDtypeStruct varying over the same shard_map axes as `like` (needed inside shard_map with vma
-    checking: jax 0.10 calls it manual_axis_type, earlier releases vma)."""
-    aval = jax.typeof(like)
-    params = inspect.signature(jax.ShapeDtypeStruct).parameters
-    if "manual_axis_type" in params and getattr(aval, "manual_axis_type", None) is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-    if "vma" in params and getattr(aval, "vma", None) is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
 def _check(q, k, v):
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one [batch, seq, heads, head_dim] shape, got {q.shape=}, {k.shape=}, "
@@ -166,10 +155,10 @@ def _forward(q, k, v, causal, scale, blocks, interpret):
     rows_q, _, whole, vec_q, _ = _specs(B, S, H, K, blocks)
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, block_q=blocks.block_q,
                                block_k=blocks.block_k, seq_len=S)
-    return pl.pallas_call(
+    return pallas_call(
         kernel, grid=(B, H, S // blocks.block_q),
         in_specs=[rows_q, whole, whole], out_specs=[rows_q, vec_q],
-        out_shape=[_out_struct(q.shape, q.dtype, q), _out_struct((B, H, S), jnp.float32, q)],
+        out_shape=[out_struct(q.shape, q.dtype, q), out_struct((B, H, S), jnp.float32, q)],
         interpret=interpret, name="flash_attention_fwd",
     )(q, k, v)
 
@@ -179,16 +168,16 @@ def _backward(q, k, v, o, lse, do, causal, scale, blocks, interpret):
     rows_q, rows_k, whole, vec_q, vec_whole = _specs(B, S, H, K, blocks)
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))  # rowsum(dO ∘ O)
     common = dict(scale=scale, causal=causal, block_q=blocks.block_q, block_k=blocks.block_k, seq_len=S)
-    dk, dv = pl.pallas_call(
+    dk, dv = pallas_call(
         functools.partial(_dkdv_kernel, **common), grid=(B, H, S // blocks.block_k),
         in_specs=[whole, rows_k, rows_k, whole, vec_whole, vec_whole], out_specs=[rows_k, rows_k],
-        out_shape=[_out_struct(k.shape, k.dtype, k), _out_struct(v.shape, v.dtype, v)],
+        out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
         interpret=interpret, name="flash_attention_dkdv",
     )(q, k, v, do, lse, delta)
-    dq = pl.pallas_call(
+    dq = pallas_call(
         functools.partial(_dq_kernel, **common), grid=(B, H, S // blocks.block_q),
         in_specs=[rows_q, whole, whole, rows_q, vec_q, vec_q], out_specs=rows_q,
-        out_shape=_out_struct(q.shape, q.dtype, q),
+        out_shape=out_struct(q.shape, q.dtype, q),
         interpret=interpret, name="flash_attention_dq",
     )(q, k, v, do, lse, delta)
     return dq, dk, dv
@@ -216,5 +205,6 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
                     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
     """Causal (or full) attention over [batch, seq, heads, head_dim]; differentiable (custom VJP)."""
     _check(q, k, v)
+    q, k, v = match_varying(q, k, v)
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _flash(q, k, v, causal, scale, block_sizes.for_seq(q.shape[1]), interpret)

@@ -13,20 +13,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention import _out_struct
+from pallas_kernels._common import match_varying, out_struct, pallas_call
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Rows per program; the row count must be a multiple (fewer rows use one block)."""
+    """Rows per program. A row count that is not a multiple gets a partial last block (its extra rows are
+    computed on padding, never stored, and masked out of the weight and bias gradients)."""
 
     block_rows: int = 128
 
     def for_rows(self, rows: int) -> int:
-        block = min(self.block_rows, rows)
-        if rows % block:
-            raise ValueError(f"{rows=} (all dims but the last, multiplied) must be a multiple of block_rows={block}")
-        return block
+        if self.block_rows <= 0:
+            raise ValueError(f"block_rows={self.block_rows} must be positive")
+        return min(self.block_rows, rows)
 
 
 def layer_norm_reference(x, weight, bias, *, eps: float = 1e-5):
@@ -37,7 +37,7 @@ def layer_norm_reference(x, weight, bias, *, eps: float = 1e-5):
             + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def _fwd_kernel(x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps):
+def _fwd_kernel(ids, x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps):
     x = x_ref[...].astype(jnp.float32)                        # [rows, D]
     mean = x.mean(axis=-1)
     xc = x - mean[:, None]
@@ -48,15 +48,17 @@ def _fwd_kernel(x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps):
     rstd_ref[...] = rstd
 
 
-def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, db_ref):
+def _bwd_kernel(ids, x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, db_ref, *, rows):
     x = x_ref[...].astype(jnp.float32)
-    dy = dy_ref[...].astype(jnp.float32)
+    block = x.shape[0]
+    in_range = ids[0] * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < rows
+    dy = jnp.where(in_range, dy_ref[...].astype(jnp.float32), 0.0)  # rows past the end add nothing to dw, db
     rstd = rstd_ref[...]
     xhat = (x - mean_ref[...][:, None]) * rstd[:, None]
     g = dy * w_ref[...].astype(jnp.float32)
     dx = rstd[:, None] * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
     dx_ref[...] = dx.astype(dx_ref.dtype)
-    dw_ref[...] = (dy * xhat).sum(axis=0)[None, :]
+    dw_ref[...] = jnp.where(in_range, dy * xhat, 0.0).sum(axis=0)[None, :]
     db_ref[...] = dy.sum(axis=0)[None, :]
 
 
@@ -68,11 +70,11 @@ def _specs(rows, D, block):
 def _forward(x2, w, b, eps, block, interpret):
     rows, D = x2.shape
     mat, vec_d, vec_rows, _ = _specs(rows, D, block)
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, eps=eps), grid=(rows // block,),
+    return pallas_call(
+        functools.partial(_fwd_kernel, eps=eps), grid=(pl.cdiv(rows, block),),
         in_specs=[mat, vec_d, vec_d], out_specs=[mat, vec_rows, vec_rows],
-        out_shape=[_out_struct(x2.shape, x2.dtype, x2), _out_struct((rows,), jnp.float32, x2),
-                   _out_struct((rows,), jnp.float32, x2)],
+        out_shape=[out_struct(x2.shape, x2.dtype, x2), out_struct((rows,), jnp.float32, x2),
+                   out_struct((rows,), jnp.float32, x2)],
         interpret=interpret, name="layer_norm_fwd",
     )(x2, w, b)
 
@@ -91,12 +93,12 @@ def _layer_norm_bwd(eps, block, interpret, residuals, dy):
     x2, w, b, mean, rstd = residuals
     rows, D = x2.shape
     mat, vec_d, vec_rows, partial = _specs(rows, D, block)
-    n = rows // block
-    dx, dw_parts, db_parts = pl.pallas_call(
-        _bwd_kernel, grid=(n,),
+    n = pl.cdiv(rows, block)
+    dx, dw_parts, db_parts = pallas_call(
+        functools.partial(_bwd_kernel, rows=rows), grid=(n,),
         in_specs=[mat, vec_d, vec_rows, vec_rows, mat], out_specs=[mat, partial, partial],
-        out_shape=[_out_struct(x2.shape, x2.dtype, x2), _out_struct((n, D), jnp.float32, x2),
-                   _out_struct((n, D), jnp.float32, x2)],
+        out_shape=[out_struct(x2.shape, x2.dtype, x2), out_struct((n, D), jnp.float32, x2),
+                   out_struct((n, D), jnp.float32, x2)],
         interpret=interpret, name="layer_norm_bwd",
     )(x2, w, mean, rstd, dy)
     return dx, dw_parts.sum(0).astype(w.dtype), db_parts.sum(0).astype(b.dtype)
@@ -111,6 +113,7 @@ def layer_norm(x, weight, bias, *, eps: float = 1e-5, block_sizes: BlockSizes = 
     D = x.shape[-1]
     if weight.shape != (D,) or bias.shape != (D,):
         raise ValueError(f"weight.shape={weight.shape} and bias.shape={bias.shape} must be ({D},) for {x.shape=}")
+    x, weight, bias = match_varying(x, weight, bias)
     x2 = x.reshape(-1, D)
     block = block_sizes.for_rows(x2.shape[0])
     return _layer_norm(x2, weight, bias, float(eps), block, interpret).reshape(x.shape)

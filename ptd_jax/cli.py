@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
     g.add_argument("--attention-backend", choices=["xla", "pallas", "cudnn"],
                    help="attention implementation (default: pallas on GPU, xla elsewhere)")
+    g.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction,
+                   help="LayerNorm and cross-entropy by the Pallas kernels (default: on with a GPU, off elsewhere)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, help="t (default 1; see the demo layout below)")
@@ -139,12 +141,17 @@ def model_config_from_args(args) -> ModelConfig:
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
         gelu_approximate=args.gelu == "tanh", dtype="bfloat16" if args.bf16 else "float32",
         attention_backend=args.attention_backend or default_attention_backend(),
+        fused_kernels=args.fused_kernels if args.fused_kernels is not None else _gpu_installed(),
     )
 
 
 def default_attention_backend() -> str:
     """pallas on GPUs, xla elsewhere (checked without starting a JAX backend)."""
-    return "pallas" if accelerator_installed() and not _tpu_only() else "xla"
+    return "pallas" if _gpu_installed() else "xla"
+
+
+def _gpu_installed() -> bool:
+    return accelerator_installed() and not _tpu_only()
 
 
 def _tpu_only() -> bool:

@@ -69,6 +69,9 @@ class ModelConfig:
     attention_backend: str = "xla"
     """xla (einsum + softmax), pallas (fused flash attention, pallas_kernels/; interpret mode on CPU) or cudnn
     (jax.nn.dot_product_attention on GPU)."""
+    fused_kernels: bool = False
+    """LayerNorm and the (vocab-parallel) cross-entropy by the Pallas kernels of pallas_kernels/ (interpret mode
+    on CPU); the output layer then emits logits in the compute dtype and the loss kernel reads them in blocks."""
     dtype: str = "float32"
     """Compute dtype for activations and matmuls (`--bf16` sets bfloat16); softmax and loss stay float32."""
     param_dtype: str = "float32"
@@ -103,6 +106,9 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             _check(value in DTYPES, f"{name}={value!r} is not one of {DTYPES}")
+        _check(self.dtype != "float64" or (self.attention_backend == "xla" and not self.fused_kernels),
+               f"dtype='float64' needs attention_backend='xla' and fused_kernels=False, got "
+               f"{self.attention_backend=!r}, {self.fused_kernels=} (the kernels accumulate in float32)")
 
     @property
     def head_dim(self) -> int:

@@ -105,8 +105,18 @@ def count_params(params: Params) -> int:
 # Building blocks
 # ---------------------------------------------------------------------------------------------------------------
 
-def layer_norm(x_BxSxD, p, eps: float):
-    """LayerNorm over the last dim, statistics in float32 whatever the compute dtype."""
+def interpret_kernels() -> bool:
+    """Pallas kernels run interpreted where there is no GPU to compile them for."""
+    return jax.default_backend() == "cpu"
+
+
+def layer_norm(x_BxSxD, p, eps: float, fused: bool = False):
+    """LayerNorm over the last dim, statistics in float32 whatever the compute dtype (`fused`: the Pallas
+    kernel)."""
+    if fused:
+        from pallas_kernels import layer_norm as fused_layer_norm
+
+        return fused_layer_norm(x_BxSxD, p["scale"], p["bias"], eps=eps, interpret=interpret_kernels())
     acc = acc_dtype(x_BxSxD.dtype)
     x = x_BxSxD.astype(acc)
     mean = x.mean(-1, keepdims=True)
@@ -134,8 +144,7 @@ def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0
     if backend == "pallas":
         from pallas_kernels import flash_attention
 
-        return flash_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, causal=True,
-                               interpret=jax.default_backend() == "cpu")
+        return flash_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, causal=True, interpret=interpret_kernels())
     if backend == "cudnn":
         return jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True, implementation="cudnn")
     S, K = q_BxSxHxK.shape[1], q_BxSxHxK.shape[-1]
@@ -165,9 +174,10 @@ def mlp_block(p, x_BxSxD, cfg: ModelConfig):
 def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None):
     """One pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x)))."""
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-    h = attention_block(p["attn"], layer_norm(x_BxSxD, p["ln1"], cfg.layernorm_epsilon), cfg, k_attn)
+    h = attention_block(p["attn"], layer_norm(x_BxSxD, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
+                        k_attn)
     x_BxSxD = x_BxSxD + dropout(h, cfg.hidden_dropout, k_h1)
-    h = mlp_block(p["mlp"], layer_norm(x_BxSxD, p["ln2"], cfg.layernorm_epsilon), cfg)
+    h = mlp_block(p["mlp"], layer_norm(x_BxSxD, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg)
     return x_BxSxD + dropout(h, cfg.hidden_dropout, k_h2)
 
 
@@ -204,10 +214,15 @@ def embed(params, tokens_BxS, cfg: ModelConfig, key=None):
 
 
 def output_logits(params, x_BxSxD, cfg: ModelConfig):
-    """Final LayerNorm and the output layer tied to the word embedding; float32 logits [B, S, Vp]."""
-    x_BxSxD = layer_norm(x_BxSxD, params["final_ln"], cfg.layernorm_epsilon)
+    """Final LayerNorm and the output layer tied to the word embedding: logits [B, S, Vp] in float32 (in the
+    compute dtype with fused kernels, whose loss reads them block by block in float32)."""
+    x_BxSxD = layer_norm(x_BxSxD, params["final_ln"], cfg.layernorm_epsilon, cfg.fused_kernels)
     word_VxD = params["embed"]["word"].astype(x_BxSxD.dtype)
-    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VxD, preferred_element_type=acc_dtype(x_BxSxD.dtype))
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VxD, preferred_element_type=logits_dtype(x_BxSxD.dtype, cfg))
+
+
+def logits_dtype(compute_dtype, cfg: ModelConfig):
+    return compute_dtype if cfg.fused_kernels else acc_dtype(compute_dtype)
 
 
 def cast_params(params: Params, cfg: ModelConfig) -> Params:
@@ -224,9 +239,16 @@ def forward(params, tokens_BxS, cfg: ModelConfig, *, key=None, recompute: str = 
     return output_logits(params, x_BxSxD, cfg)
 
 
-def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int):
+def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int, fused: bool = False):
     """Per-token -log softmax(logits)[label] in float32 (or float64); padded vocabulary entries (>= vocab_size)
-    are excluded from the normaliser, so padding never changes the loss."""
+    are excluded from the normaliser, so padding never changes the loss. `fused`: the Pallas kernel."""
+    if fused:
+        from pallas_kernels import softmax_cross_entropy
+
+        B, S, V = logits_BxSxV.shape
+        losses = softmax_cross_entropy(logits_BxSxV.reshape(B * S, V), labels_BxS.reshape(B * S),
+                                       vocab_size=vocab_size, interpret=interpret_kernels())
+        return losses.reshape(B, S)
     logits = logits_BxSxV.astype(acc_dtype(logits_BxSxV.dtype))
     valid_V = jnp.arange(logits.shape[-1]) < vocab_size
     logits = jnp.where(valid_V, logits, -jnp.inf)
@@ -238,5 +260,5 @@ def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int):
 def loss_sum(params, tokens_BxS, labels_BxS, mask_BxS, cfg: ModelConfig, *, key=None, recompute: str = "none"):
     """Sum of masked token losses (divide by the global token count outside: layout-independent averaging)."""
     logits = forward(params, tokens_BxS, cfg, key=key, recompute=recompute)
-    losses_BxS = cross_entropy(logits, labels_BxS, cfg.vocab_size)
+    losses_BxS = cross_entropy(logits, labels_BxS, cfg.vocab_size, cfg.fused_kernels)
     return jnp.sum(jnp.where(mask_BxS > 0, losses_BxS, 0.0))

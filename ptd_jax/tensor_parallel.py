@@ -116,9 +116,11 @@ def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None)
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
     if sequence_parallel:
         k_h1, k_h2 = _per_tensor_rank(k_h1), _per_tensor_rank(k_h2)
-    h = attention(p["attn"], gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon), cfg, sequence_parallel, k_attn)
+    h = attention(p["attn"], gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
+                  sequence_parallel, k_attn)
     x = x + gpt.dropout(h, cfg.hidden_dropout, k_h1)
-    h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon), cfg, sequence_parallel)
+    h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
+            sequence_parallel)
     return x + gpt.dropout(h, cfg.hidden_dropout, k_h2)
 
 
@@ -160,18 +162,28 @@ def vocab_parallel_embed(params, tokens_BxS, cfg: ModelConfig, sequence_parallel
 
 def vocab_parallel_logits(params, x, cfg: ModelConfig, sequence_parallel: bool):
     """Final LayerNorm, then the tied output layer on this rank's vocabulary rows: logits [B, S, Vl]."""
-    x = gpt.layer_norm(x, params["final_ln"], cfg.layernorm_epsilon)
+    x = gpt.layer_norm(x, params["final_ln"], cfg.layernorm_epsilon, cfg.fused_kernels)
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
     word_VlxD = params["embed"]["word"].astype(x_BxSxD.dtype)
-    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VlxD, preferred_element_type=gpt.acc_dtype(x_BxSxD.dtype))
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VlxD,
+                      preferred_element_type=gpt.logits_dtype(x_BxSxD.dtype, cfg))
 
 
-def vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, vocab_size: int):
+def vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, vocab_size: int, fused: bool = False):
     """-log softmax(logits)[label] with the vocabulary split over tensor: three all-reduces of B·S scalars
-    (max, sum of exponentials, target logit). Padded ids (>= vocab_size) never enter the normaliser."""
-    logits = logits_BxSxVl.astype(gpt.acc_dtype(logits_BxSxVl.dtype))
-    vocab_local = logits.shape[-1]
+    (max, sum of exponentials, target logit). Padded ids (>= vocab_size) never enter the normaliser.
+    `fused`: the Pallas kernel computes the three per-shard statistics, the same three all-reduces combine them."""
+    vocab_local = logits_BxSxVl.shape[-1]
     start = jax.lax.axis_index(TENSOR) * vocab_local
+    if fused:
+        from pallas_kernels import softmax_cross_entropy
+
+        B, S = labels_BxS.shape
+        losses = softmax_cross_entropy(logits_BxSxVl.reshape(B * S, vocab_local), labels_BxS.reshape(B * S),
+                                       vocab_size=vocab_size, vocab_start=start, axis_name=TENSOR,
+                                       interpret=gpt.interpret_kernels())
+        return losses.reshape(B, S)
+    logits = logits_BxSxVl.astype(gpt.acc_dtype(logits_BxSxVl.dtype))
     valid_Vl = start + jnp.arange(vocab_local) < vocab_size
     logits = jnp.where(valid_Vl, logits, -jnp.inf)
     # The max only stabilises exp(); it has no gradient (the result does not depend on it).
@@ -193,5 +205,5 @@ def loss_sum(params, tokens_BxS, labels_BxS, mask_BxS, cfg: ModelConfig, *, sequ
     x = vocab_parallel_embed(params, tokens_BxS, cfg, sequence_parallel, k_embed)
     x = run_layers(params["layers"], x, cfg, sequence_parallel, key=k_layers, recompute=recompute)
     logits_BxSxVl = vocab_parallel_logits(params, x, cfg, sequence_parallel)
-    losses_BxS = vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, cfg.vocab_size)
+    losses_BxS = vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, cfg.vocab_size, cfg.fused_kernels)
     return jnp.sum(jnp.where(mask_BxS > 0, losses_BxS, 0.0))

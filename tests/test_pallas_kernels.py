@@ -63,29 +63,51 @@ def test_bad_shapes_are_named():
         flash_attention(q, k[..., :4], v, interpret=True)
 
 
-def test_pallas_backend_inside_a_tensor_parallel_training_step(small_corpus, tmp_path):
-    """The same 4 iterations of a (d, t) = (2, 2) shard_map step with attention by XLA and by the Pallas kernel."""
+def _loss_trace(cfg, parallel, data, path, iters=4):
     import json
 
-    from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+    from ptd_jax.config import TrainConfig
     from ptd_jax.train import RunOptions, train
+
+    tcfg = TrainConfig(train_iters=iters, lr=3e-3, lr_warmup_iters=1, log_interval=1, eval_iters=0)
+    train(cfg, parallel, tcfg, RunOptions(data_path=data, progress=False, metrics_file=str(path)))
+    return [json.loads(line)["lm_loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kernels", [dict(attention_backend="pallas"),
+                                     dict(attention_backend="pallas", fused_kernels=True)], ids=["attention", "all"])
+def test_pallas_kernels_inside_a_tensor_parallel_training_step(kernels, small_corpus, tmp_path):
+    """The same 4 iterations of a (d, t) = (2, 2) shard_map step with XLA and with the Pallas kernels
+    (interpret mode): flash attention on local heads, LayerNorm, vocab-parallel loss on each vocabulary shard."""
+    from ptd_jax.config import ModelConfig, ParallelConfig
 
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32)
     parallel = ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2, micro_batch_size=2,
                               global_batch_size=8)
-    tcfg = TrainConfig(train_iters=4, lr=3e-3, lr_warmup_iters=1, log_interval=1, eval_iters=0)
-    traces = {}
-    for backend in ("xla", "pallas"):
-        path = tmp_path / f"{backend}.jsonl"
-        train(cfg.replace(attention_backend=backend), parallel, tcfg,
-              RunOptions(data_path=small_corpus, progress=False, metrics_file=str(path)))
-        traces[backend] = [json.loads(line)["lm_loss"] for line in path.read_text().splitlines()]
-    assert len(traces["xla"]) == 4
-    np.testing.assert_allclose(traces["pallas"], traces["xla"], rtol=1e-5)
+    xla = _loss_trace(cfg, parallel, small_corpus, tmp_path / "xla.jsonl")
+    fused = _loss_trace(cfg.replace(**kernels), parallel, small_corpus, tmp_path / "pallas.jsonl")
+    assert len(xla) == 4
+    np.testing.assert_allclose(fused, xla, rtol=1e-5)
 
 
-def test_attention_dropout_needs_xla():
+def test_fused_kernels_in_a_pipelined_sequence_parallel_step(small_corpus, tmp_path):
+    """(d, p, t) = (1, 2, 2), interleaved 1F1B, sequence parallelism: LayerNorm on a rank's own tokens with
+    tensor-varying weights, the loss kernel inside the executor's backward ticks."""
+    from ptd_jax.config import ModelConfig, ParallelConfig
+
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                              virtual_pipeline_stages=2, pipeline_schedule="interleaved", sequence_parallel=True,
+                              micro_batch_size=2, global_batch_size=8)
+    xla = _loss_trace(cfg, parallel, small_corpus, tmp_path / "xla.jsonl", iters=3)
+    fused = _loss_trace(cfg.replace(fused_kernels=True), parallel, small_corpus, tmp_path / "fused.jsonl", iters=3)
+    np.testing.assert_allclose(fused, xla, rtol=1e-5)
+
+
+def test_attention_dropout_needs_xla_and_float64_no_kernels():
     from ptd_jax.config import ConfigError, ModelConfig
 
     with pytest.raises(ConfigError, match=r"attention_dropout=0.1 needs attention_backend='xla', got 'pallas'"):
         ModelConfig(attention_backend="pallas", attention_dropout=0.1)
+    with pytest.raises(ConfigError, match=r"dtype='float64' needs .* self.fused_kernels=True"):
+        ModelConfig(dtype="float64", fused_kernels=True)

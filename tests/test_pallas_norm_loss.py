@@ -17,7 +17,8 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape, blocks", [((4, 16, 32), LNBlocks(16)), ((3, 10, 64), LNBlocks(128))])
+@pytest.mark.parametrize("shape, blocks", [((4, 16, 32), LNBlocks(16)), ((3, 10, 64), LNBlocks(128)),
+                                           ((3, 10, 64), LNBlocks(16))], ids=["blocks", "one-block", "ragged"])
 def test_layer_norm_forward_and_gradients(shape, blocks, dtype, tol):
     k = jax.random.split(jax.random.key(0), 4)
     x = (jax.random.normal(k[0], shape) * 3 + 1).astype(dtype)
@@ -36,15 +37,17 @@ def test_layer_norm_forward_and_gradients(shape, blocks, dtype, tol):
 
 def test_layer_norm_errors_name_shapes():
     x = jnp.ones((6, 8))
-    with pytest.raises(ValueError, match=r"rows=6 .* multiple of block_rows=4"):
-        layer_norm(x, jnp.ones(8), jnp.zeros(8), block_sizes=LNBlocks(4), interpret=True)
+    with pytest.raises(ValueError, match=r"block_rows=0 must be positive"):
+        layer_norm(x, jnp.ones(8), jnp.zeros(8), block_sizes=LNBlocks(0), interpret=True)
     with pytest.raises(ValueError, match=r"weight.shape=\(7,\)"):
         layer_norm(x, jnp.ones(7), jnp.zeros(8), interpret=True)
 
 
-@pytest.mark.parametrize("blocks", [CEBlocks(16, 128), CEBlocks(32, 384)])
-def test_cross_entropy_forward_and_gradient_with_padded_vocabulary(blocks):
-    N, V, real = 32, 384, 257
+@pytest.mark.parametrize("N, blocks", [(32, CEBlocks(16, 128)), (40, CEBlocks(16, 256))],
+                         ids=["blocks", "ragged-rows-and-vocab"])
+def test_cross_entropy_forward_and_gradient_with_padded_vocabulary(N, blocks):
+    """V=384 with block_vocab=256 falls back to 128-column steps; N=40 rows leave a partial last row block."""
+    V, real = 384, 257
     x = jax.random.normal(jax.random.key(0), (N, V)) * 3
     x = x.at[:, real:].set(50.0)  # padded columns must never count
     y = jax.random.randint(jax.random.key(1), (N,), 0, real)
@@ -81,6 +84,49 @@ def test_cross_entropy_shard_statistics_compose_like_the_vocab_parallel_loss():
 def test_cross_entropy_shape_errors():
     with pytest.raises(ValueError, match=r"logits must be \[N, V\] and labels \[N\]"):
         softmax_cross_entropy(jnp.ones((4, 8)), jnp.zeros((3,), jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match=r"vocab=100 must be multiples of block_rows=4 and block_vocab=64"):
+    with pytest.raises(ValueError, match=r"vocab=100 has no power-of-two block .* block_vocab=64"):
         softmax_cross_entropy(jnp.ones((4, 100)), jnp.zeros((4,), jnp.int32), block_sizes=CEBlocks(4, 64),
                               interpret=True)
+    with pytest.raises(ValueError, match=r"block_vocab=384 a power of two"):
+        softmax_cross_entropy(jnp.ones((4, 768)), jnp.zeros((4,), jnp.int32), block_sizes=CEBlocks(4, 384),
+                              interpret=True)
+
+
+def test_kernels_inside_shard_map_match_the_references():
+    """Under shard_map (data x tensor, vma checking on) with differently-typed operands: LayerNorm on
+    data-sharded rows with replicated weights, cross-entropy on a vocabulary shard combined over "tensor".
+    Loss and every gradient equal the single-device references."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4])
+    N, D, V, real = 32, 64, 256, 200
+    k = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(k[0], (N, D)) * 2 + 1
+    w, b = jax.random.normal(k[1], (D,)), jax.random.normal(k[2], (D,))
+    head = jax.random.normal(k[3], (D, V)) * 0.3
+    y = jax.random.randint(k[4], (N,), 0, real)
+
+    def loss(ln, ce, x, w, b, head):
+        return jnp.sum(ce(ln(x, w, b) @ head, y))
+
+    def reference(x, w, b, head):
+        return loss(layer_norm_reference, lambda z, y: cross_entropy_reference(z, y, vocab_size=real),
+                    x, w, b, head)
+
+    def body(x, w, b, head, y):
+        start = jax.lax.axis_index("tensor") * head.shape[1]
+        ce = lambda z, _: softmax_cross_entropy(z, y, vocab_size=real, vocab_start=start, axis_name="tensor",
+                                                 block_sizes=CEBlocks(8, 64), interpret=True)
+        ln = lambda *a: layer_norm(*a, block_sizes=LNBlocks(8), interpret=True)
+        value, grads = jax.value_and_grad(lambda *a: loss(ln, ce, *a), argnums=(0, 1, 2, 3))(x, w, b, head)
+        return (jax.lax.psum(value, "data"), *grads)  # replicated inputs' gradients arrive summed over data
+
+    specs = (P("data"), P(), P(), P(None, "tensor"), P("data"))
+    put = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, b, head, y), specs)]
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                                out_specs=(P(), P("data"), P(), P(), P(None, "tensor"))))(*put)
+    want_value, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3))(x, w, b, head)
+    assert rel(got[0], want_value) <= 1e-5
+    for name, g, r in zip(("dx", "dw", "db", "dhead"), got[1:], want_grads):
+        assert rel(g, r) <= 1e-5, name

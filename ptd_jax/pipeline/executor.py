@@ -105,7 +105,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         if not with_loss:
             return y, None
         logits = tp.vocab_parallel_logits(cast["shared"], y, cfg, sequence_parallel)
-        losses = tp.vocab_parallel_cross_entropy(logits, labels, cfg.vocab_size)
+        losses = tp.vocab_parallel_cross_entropy(logits, labels, cfg.vocab_size, cfg.fused_kernels)
         return y, jnp.sum(jnp.where(mask > 0, losses, 0.0))
 
     def tick(carry, row):
