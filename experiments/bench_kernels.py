@@ -26,6 +26,21 @@ def timed(fn, *args, repeats=10):
     return statistics.median(times)
 
 
+def max_rel_error(got, want):
+    """max |got - want| / max |want| over a pytree pair, in float64 numpy."""
+    import jax
+    import numpy as np
+
+    errs = [float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)))
+                  / max(float(np.max(np.abs(np.asarray(w, np.float64)))), 1e-30))
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    return max(errs)
+
+
+def error_text(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+
+
 def attention_rows(seqs, batch, heads, head_dim, dtype, interpret, repeats):
     import jax
     import jax.numpy as jnp
@@ -44,6 +59,16 @@ def attention_rows(seqs, batch, heads, head_dim, dtype, interpret, repeats):
             impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                           implementation="cudnn")
         row = {"seq": s}
+        try:  # the compiled kernel against the float32 definition: output and all three gradients
+            probe = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+            def loss(fn):
+                return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * probe)
+            got = jax.jit(jax.value_and_grad(loss(impls["pallas"]), argnums=(0, 1, 2)))(q, k, v)
+            want = jax.jit(jax.value_and_grad(loss(impls["xla"]), argnums=(0, 1, 2)))(
+                *(a.astype(jnp.float32) for a in (q, k, v)))
+            row["pallas_max_rel_err"] = max_rel_error(got, want)
+        except Exception as err:  # record and go on: one run on a lent GPU must bring back every number it can
+            row["pallas_check_error"] = error_text(err)
         for name, fn in impls.items():
             fwd = jax.jit(fn)
             fwd_bwd = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
@@ -52,7 +77,7 @@ def attention_rows(seqs, batch, heads, head_dim, dtype, interpret, repeats):
                 row[f"{name}_fwd_ms"] = 1e3 * timed(fwd, q, k, v, repeats=repeats)
                 row[f"{name}_fwd_bwd_ms"] = 1e3 * timed(fwd_bwd, q, k, v, repeats=repeats)
             except Exception as err:  # a backend without this implementation: record why, keep going
-                row[f"{name}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                row[f"{name}_error"] = error_text(err)
         flops = 4 * batch * heads * s * s * head_dim / 2  # causal: half of QKᵀ and PV
         for name in impls:
             if f"{name}_fwd_ms" in row:
@@ -79,14 +104,33 @@ def norm_and_loss_rows(tokens, hidden, vocab, dtype, interpret, repeats):
                           lambda z: cross_entropy_reference(z, labels), logits),
     }
     for name, (pallas_fn, xla_fn, arg) in cases.items():
+        grads = {}
+        probe = jax.random.normal(jax.random.key(3), jax.eval_shape(xla_fn, arg).shape, jnp.float32)
         for impl, fn in (("pallas", pallas_fn), ("xla", xla_fn)):
-            grad = jax.jit(jax.grad(lambda a, fn=fn: jnp.sum(fn(a).astype(jnp.float32))))
-            out[f"{name}_{impl}_fwd_bwd_ms"] = 1e3 * timed(grad, arg, repeats=repeats)
+            grad = jax.jit(jax.value_and_grad(lambda a, fn=fn: jnp.sum(fn(a).astype(jnp.float32) * probe)))
+            try:
+                grads[impl] = grad(arg)
+                out[f"{name}_{impl}_fwd_bwd_ms"] = 1e3 * timed(grad, arg, repeats=repeats)
+            except Exception as err:  # record and go on (see attention_rows)
+                out[f"{name}_{impl}_error"] = error_text(err)
+        if len(grads) == 2:
+            out[f"{name}_pallas_max_rel_err"] = max_rel_error(grads["pallas"], grads["xla"])
     print(json.dumps(out), flush=True)
     return out
 
 
-def training_step_row(preset, micro_batch, dtype, attention_backend, steps):
+def training_step_row(preset, micro_batch, dtype, attention_backend, fused_kernels, steps):
+    row = {"preset": preset, "micro_batch": micro_batch, "dtype": dtype, "attention_backend": attention_backend,
+           "fused_kernels": fused_kernels}
+    try:
+        row.update(_training_step(preset, micro_batch, dtype, attention_backend, fused_kernels, steps))
+    except Exception as err:  # record and go on (see attention_rows)
+        row["error"] = error_text(err)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _training_step(preset, micro_batch, dtype, attention_backend, fused_kernels, steps):
     import jax
     import numpy as np
 
@@ -96,7 +140,8 @@ def training_step_row(preset, micro_batch, dtype, attention_backend, steps):
     from ptd_jax.optimizer import make_optimizer
     from ptd_jax.parallel_step import init_sharded_state, make_parallel_train_step
 
-    cfg = model_preset(preset).replace(vocab_size=50257, dtype=dtype, attention_backend=attention_backend)
+    cfg = model_preset(preset).replace(vocab_size=50257, dtype=dtype, attention_backend=attention_backend,
+                                       fused_kernels=fused_kernels)
     parallel = ParallelConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch)
     tcfg = TrainConfig(recompute_granularity="selective")
     opt = make_optimizer(tcfg)
@@ -106,20 +151,19 @@ def training_step_row(preset, micro_batch, dtype, attention_backend, steps):
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, micro_batch, cfg.seq_length), dtype=np.int32)
     mask = np.ones_like(tokens)
     key = jax.random.key(1)
+    start = time.perf_counter()
     state, metrics = step(state, tokens, tokens, mask, key)
     jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
         state, metrics = step(state, tokens, tokens, mask, key)
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - start) / steps
     peak, source = device_peak_tflops(jax.devices()[0].device_kind, dtype == "bfloat16")
-    row = {"preset": preset, "micro_batch": micro_batch, "seq": cfg.seq_length, "dtype": dtype,
-           "attention_backend": attention_backend, "step_s": step_s,
-           "tflops_per_device_eq3": flops_per_iteration(cfg, micro_batch) / step_s / 1e12,
-           "mfu": model_flops_per_iteration(cfg, micro_batch) / step_s / (peak * 1e12), "peak_source": source}
-    print(json.dumps(row), flush=True)
-    return row
+    return {"seq": cfg.seq_length, "compile_s": compile_s, "step_s": step_s, "loss": float(metrics["lm_loss"]),
+            "tflops_per_device_eq3": flops_per_iteration(cfg, micro_batch) / step_s / 1e12,
+            "mfu": model_flops_per_iteration(cfg, micro_batch) / step_s / (peak * 1e12), "peak_source": source}
 
 
 def main(argv=None) -> None:
@@ -136,12 +180,14 @@ def main(argv=None) -> None:
     if args.smoke or not on_gpu:
         attn = attention_rows([32, 64], 1, 2, 16, jnp.float32, interpret, repeats=2)
         other = norm_and_loss_rows(64, 64, 512, jnp.float32, interpret, repeats=2)
-        steps = [training_step_row("tiny", 2, "float32", "xla", 2)]
+        steps = [training_step_row("tiny", 2, "float32", backend, fused, 2)
+                 for backend, fused in (("xla", False), ("pallas", True))]
     else:
         attn = attention_rows([512, 1024, 2048, 4096, 8192], 4, 16, 128, jnp.bfloat16, False, repeats=10)
         other = norm_and_loss_rows(8192, 2048, 50304, jnp.bfloat16, False, repeats=10)
-        steps = [training_step_row("1.3b", mb, "bfloat16", backend, 5) for backend in ("xla", "pallas", "cudnn")
-                 for mb in (4,)]
+        steps = [training_step_row("1.3b", 4, "bfloat16", backend, fused, 5)
+                 for backend, fused in (("xla", False), ("cudnn", False), ("pallas", False), ("pallas", True),
+                                        ("cudnn", True))]
     result = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "attention": attn,
               "norm_and_loss": other, "training_step": steps}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

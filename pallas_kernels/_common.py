@@ -17,6 +17,7 @@ import inspect
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 
 def varying_axes(x) -> frozenset:
@@ -49,13 +50,17 @@ def out_struct(shape, dtype, like):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def pallas_call(kernel, *, grid: tuple[int, ...], interpret: bool, **kwargs):
+def pallas_call(kernel, *, grid: tuple[int, ...], interpret: bool, num_warps: int = 4, num_stages: int = 2,
+                **kwargs):
     """`pl.pallas_call` of `kernel(program_ids, *refs)`: the kernel gets its grid indices as a tuple (read
     outside the jit, where the interpreter can substitute them) and is traced under jit when interpreted (see
-    the module docstring)."""
+    the module docstring). On GPUs the Triton backend is asked for by name: with no compiler parameters, jax
+    0.10 lowers generic `pallas_call`s with Mosaic GPU, which rejects these kernels (whole-row blocks exceed
+    shared memory; no transpose)."""
     body = jax.jit(kernel) if interpret else kernel
 
     def with_ids(*refs):
         body(tuple(pl.program_id(axis) for axis in range(len(grid))), *refs)
 
-    return pl.pallas_call(with_ids, grid=grid, interpret=interpret, **kwargs)
+    params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(with_ids, grid=grid, interpret=interpret, compiler_params=params, **kwargs)

@@ -26,22 +26,23 @@ from pallas_kernels._common import match_varying, out_struct, pallas_call
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Rows per program and vocabulary columns per inner step. Rows need not divide (a partial last block);
-    the vocabulary block is the largest power of two <= block_vocab that divides the shard's width (Megatron
-    pads the vocabulary to a multiple of 128·t, so every shard's width is a multiple of 128)."""
+    """Rows per program and vocabulary columns per inner step, both powers of two (Triton's tiles). Rows that do
+    not fill the last block are padded; the vocabulary step is the largest power of two <= block_vocab that
+    divides the shard's width (Megatron pads the vocabulary to a multiple of 128·t, so every shard's width is a
+    multiple of 128)."""
 
-    block_rows: int = 64
-    block_vocab: int = 512
+    block_rows: int = 32
+    block_vocab: int = 256
 
     def for_shape(self, rows: int, vocab: int) -> tuple[int, int]:
-        if self.block_rows <= 0 or self.block_vocab <= 0 or self.block_vocab & (self.block_vocab - 1):
-            raise ValueError(f"block_rows={self.block_rows} must be positive and block_vocab={self.block_vocab} a "
-                             f"power of two")
+        for name, value in (("block_rows", self.block_rows), ("block_vocab", self.block_vocab)):
+            if value <= 0 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a positive power of two")
         bv = math.gcd(self.block_vocab, vocab)
         if bv < min(vocab, 16):
             raise ValueError(f"{vocab=} has no power-of-two block of at least 16 columns <= block_vocab="
                              f"{self.block_vocab}; pad the vocabulary (make_vocab_size_divisible_by)")
-        return min(self.block_rows, rows), bv
+        return min(self.block_rows, pl.next_power_of_2(rows)), bv
 
 
 def cross_entropy_reference(logits, labels, *, vocab_size=None):
@@ -106,7 +107,7 @@ def _stats(logits, local_labels, valid, blocks, interpret):
     mat, vec, scalar = _specs(rows, vocab, br)
     out = out_struct((rows,), jnp.float32, logits)
     return pallas_call(
-        functools.partial(_stats_kernel, block_vocab=bv, vocab=vocab), grid=(pl.cdiv(rows, br),),
+        functools.partial(_stats_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
         in_specs=[mat, vec, scalar], out_specs=[vec, vec, vec], out_shape=[out, out, out],
         interpret=interpret, name="cross_entropy_stats",
     )(logits, local_labels, valid)
@@ -135,7 +136,7 @@ def _cross_entropy_bwd(axis_name, blocks, interpret, residuals, g):
     br, bv = blocks.for_shape(rows, vocab)
     mat, vec, scalar = _specs(rows, vocab, br)
     dlogits = pallas_call(
-        functools.partial(_grad_kernel, block_vocab=bv, vocab=vocab), grid=(pl.cdiv(rows, br),),
+        functools.partial(_grad_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
         in_specs=[mat, vec, scalar, vec, vec], out_specs=mat,
         out_shape=out_struct(logits.shape, logits.dtype, logits),
         interpret=interpret, name="cross_entropy_grad",
@@ -158,4 +159,10 @@ def softmax_cross_entropy(logits, labels, *, vocab_size: int | None = None, voca
     valid = jnp.clip(jnp.asarray(limit - vocab_start, jnp.int32), 0, vocab).reshape(1)
     local_labels = (labels - vocab_start).astype(jnp.int32)
     logits, local_labels, valid = match_varying(logits, local_labels, valid)
-    return _cross_entropy(logits, local_labels, valid, axis_name, block_sizes, interpret)
+    rows = logits.shape[0]
+    br, _ = block_sizes.for_shape(rows, vocab)
+    padded = -(-rows // br) * br  # zero rows: a finite loss, sliced off, no gradient
+    if padded != rows:
+        logits = jnp.pad(logits, ((0, padded - rows), (0, 0)))
+        local_labels = jnp.pad(local_labels, (0, padded - rows))
+    return _cross_entropy(logits, local_labels, valid, axis_name, block_sizes, interpret)[:rows]

@@ -24,16 +24,25 @@ from pallas_kernels._common import match_varying, out_struct, pallas_call
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query/key block lengths; the sequence length must be a multiple of both (shorter sequences use one block)."""
+    """Query/key block lengths, powers of two (Triton's tiles). A causal sequence that is not a multiple of both
+    is padded at the end (real queries never see the padded keys, which lie in their future); a shorter one
+    uses one block."""
 
     block_q: int = 64
     block_k: int = 64
 
-    def for_seq(self, seq_len: int) -> "BlockSizes":
-        block_q, block_k = min(self.block_q, seq_len), min(self.block_k, seq_len)
-        if seq_len % block_q or seq_len % block_k:
-            raise ValueError(f"{seq_len=} must be a multiple of {block_q=} and {block_k=} (pass other BlockSizes)")
-        return BlockSizes(block_q, block_k)
+    def for_seq(self, seq_len: int, causal: bool = True) -> tuple[BlockSizes, int]:
+        """The blocks for this sequence and the padded length the kernels run on."""
+        if any(b <= 0 or b & (b - 1) for b in (self.block_q, self.block_k)):
+            raise ValueError(f"block_q={self.block_q} and block_k={self.block_k} must be positive powers of two")
+        limit = pl.next_power_of_2(seq_len) if causal else seq_len
+        block_q, block_k = min(self.block_q, limit), min(self.block_k, limit)
+        step = math.lcm(block_q, block_k)
+        padded = -(-seq_len // step) * step
+        if padded != seq_len and not causal:
+            raise ValueError(f"{seq_len=} must be a multiple of {block_q=} and {block_k=} without a causal mask "
+                             f"(pass other BlockSizes)")
+        return BlockSizes(block_q, block_k), padded
 
 
 def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
@@ -207,4 +216,11 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     _check(q, k, v)
     q, k, v = match_varying(q, k, v)
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _flash(q, k, v, causal, scale, block_sizes.for_seq(q.shape[1]), interpret)
+    _, seq_len, _, head_dim = q.shape
+    blocks, padded = block_sizes.for_seq(seq_len, causal)
+    width = pl.next_power_of_2(head_dim)  # zero head-dim columns change no score and give zero output columns
+    if (padded, width) == (seq_len, head_dim):
+        return _flash(q, k, v, causal, scale, blocks, interpret)
+    pad = [(0, 0), (0, padded - seq_len), (0, 0), (0, width - head_dim)]
+    out = _flash(*(jnp.pad(a, pad) for a in (q, k, v)), causal, scale, blocks, interpret)
+    return out[:, :seq_len, :, :head_dim]

@@ -1,5 +1,6 @@
 """Fused LayerNorm over the last dim in Pallas: mean, variance, scale and shift in one pass; the backward computes
 dx in one pass per row block and reduces the weight and bias gradients (per-block partial sums, summed after).
+A width D that is not a power of two is read with masked loads over the next power of two (Triton's tiles).
 
 `layer_norm(x, weight, bias, *, eps=1e-5, interpret=False)`; statistics in float32 whatever the input dtype.
 """
@@ -12,21 +13,23 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import match_varying, out_struct, pallas_call
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Rows per program. A row count that is not a multiple gets a partial last block (its extra rows are
-    computed on padding, never stored, and masked out of the weight and bias gradients)."""
+    """Rows per program (a power of two, as Triton needs), capped so that a block holds at most `max_elements`
+    values of the row width rounded up to a power of two. Rows that do not fill the last block are padded."""
 
     block_rows: int = 128
+    max_elements: int = 16384
 
-    def for_rows(self, rows: int) -> int:
-        if self.block_rows <= 0:
-            raise ValueError(f"block_rows={self.block_rows} must be positive")
-        return min(self.block_rows, rows)
+    def for_shape(self, rows: int, width: int) -> int:
+        if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
+            raise ValueError(f"block_rows={self.block_rows} must be a positive power of two")
+        return max(1, min(self.block_rows, self.max_elements // width, pl.next_power_of_2(rows)))
 
 
 def layer_norm_reference(x, weight, bias, *, eps: float = 1e-5):
@@ -37,29 +40,54 @@ def layer_norm_reference(x, weight, bias, *, eps: float = 1e-5):
             + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def _fwd_kernel(ids, x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps):
-    x = x_ref[...].astype(jnp.float32)                        # [rows, D]
-    mean = x.mean(axis=-1)
-    xc = x - mean[:, None]
-    rstd = jax.lax.rsqrt((xc * xc).mean(axis=-1) + eps)
-    y = xc * rstd[:, None] * w_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)
-    y_ref[...] = y.astype(y_ref.dtype)
+def _row_block(ref, width):
+    """The block's rows over `width` >= D columns (a power of two, as Triton needs): columns past D read 0."""
+    D = ref.shape[-1]
+    if width == D:
+        return ref[...]
+    cols = jax.lax.broadcasted_iota(jnp.int32, (ref.shape[0], width), 1)
+    return pltriton.load(ref.at[:, pl.ds(0, width)], mask=cols < D, other=0)
+
+
+def _vector(ref, width):
+    D = ref.shape[0]
+    if width == D:
+        return ref[...]
+    return pltriton.load(ref.at[pl.ds(0, width)], mask=jnp.arange(width) < D, other=0)
+
+
+def _store_rows(ref, value, width):
+    if width == ref.shape[-1]:
+        ref[...] = value
+    else:
+        cols = jax.lax.broadcasted_iota(jnp.int32, value.shape, 1)
+        pltriton.store(ref.at[:, pl.ds(0, width)], value, mask=cols < ref.shape[-1])
+
+
+def _fwd_kernel(ids, x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps, width):
+    D = x_ref.shape[-1]
+    x = _row_block(x_ref, width).astype(jnp.float32)              # [rows, width], zero past D
+    real = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < D
+    mean = x.sum(axis=-1) / D
+    xc = jnp.where(real, x - mean[:, None], 0.0)
+    rstd = jax.lax.rsqrt((xc * xc).sum(axis=-1) / D + eps)
+    y = xc * rstd[:, None] * _vector(w_ref, width).astype(jnp.float32) + _vector(b_ref, width).astype(jnp.float32)
+    _store_rows(y_ref, y.astype(y_ref.dtype), width)
     mean_ref[...] = mean
     rstd_ref[...] = rstd
 
 
-def _bwd_kernel(ids, x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, db_ref, *, rows):
-    x = x_ref[...].astype(jnp.float32)
-    block = x.shape[0]
-    in_range = ids[0] * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < rows
-    dy = jnp.where(in_range, dy_ref[...].astype(jnp.float32), 0.0)  # rows past the end add nothing to dw, db
+def _bwd_kernel(ids, x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, db_ref, *, width):
+    D = x_ref.shape[-1]
+    x = _row_block(x_ref, width).astype(jnp.float32)
+    dy = _row_block(dy_ref, width).astype(jnp.float32)  # zero on padded rows (and past D)
     rstd = rstd_ref[...]
     xhat = (x - mean_ref[...][:, None]) * rstd[:, None]
-    g = dy * w_ref[...].astype(jnp.float32)
-    dx = rstd[:, None] * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-    dx_ref[...] = dx.astype(dx_ref.dtype)
-    dw_ref[...] = jnp.where(in_range, dy * xhat, 0.0).sum(axis=0)[None, :]
-    db_ref[...] = dy.sum(axis=0)[None, :]
+    g = dy * _vector(w_ref, width).astype(jnp.float32)                # zero past D (dy is)
+    dx = rstd[:, None] * (g - g.sum(axis=-1, keepdims=True) / D - xhat * (g * xhat).sum(axis=-1, keepdims=True) / D)
+    _store_rows(dx_ref, dx.astype(dx_ref.dtype), width)
+    _store_rows(dw_ref, (dy * xhat).sum(axis=0)[None, :], width)
+    _store_rows(db_ref, dy.sum(axis=0)[None, :], width)
 
 
 def _specs(rows, D, block):
@@ -71,7 +99,7 @@ def _forward(x2, w, b, eps, block, interpret):
     rows, D = x2.shape
     mat, vec_d, vec_rows, _ = _specs(rows, D, block)
     return pallas_call(
-        functools.partial(_fwd_kernel, eps=eps), grid=(pl.cdiv(rows, block),),
+        functools.partial(_fwd_kernel, eps=eps, width=pl.next_power_of_2(D)), grid=(rows // block,),
         in_specs=[mat, vec_d, vec_d], out_specs=[mat, vec_rows, vec_rows],
         out_shape=[out_struct(x2.shape, x2.dtype, x2), out_struct((rows,), jnp.float32, x2),
                    out_struct((rows,), jnp.float32, x2)],
@@ -93,9 +121,9 @@ def _layer_norm_bwd(eps, block, interpret, residuals, dy):
     x2, w, b, mean, rstd = residuals
     rows, D = x2.shape
     mat, vec_d, vec_rows, partial = _specs(rows, D, block)
-    n = pl.cdiv(rows, block)
+    n = rows // block
     dx, dw_parts, db_parts = pallas_call(
-        functools.partial(_bwd_kernel, rows=rows), grid=(n,),
+        functools.partial(_bwd_kernel, width=pl.next_power_of_2(D)), grid=(n,),
         in_specs=[mat, vec_d, vec_rows, vec_rows, mat], out_specs=[mat, partial, partial],
         out_shape=[out_struct(x2.shape, x2.dtype, x2), out_struct((n, D), jnp.float32, x2),
                    out_struct((n, D), jnp.float32, x2)],
@@ -115,5 +143,9 @@ def layer_norm(x, weight, bias, *, eps: float = 1e-5, block_sizes: BlockSizes = 
         raise ValueError(f"weight.shape={weight.shape} and bias.shape={bias.shape} must be ({D},) for {x.shape=}")
     x, weight, bias = match_varying(x, weight, bias)
     x2 = x.reshape(-1, D)
-    block = block_sizes.for_rows(x2.shape[0])
-    return _layer_norm(x2, weight, bias, float(eps), block, interpret).reshape(x.shape)
+    rows = x2.shape[0]
+    block = block_sizes.for_shape(rows, pl.next_power_of_2(D))
+    padded = -(-rows // block) * block  # zero rows: normalised harmlessly, sliced off, no gradient
+    if padded != rows:
+        x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
+    return _layer_norm(x2, weight, bias, float(eps), block, interpret)[:rows].reshape(x.shape)

@@ -109,3 +109,18 @@ def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):
     assert not cli.apply_demo_layout(cli.build_parser().parse_args(["--fake-devices", "1"]))
     monkeypatch.setattr(cli, "accelerator_installed", lambda: True)
     assert not cli.apply_demo_layout(cli.build_parser().parse_args([]))
+
+
+def test_kernel_flags_default_to_the_kernels_on_gpus_only(monkeypatch):
+    from ptd_jax import cli
+
+    def config(argv, gpu):
+        monkeypatch.setattr(cli, "accelerator_installed", lambda: gpu)
+        monkeypatch.setattr(cli, "_tpu_only", lambda: False)
+        return cli.model_config_from_args(cli.build_parser().parse_args(argv))
+
+    assert (config([], gpu=False).attention_backend, config([], gpu=False).fused_kernels) == ("xla", False)
+    assert (config([], gpu=True).attention_backend, config([], gpu=True).fused_kernels) == ("pallas", True)
+    assert config(["--fused-kernels"], gpu=False).fused_kernels
+    assert not config(["--no-fused-kernels"], gpu=True).fused_kernels
+    assert config(["--attention-backend", "cudnn"], gpu=True).attention_backend == "cudnn"

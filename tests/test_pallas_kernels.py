@@ -8,7 +8,9 @@ import pytest
 from pallas_kernels import BlockSizes, flash_attention, flash_attention_reference
 
 SHAPES = [((2, 64, 3, 16), BlockSizes(16, 16)), ((1, 96, 2, 32), BlockSizes(32, 16)),
-          ((1, 24, 2, 8), BlockSizes(64, 64))]  # the last: sequence shorter than a block -> one block
+          ((1, 24, 2, 8), BlockSizes(64, 64)),  # sequence shorter than a block -> one block of 32
+          ((1, 40, 2, 8), BlockSizes(16, 32)),  # not a multiple of the blocks -> padded to 64 (causal)
+          ((1, 32, 2, 12), BlockSizes(16, 16))]  # head_dim 12 -> computed at width 16
 
 
 def inputs(shape, dtype, seed=0):
@@ -57,8 +59,9 @@ def test_causal_masking_future_keys_do_not_leak():
 
 def test_bad_shapes_are_named():
     q, k, v, _ = inputs((1, 48, 2, 8), jnp.float32)
-    with pytest.raises(ValueError, match=r"seq_len=48 must be a multiple of block_q=32 and block_k=32"):
-        flash_attention(q, k, v, block_sizes=BlockSizes(32, 32), interpret=True)
+    with pytest.raises(ValueError, match=r"seq_len=48 must be a multiple of block_q=32 and block_k=32 without a "
+                                         r"causal mask"):
+        flash_attention(q, k, v, causal=False, block_sizes=BlockSizes(32, 32), interpret=True)
     with pytest.raises(ValueError, match=r"q.shape=\(1, 48, 2, 8\), k.shape=\(1, 48, 2, 4\)"):
         flash_attention(q, k[..., :4], v, interpret=True)
 

@@ -18,7 +18,8 @@ def rel(a, b):
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape, blocks", [((4, 16, 32), LNBlocks(16)), ((3, 10, 64), LNBlocks(128)),
-                                           ((3, 10, 64), LNBlocks(16))], ids=["blocks", "one-block", "ragged"])
+                                           ((3, 10, 48), LNBlocks(16))],
+                         ids=["blocks", "one-padded-block", "ragged-rows-width-not-power-of-2"])
 def test_layer_norm_forward_and_gradients(shape, blocks, dtype, tol):
     k = jax.random.split(jax.random.key(0), 4)
     x = (jax.random.normal(k[0], shape) * 3 + 1).astype(dtype)
@@ -37,7 +38,7 @@ def test_layer_norm_forward_and_gradients(shape, blocks, dtype, tol):
 
 def test_layer_norm_errors_name_shapes():
     x = jnp.ones((6, 8))
-    with pytest.raises(ValueError, match=r"block_rows=0 must be positive"):
+    with pytest.raises(ValueError, match=r"block_rows=0 must be a positive power of two"):
         layer_norm(x, jnp.ones(8), jnp.zeros(8), block_sizes=LNBlocks(0), interpret=True)
     with pytest.raises(ValueError, match=r"weight.shape=\(7,\)"):
         layer_norm(x, jnp.ones(7), jnp.zeros(8), interpret=True)
@@ -87,7 +88,7 @@ def test_cross_entropy_shape_errors():
     with pytest.raises(ValueError, match=r"vocab=100 has no power-of-two block .* block_vocab=64"):
         softmax_cross_entropy(jnp.ones((4, 100)), jnp.zeros((4,), jnp.int32), block_sizes=CEBlocks(4, 64),
                               interpret=True)
-    with pytest.raises(ValueError, match=r"block_vocab=384 a power of two"):
+    with pytest.raises(ValueError, match=r"block_vocab=384 must be a positive power of two"):
         softmax_cross_entropy(jnp.ones((4, 768)), jnp.zeros((4,), jnp.int32), block_sizes=CEBlocks(4, 384),
                               interpret=True)
 
