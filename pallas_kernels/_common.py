@@ -7,8 +7,12 @@ operands of each primitive agree. Two consequences for Pallas:
 - In interpret mode (CPU), the interpreter re-binds the kernel's top-level primitives on block values that
   carry the caller's varying axes, while the kernel itself was traced without any; a literal such as the `D`
   in a mean then fails the check ("Primitive div requires varying manual axes to match"). Tracing the kernel
-  under `jax.jit` makes its body one call whose types are its own, so nothing inside is re-checked. This is
-  done only in interpret mode: the GPU lowering inlines such calls anyway and is left exactly as written.
+  under `jax.jit` makes its body one call whose types are its own, so nothing inside is re-checked. Grid
+  indices must then be read outside that call (the interpreter substitutes `program_id` only at top level),
+  so every kernel takes them as its first argument. The jit is added only in interpret mode.
+
+On GPUs the kernels are compiled by Pallas' Triton backend, named explicitly (see `pallas_call`); its tiles
+must have power-of-two sizes, which each kernel file arranges by padding or masking.
 """
 
 from __future__ import annotations

@@ -153,6 +153,11 @@ def _specs(B, S, H, K, blocks):
     return rows_q, rows_k, whole, vec_q, vec_whole
 
 
+def _warps(head_dim):
+    """Triton warps per program: 4 for head_dim <= 64, else 8 (the split jax's own GPU attention uses)."""
+    return 4 if head_dim <= 64 else 8
+
+
 def _check(q, k, v):
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one [batch, seq, heads, head_dim] shape, got {q.shape=}, {k.shape=}, "
@@ -168,7 +173,7 @@ def _forward(q, k, v, causal, scale, blocks, interpret):
         kernel, grid=(B, H, S // blocks.block_q),
         in_specs=[rows_q, whole, whole], out_specs=[rows_q, vec_q],
         out_shape=[out_struct(q.shape, q.dtype, q), out_struct((B, H, S), jnp.float32, q)],
-        interpret=interpret, name="flash_attention_fwd",
+        interpret=interpret, num_warps=_warps(K), name="flash_attention_fwd",
     )(q, k, v)
 
 
@@ -181,13 +186,13 @@ def _backward(q, k, v, o, lse, do, causal, scale, blocks, interpret):
         functools.partial(_dkdv_kernel, **common), grid=(B, H, S // blocks.block_k),
         in_specs=[whole, rows_k, rows_k, whole, vec_whole, vec_whole], out_specs=[rows_k, rows_k],
         out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
-        interpret=interpret, name="flash_attention_dkdv",
+        interpret=interpret, num_warps=_warps(K), name="flash_attention_dkdv",
     )(q, k, v, do, lse, delta)
     dq = pallas_call(
         functools.partial(_dq_kernel, **common), grid=(B, H, S // blocks.block_q),
         in_specs=[rows_q, whole, whole, rows_q, vec_q, vec_q], out_specs=rows_q,
         out_shape=out_struct(q.shape, q.dtype, q),
-        interpret=interpret, name="flash_attention_dq",
+        interpret=interpret, num_warps=_warps(K), name="flash_attention_dq",
     )(q, k, v, do, lse, delta)
     return dq, dk, dv
 

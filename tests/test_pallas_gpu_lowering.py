@@ -60,3 +60,31 @@ def test_a_model_gradient_with_every_kernel_lowers_to_triton(monkeypatch):
     # per layer: 2 LayerNorms (fwd + bwd) and attention (fwd, dK/dV, dQ); final LayerNorm; loss (stats, grad).
     # Calls inside the layer scan's body count once.
     assert triton_calls(loss, params, tokens) == (2 * 2 + 3) + 2 + 2
+
+
+def test_the_3d_parallel_step_with_every_kernel_lowers_to_triton(monkeypatch):
+    """(d, p, t) = (2, 2, 2), interleaved, sequence parallel, bf16, inside shard_map: every kernel appears."""
+    from ptd_jax import model as gpt
+    from ptd_jax import sharding
+    from ptd_jax.config import ModelConfig, ParallelConfig
+    from ptd_jax.mesh import make_mesh
+    from ptd_jax.parallel_step import make_parallel_grad_step
+
+    monkeypatch.setattr(gpt, "interpret_kernels", lambda: False)  # as on a GPU host
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, dtype="bfloat16",
+                      attention_backend="pallas", fused_kernels=True)
+    parallel = ParallelConfig(data_parallel_size=2, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                              virtual_pipeline_stages=2, pipeline_schedule="interleaved", sequence_parallel=True,
+                              micro_batch_size=2, global_batch_size=8)
+    params = jax.eval_shape(lambda k: gpt.init_params(k, cfg, tensor_parallel_size=2), jax.random.key(0))
+    params["layers"] = jax.eval_shape(lambda layers: sharding.stage_layers(layers, 2, 2), params["layers"])
+    step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, sharding.param_specs(params, pipelined=True))
+    tokens = spec((parallel.num_microbatches, 4, cfg.seq_length), jnp.int32)
+    exported = jax.export.export(step, platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+        params, tokens, tokens, tokens)
+    text = exported.mlir_module()
+    assert exported.nr_devices == 8 and f"@{TRITON}(" in text
+    for kernel in ("flash_attention_fwd", "flash_attention_dkdv", "flash_attention_dq", "layer_norm_fwd",
+                   "layer_norm_bwd", "cross_entropy_stats", "cross_entropy_grad"):
+        assert kernel in text, kernel
