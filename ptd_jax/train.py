@@ -196,7 +196,9 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     logger.message(f"ptd_jax: {num_params / 1e6:.2f}M parameters, layout d={parallel.data_parallel_size} "
                    f"p={parallel.pipeline_model_parallel_size} t={parallel.tensor_model_parallel_size}, "
                    f"B={parallel.global_batch_size} b={parallel.micro_batch_size} m={parallel.num_microbatches}, "
-                   f"peak {peak:.3g} TFLOP/s/device ({peak_source}), data {data_path}")
+                   f"{model_cfg.dtype}, attention {model_cfg.attention_backend}, fused LayerNorm/loss kernels "
+                   f"{'on' if model_cfg.fused_kernels else 'off'}, peak {peak:.3g} TFLOP/s/device ({peak_source}), "
+                   f"data {data_path}")
     if parallel.pipeline_model_parallel_size > 1:
         from ptd_jax.parallel_step import pipeline_schedule
 
@@ -258,6 +260,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         "peak_source": peak_source,
         "device": device.device_kind,
         "num_devices": num_devices,
+        "attention_backend": model_cfg.attention_backend,
+        "fused_kernels": model_cfg.fused_kernels,
     }
     if options.plot_dir:
         summary["plot"] = logger.plot(options.plot_dir)
