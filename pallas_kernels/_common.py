@@ -21,7 +21,11 @@ import inspect
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+
+try:  # deprecated since jax 0.11 (in favour of Mosaic GPU), still the backend these kernels are written for
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # a future jax without it: lower with whatever pallas_call picks, and say so in errors
+    pltriton = None
 
 
 def varying_axes(x) -> frozenset:
@@ -66,5 +70,6 @@ def pallas_call(kernel, *, grid: tuple[int, ...], interpret: bool, num_warps: in
     def with_ids(*refs):
         body(tuple(pl.program_id(axis) for axis in range(len(grid))), *refs)
 
-    params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = None if interpret or pltriton is None else pltriton.CompilerParams(num_warps=num_warps,
+                                                                                num_stages=num_stages)
     return pl.pallas_call(with_ids, grid=grid, interpret=interpret, compiler_params=params, **kwargs)

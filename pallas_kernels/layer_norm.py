@@ -13,9 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import match_varying, out_struct, pallas_call
+from pallas_kernels._common import match_varying, out_struct, pallas_call, pltriton
 
 
 @dataclasses.dataclass(frozen=True)
