@@ -1,0 +1,123 @@
+"""Where the pipeline executor's time goes at p = 1 (one device): XLA:CPU profile of the executor step and of the
+reference step (full recomputation), leaf operations grouped by kind, per step. Explains the ratio measured by
+`bench_pipeline.py` ("executor_p1_speed_over_reference_full_recompute").
+
+Usage: python -m experiments.profile_executor [--recompute none|full] [--out experiments/results/profile_executor.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+from pathlib import Path
+
+CONTAINERS = re.compile(r"(while|cond|call|conditional)(\.\d+)*(\.clone)?$")
+
+
+def leaf_times(trace_file: str, windows: list[tuple[float, float]]) -> tuple[dict, dict]:
+    """Summed duration (ms) and count of leaf thunks per operation kind ("fusion.12" -> "fusion") whose start
+    falls inside any window."""
+    events = [e for e in json.load(gzip.open(trace_file))["traceEvents"] if e.get("ph") == "X"]
+    ms, count = collections.defaultdict(float), collections.Counter()
+    for e in events:
+        name = e["name"]
+        if name.startswith("$") or "Thunk" in name or "Await" in name or CONTAINERS.match(name):
+            continue
+        if any(lo <= e["ts"] < hi for lo, hi in windows):
+            kind = re.sub(r"\.\d+$", "", name)
+            ms[kind] += e["dur"] / 1e3
+            count[kind] += 1
+    return ms, count
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recompute", choices=["none", "full"], default="none",
+                        help="recomputation inside the executor's backward tick (the reference always uses full)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", default="experiments/results/profile_executor.json")
+    args = parser.parse_args(argv)
+    from ptd_jax.mesh import set_fake_devices
+
+    set_fake_devices(8)
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from ptd_jax import model as gpt
+    from ptd_jax import sharding
+    from ptd_jax.config import ModelConfig, ParallelConfig
+    from ptd_jax.mesh import make_mesh
+    from ptd_jax.parallel_step import loss_and_grads
+    from ptd_jax.pipeline.schedule import build
+    from ptd_jax.train import accumulate_gradients
+
+    cfg = ModelConfig(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
+    m = 8
+    parallel = ParallelConfig(pipeline_schedule="1f1b", micro_batch_size=1, global_batch_size=m)
+    sched = build("1f1b", 1, 1, m)
+    mesh = make_mesh(parallel)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    staged = {**params, "layers": sharding.stage_layers(params["layers"], 1, 1)}
+    specs = sharding.param_specs(staged, pipelined=True)
+    staged = jax.device_put(staged, sharding.named(mesh, specs))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
+    mask = np.ones_like(tokens)
+
+    def body(prm, tok, lab, msk):
+        return loss_and_grads(prm, tok, lab, msk, None, model_cfg=cfg, parallel=parallel, recompute=args.recompute,
+                              param_specs=specs, sched=sched)
+
+    batch = sharding.BATCH_SPEC
+    steps = {
+        "executor": (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
+                                           out_specs=(P(), specs, P()))), (staged, tokens, tokens, mask)),
+        "reference": (jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute="full")),
+                      (params, tokens, tokens, mask)),
+    }
+    for fn, fn_args in steps.values():
+        jax.block_until_ready(fn(*fn_args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for fn, fn_args in steps.values():
+                for _ in range(args.runs):
+                    jax.block_until_ready(fn(*fn_args))
+        trace_file = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+        # One window per run: from the end of the previous run's wait to the end of its own (dispatch is async).
+        waits = sorted((e for e in json.load(gzip.open(trace_file))["traceEvents"]
+                        if e.get("ph") == "X" and "block_until_ready" in e["name"]), key=lambda e: e["ts"])
+        ends = [e["ts"] + e["dur"] for e in waits]
+        windows = list(zip([waits[0]["ts"] - 1e6, *ends[:-1]], ends))
+        names = [name for name in steps for _ in range(args.runs)]
+        per_step = {}
+        for name in steps:
+            mine = [w for w, n in zip(windows, names) if n == name][1:]  # the first run of each warms up
+            ms, count = leaf_times(trace_file, mine)
+            k = len(mine)
+            per_step[name] = {"wall_ms": sum(hi - lo for lo, hi in mine) / 1e3 / k,
+                              "leaf_ms": sum(ms.values()) / k,
+                              "ops": {kind: {"ms": ms[kind] / k, "count": count[kind] // k} for kind in ms}}
+    ex, ref = per_step["executor"]["ops"], per_step["reference"]["ops"]
+    kinds = sorted(set(ex) | set(ref), key=lambda kd: -(ex.get(kd, {}).get("ms", 0) - ref.get(kd, {}).get("ms", 0)))
+    extra = [{"op": kd, "executor_ms": ex.get(kd, {}).get("ms", 0.0), "executor_count": ex.get(kd, {}).get("count", 0),
+              "reference_ms": ref.get(kd, {}).get("ms", 0.0), "reference_count": ref.get(kd, {}).get("count", 0)}
+             for kd in kinds[:12]]
+    result = {"model": {"num_layers": 8, "hidden_size": 128, "seq_length": 128, "micro_batch_size": 1, "m": m},
+              "executor_recompute": args.recompute,
+              "wall_ms": {name: per_step[name]["wall_ms"] for name in steps},
+              "leaf_ms": {name: per_step[name]["leaf_ms"] for name in steps},
+              "largest_differences": extra}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("executor_recompute", "wall_ms", "leaf_ms")}))
+    for row in extra:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
