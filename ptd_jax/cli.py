@@ -201,6 +201,35 @@ def train_config_from_args(args) -> TrainConfig:
     )
 
 
+def check_default_kernels(model_cfg: ModelConfig, args) -> ModelConfig:
+    """On a GPU, kernels picked by default (no --attention-backend / --[no-]fused-kernels given) first pass a
+    few-second self-check; a kernel that fails it falls back to cuDNN or XLA with a warning. Kernels asked for
+    by flag are used as asked, failures included."""
+    import jax
+
+    attention = args.attention_backend is None and model_cfg.attention_backend == "pallas"
+    fused = args.fused_kernels is None and model_cfg.fused_kernels
+    if jax.default_backend() != "gpu" or not (attention or fused):
+        return model_cfg
+    from pallas_kernels.self_check import self_check
+
+    return apply_self_check(model_cfg, self_check(), attention=attention, fused=fused)
+
+
+def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool, fused: bool) -> ModelConfig:
+    changes = {}
+    if attention and failures.get("flash_attention"):
+        changes["attention_backend"] = "cudnn" if model_cfg.dtype == "bfloat16" else "xla"
+    if fused and (failures.get("layer_norm") or failures.get("cross_entropy")):
+        changes["fused_kernels"] = False
+    for kernel, why in failures.items():
+        if why and ((kernel == "flash_attention" and attention) or (kernel != "flash_attention" and fused)):
+            print(f"ptd-train: warning: the Pallas {kernel} kernel failed its self-check on this GPU ({why}); "
+                  f"using {changes.get('attention_backend', 'XLA') if kernel == 'flash_attention' else 'XLA'} "
+                  f"instead", file=sys.stderr)
+    return model_cfg.replace(**changes)
+
+
 def check_implemented(parallel: ParallelConfig) -> None:
     """Layouts whose executors land in later issues fail clearly instead of silently running on one device."""
     pending = {
@@ -238,7 +267,7 @@ def run(argv=None) -> dict:
 
     from ptd_jax.train import RunOptions, train
 
-    model_cfg = model_config_from_args(args)
+    model_cfg = check_default_kernels(model_config_from_args(args), args)
     train_cfg = train_config_from_args(args)
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
     check_implemented(parallel)

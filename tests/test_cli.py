@@ -124,3 +124,28 @@ def test_kernel_flags_default_to_the_kernels_on_gpus_only(monkeypatch):
     assert config(["--fused-kernels"], gpu=False).fused_kernels
     assert not config(["--no-fused-kernels"], gpu=True).fused_kernels
     assert config(["--attention-backend", "cudnn"], gpu=True).attention_backend == "cudnn"
+
+
+def test_failing_default_kernels_fall_back_with_a_warning(capsys):
+    from ptd_jax import cli
+    from ptd_jax.config import ModelConfig
+
+    cfg = ModelConfig(attention_backend="pallas", fused_kernels=True, dtype="bfloat16")
+    ok = {"flash_attention": None, "layer_norm": None, "cross_entropy": None}
+    assert cli.apply_self_check(cfg, ok, attention=True, fused=True) == cfg
+    bad_attention = {**ok, "flash_attention": "ValueError: no"}
+    got = cli.apply_self_check(cfg, bad_attention, attention=True, fused=True)
+    assert (got.attention_backend, got.fused_kernels) == ("cudnn", True)
+    assert "Pallas flash_attention kernel failed its self-check on this GPU (ValueError: no); using cudnn" in \
+        capsys.readouterr().err
+    got = cli.apply_self_check(cfg.replace(dtype="float32"), {**ok, "cross_entropy": "relative error 1"},
+                               attention=True, fused=True)
+    assert (got.attention_backend, got.fused_kernels) == ("pallas", False)
+    # kernels asked for by flag are kept, failures included
+    assert cli.apply_self_check(cfg, bad_attention, attention=False, fused=False) == cfg
+
+
+def test_kernel_self_check_passes_in_interpret_mode():
+    from pallas_kernels.self_check import self_check
+
+    assert self_check(interpret=True) == {"flash_attention": None, "layer_norm": None, "cross_entropy": None}
