@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import match_varying, out_struct, pallas_call
+from pallas_kernels._common import match_varying, out_struct, pallas_call, pltriton
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Rows per program and vocabulary columns per inner step, both powers of two (Triton's tiles). Rows that do
-    not fill the last block are padded; the vocabulary step is the largest power of two <= block_vocab that
-    divides the shard's width (Megatron pads the vocabulary to a multiple of 128·t, so every shard's width is a
-    multiple of 128)."""
+    not fill the last block are padded; a vocabulary width that is not a multiple of the step is read with a
+    masked last step."""
 
     block_rows: int = 32
     block_vocab: int = 256
@@ -38,11 +36,16 @@ class BlockSizes:
         for name, value in (("block_rows", self.block_rows), ("block_vocab", self.block_vocab)):
             if value <= 0 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a positive power of two")
-        bv = math.gcd(self.block_vocab, vocab)
-        if bv < min(vocab, 16):
-            raise ValueError(f"{vocab=} has no power-of-two block of at least 16 columns <= block_vocab="
-                             f"{self.block_vocab}; pad the vocabulary (make_vocab_size_divisible_by)")
-        return min(self.block_rows, pl.next_power_of_2(rows)), bv
+        return min(self.block_rows, pl.next_power_of_2(rows)), min(self.block_vocab, pl.next_power_of_2(vocab))
+
+
+def _columns(ref, j, block_vocab, vocab):
+    """Step j's columns [rows, block_vocab] and their ids; ids >= vocab (a partial last step) read -inf."""
+    cols = j * block_vocab + jax.lax.broadcasted_iota(jnp.int32, (ref.shape[0], block_vocab), 1)
+    view = ref.at[:, pl.ds(j * block_vocab, block_vocab)]
+    if vocab % block_vocab == 0:
+        return view[...], cols
+    return pltriton.load(view, mask=cols < vocab, other=-jnp.inf), cols
 
 
 def cross_entropy_reference(logits, labels, *, vocab_size=None):
@@ -61,9 +64,8 @@ def _stats_kernel(_, logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target
 
     def body(j, carry):
         m, s, t = carry
-        x = logits_ref[:, pl.ds(j * block_vocab, block_vocab)].astype(jnp.float32)  # [br, bv]
-        cols = j * block_vocab + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-        x = jnp.where(cols < valid, x, -jnp.inf)
+        x, cols = _columns(logits_ref, j, block_vocab, vocab)                   # [br, bv]
+        x = jnp.where(cols < valid, x.astype(jnp.float32), -jnp.inf)
         m_new = jnp.maximum(m, x.max(axis=-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         s = s * jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf)) + jnp.exp(x - safe[:, None]).sum(axis=-1)
@@ -72,7 +74,7 @@ def _stats_kernel(_, logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target
 
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    m, s, t = jax.lax.fori_loop(0, vocab // block_vocab, body, init)
+    m, s, t = jax.lax.fori_loop(0, pl.cdiv(vocab, block_vocab), body, init)
     max_ref[...] = m
     sum_ref[...] = s
     target_ref[...] = t
@@ -85,15 +87,17 @@ def _grad_kernel(_, logits_ref, labels_ref, valid_ref, lse_ref, g_ref, dlogits_r
     g = g_ref[...]
 
     def body(j, _):
-        sl = pl.ds(j * block_vocab, block_vocab)
-        x = logits_ref[:, sl].astype(jnp.float32)
-        cols = j * block_vocab + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-        p = jnp.where(cols < valid, jnp.exp(x - lse[:, None]), 0.0)
-        d = (p - (cols == labels[:, None]).astype(jnp.float32)) * g[:, None]
-        dlogits_ref[:, sl] = d.astype(dlogits_ref.dtype)
+        x, cols = _columns(logits_ref, j, block_vocab, vocab)
+        p = jnp.where(cols < valid, jnp.exp(x.astype(jnp.float32) - lse[:, None]), 0.0)
+        d = ((p - (cols == labels[:, None]).astype(jnp.float32)) * g[:, None]).astype(dlogits_ref.dtype)
+        view = dlogits_ref.at[:, pl.ds(j * block_vocab, block_vocab)]
+        if vocab % block_vocab == 0:
+            view[...] = d
+        else:
+            pltriton.store(view, d, mask=cols < vocab)
         return 0
 
-    jax.lax.fori_loop(0, vocab // block_vocab, body, 0)
+    jax.lax.fori_loop(0, pl.cdiv(vocab, block_vocab), body, 0)
 
 
 def _specs(rows, vocab, br):

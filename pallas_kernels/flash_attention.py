@@ -24,25 +24,24 @@ from pallas_kernels._common import match_varying, out_struct, pallas_call
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query/key block lengths, powers of two (Triton's tiles). A causal sequence that is not a multiple of both
-    is padded at the end (real queries never see the padded keys, which lie in their future); a shorter one
-    uses one block."""
+    """Query/key block lengths, powers of two (Triton's tiles). A sequence that is not a multiple of both is padded
+    at the end and the padded keys are masked out; a shorter one uses one block of at least 16 (the smallest
+    tile Triton's dot takes)."""
 
     block_q: int = 64
     block_k: int = 64
 
-    def for_seq(self, seq_len: int, causal: bool = True) -> tuple[BlockSizes, int]:
+    def for_seq(self, seq_len: int) -> tuple[BlockSizes, int]:
         """The blocks for this sequence and the padded length the kernels run on."""
         if any(b <= 0 or b & (b - 1) for b in (self.block_q, self.block_k)):
             raise ValueError(f"block_q={self.block_q} and block_k={self.block_k} must be positive powers of two")
-        limit = pl.next_power_of_2(seq_len) if causal else seq_len
-        block_q, block_k = min(self.block_q, limit), min(self.block_k, limit)
-        step = math.lcm(block_q, block_k)
-        padded = -(-seq_len // step) * step
-        if padded != seq_len and not causal:
-            raise ValueError(f"{seq_len=} must be a multiple of {block_q=} and {block_k=} without a causal mask "
-                             f"(pass other BlockSizes)")
-        return BlockSizes(block_q, block_k), padded
+        limit = max(MIN_TILE, pl.next_power_of_2(seq_len))
+        blocks = BlockSizes(min(self.block_q, limit), min(self.block_k, limit))
+        step = max(blocks.block_q, blocks.block_k)  # both are powers of two: the larger is a multiple of the other
+        return blocks, -(-seq_len // step) * step
+
+
+MIN_TILE = 16
 
 
 def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float | None = None):
@@ -56,13 +55,18 @@ def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float |
     return jnp.einsum("bhqs,bshk->bqhk", p, v.astype(jnp.float32)).astype(q.dtype)
 
 
-def _causal_mask(q_start, k_start, block_q, block_k):
+def _visible(q_start, k_start, block_q, block_k, causal, kv_len, seq_len):
+    """Which (query, key) pairs of a block pair may attend: key <= query if causal, key < kv_len if padded.
+    None when every pair may."""
     rows = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
     cols = k_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    return rows >= cols
+    mask = rows >= cols if causal else None
+    if kv_len < seq_len:
+        mask = cols < kv_len if mask is None else mask & (cols < kv_len)
+    return mask
 
 
-def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k, seq_len):
+def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k, seq_len, kv_len):
     i = ids[2]
     q = q_ref[...]                                               # [bq, K]
     m0 = jnp.full((block_q,), -jnp.inf, jnp.float32)
@@ -74,8 +78,9 @@ def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bloc
         k = k_ref[pl.ds(j * block_k, block_k), :]                # [bk, K]
         v = v_ref[pl.ds(j * block_k, block_k), :]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [bq, bk]
-        if causal:
-            s = jnp.where(_causal_mask(i * block_q, j * block_k, block_q, block_k), s, -jnp.inf)
+        visible = _visible(i * block_q, j * block_k, block_q, block_k, causal, kv_len, seq_len)
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -90,7 +95,7 @@ def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bloc
 
 
 def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, block_q,
-                 block_k, seq_len):
+                 block_k, seq_len, kv_len):
     j = ids[2]
     k = k_ref[...]                                               # [bk, K]
     v = v_ref[...]
@@ -105,8 +110,9 @@ def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, d
         delta = delta_ref[pl.ds(i * block_q, block_q)]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
         p = jnp.exp(s - lse[:, None])
-        if causal:
-            p = jnp.where(_causal_mask(i * block_q, j * block_k, block_q, block_k), p, 0.0)
+        visible = _visible(i * block_q, j * block_k, block_q, block_k, causal, kv_len, seq_len)
+        if visible is not None:
+            p = jnp.where(visible, p, 0.0)
         dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
         dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None]) * scale
@@ -120,7 +126,7 @@ def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, d
 
 
 def _dq_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, block_q, block_k,
-               seq_len):
+               seq_len, kv_len):
     i = ids[2]
     q = q_ref[...]
     do = do_ref[...]
@@ -132,8 +138,9 @@ def _dq_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, 
         v = v_ref[pl.ds(j * block_k, block_k), :]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
         p = jnp.exp(s - lse[:, None])
-        if causal:
-            p = jnp.where(_causal_mask(i * block_q, j * block_k, block_q, block_k), p, 0.0)
+        visible = _visible(i * block_q, j * block_k, block_q, block_k, causal, kv_len, seq_len)
+        if visible is not None:
+            p = jnp.where(visible, p, 0.0)
         dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None]) * scale
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -164,11 +171,11 @@ def _check(q, k, v):
                          f"{v.shape=}")
 
 
-def _forward(q, k, v, causal, scale, blocks, interpret):
+def _forward(q, k, v, causal, scale, blocks, kv_len, interpret):
     B, S, H, K = q.shape
     rows_q, _, whole, vec_q, _ = _specs(B, S, H, K, blocks)
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, block_q=blocks.block_q,
-                               block_k=blocks.block_k, seq_len=S)
+                               block_k=blocks.block_k, seq_len=S, kv_len=kv_len)
     return pallas_call(
         kernel, grid=(B, H, S // blocks.block_q),
         in_specs=[rows_q, whole, whole], out_specs=[rows_q, vec_q],
@@ -177,11 +184,12 @@ def _forward(q, k, v, causal, scale, blocks, interpret):
     )(q, k, v)
 
 
-def _backward(q, k, v, o, lse, do, causal, scale, blocks, interpret):
+def _backward(q, k, v, o, lse, do, causal, scale, blocks, kv_len, interpret):
     B, S, H, K = q.shape
     rows_q, rows_k, whole, vec_q, vec_whole = _specs(B, S, H, K, blocks)
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))  # rowsum(dO ∘ O)
-    common = dict(scale=scale, causal=causal, block_q=blocks.block_q, block_k=blocks.block_k, seq_len=S)
+    common = dict(scale=scale, causal=causal, block_q=blocks.block_q, block_k=blocks.block_k, seq_len=S,
+                  kv_len=kv_len)
     dk, dv = pallas_call(
         functools.partial(_dkdv_kernel, **common), grid=(B, H, S // blocks.block_k),
         in_specs=[whole, rows_k, rows_k, whole, vec_whole, vec_whole], out_specs=[rows_k, rows_k],
@@ -197,19 +205,19 @@ def _backward(q, k, v, o, lse, do, causal, scale, blocks, interpret):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, causal, scale, blocks, interpret):
-    return _forward(q, k, v, causal, scale, blocks, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _flash(q, k, v, causal, scale, blocks, kv_len, interpret):
+    return _forward(q, k, v, causal, scale, blocks, kv_len, interpret)[0]
 
 
-def _flash_fwd(q, k, v, causal, scale, blocks, interpret):
-    o, lse = _forward(q, k, v, causal, scale, blocks, interpret)
+def _flash_fwd(q, k, v, causal, scale, blocks, kv_len, interpret):
+    o, lse = _forward(q, k, v, causal, scale, blocks, kv_len, interpret)
     return o, (q, k, v, o, lse)
 
 
-def _flash_bwd(causal, scale, blocks, interpret, residuals, do):
+def _flash_bwd(causal, scale, blocks, kv_len, interpret, residuals, do):
     q, k, v, o, lse = residuals
-    return _backward(q, k, v, o, lse, do, causal, scale, blocks, interpret)
+    return _backward(q, k, v, o, lse, do, causal, scale, blocks, kv_len, interpret)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -222,10 +230,10 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     q, k, v = match_varying(q, k, v)
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     _, seq_len, _, head_dim = q.shape
-    blocks, padded = block_sizes.for_seq(seq_len, causal)
-    width = pl.next_power_of_2(head_dim)  # zero head-dim columns change no score and give zero output columns
+    blocks, padded = block_sizes.for_seq(seq_len)
+    width = max(MIN_TILE, pl.next_power_of_2(head_dim))  # zero head-dim columns change no score, give zero output
     if (padded, width) == (seq_len, head_dim):
-        return _flash(q, k, v, causal, scale, blocks, interpret)
+        return _flash(q, k, v, causal, scale, blocks, seq_len, interpret)
     pad = [(0, 0), (0, padded - seq_len), (0, 0), (0, width - head_dim)]
-    out = _flash(*(jnp.pad(a, pad) for a in (q, k, v)), causal, scale, blocks, interpret)
+    out = _flash(*(jnp.pad(a, pad) for a in (q, k, v)), causal, scale, blocks, seq_len, interpret)
     return out[:, :seq_len, :, :head_dim]

@@ -26,9 +26,11 @@ class BlockSizes:
     max_elements: int = 16384
 
     def for_shape(self, rows: int, width: int) -> int:
-        if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
-            raise ValueError(f"block_rows={self.block_rows} must be a positive power of two")
-        return max(1, min(self.block_rows, self.max_elements // width, pl.next_power_of_2(rows)))
+        if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1) or self.max_elements <= 0:
+            raise ValueError(f"block_rows={self.block_rows} must be a positive power of two and max_elements="
+                             f"{self.max_elements} positive")
+        fit = max(1, self.max_elements // width)
+        return min(self.block_rows, 1 << (fit.bit_length() - 1), pl.next_power_of_2(rows))  # powers of two
 
 
 def layer_norm_reference(x, weight, bias, *, eps: float = 1e-5):

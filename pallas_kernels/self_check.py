@@ -14,7 +14,7 @@ from pallas_kernels.cross_entropy import cross_entropy_reference, softmax_cross_
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 
-TOLERANCE = 2e-2  # bf16 inputs, float32 accumulation
+TOLERANCE = 2e-2  # bf16 inputs, float32 accumulation (float32 inputs pass far below it)
 
 
 def _max_rel_error(got, want) -> float:
@@ -25,28 +25,31 @@ def _max_rel_error(got, want) -> float:
     return max(errs)
 
 
-def _cases():
-    k = jax.random.split(jax.random.key(0), 6)
-    qkv = [jax.random.normal(kk, (1, 128, 2, 64), jnp.float32).astype(jnp.bfloat16) for kk in k[:3]]
-    x = jax.random.normal(k[3], (64, 256), jnp.float32).astype(jnp.bfloat16)
-    w, b = jnp.linspace(0.5, 1.5, 256), jnp.linspace(-0.1, 0.1, 256)
-    logits = jax.random.normal(k[4], (64, 512), jnp.float32).astype(jnp.bfloat16)
-    labels = jax.random.randint(k[5], (64,), 0, 500)
+def _cases(hidden: int, head_dim: int, seq: int, vocab_shard: int, vocab_real: int, dtype):
+    """One small case per kernel at the model's own widths (those decide tiles, masks and padding)."""
+    k = jax.random.split(jax.random.key(0), 8)
+    qkv = [jax.random.normal(kk, (1, seq, 1, head_dim), jnp.float32).astype(dtype) for kk in k[:3]]
+    x = jax.random.normal(k[3], (8, hidden), jnp.float32).astype(dtype)
+    w = 1.0 + 0.1 * jax.random.normal(k[4], (hidden,))
+    b = 0.1 * jax.random.normal(k[5], (hidden,))
+    logits = jax.random.normal(k[6], (8, vocab_shard), jnp.float32).astype(dtype)
+    labels = jax.random.randint(k[7], (8,), 0, vocab_real)
     return {
         "flash_attention": (lambda interpret: lambda *a: flash_attention(*a, interpret=interpret),
                             flash_attention_reference, qkv),
-        "layer_norm": (lambda interpret: lambda x: layer_norm(x, w, b, interpret=interpret),
-                       lambda x: layer_norm_reference(x, w, b), [x]),
-        "cross_entropy": (lambda interpret: lambda z: softmax_cross_entropy(z, labels, vocab_size=500,
+        "layer_norm": (lambda interpret: lambda *a: layer_norm(*a, interpret=interpret),
+                       layer_norm_reference, [x, w, b]),
+        "cross_entropy": (lambda interpret: lambda z: softmax_cross_entropy(z, labels, vocab_size=vocab_real,
                                                                            interpret=interpret),
-                          lambda z: cross_entropy_reference(z, labels, vocab_size=500), [logits]),
+                          lambda z: cross_entropy_reference(z, labels, vocab_size=vocab_real), [logits]),
     }
 
 
-def self_check(interpret: bool = False) -> dict[str, str | None]:
-    """{kernel: None if its forward and gradients match the reference, else why not (one line)}."""
+def self_check(*, hidden: int = 256, head_dim: int = 64, seq: int = 128, vocab_shard: int = 512,
+               vocab_real: int = 500, dtype=jnp.bfloat16, interpret: bool = False) -> dict[str, str | None]:
+    """{kernel: None if its forward and all gradients match the reference, else why not (one line)}."""
     results = {}
-    for name, (make, reference, args) in _cases().items():
+    for name, (make, reference, args) in _cases(hidden, head_dim, seq, vocab_shard, vocab_real, dtype).items():
         fn = make(interpret)
         probe = jax.random.normal(jax.random.key(1), jax.eval_shape(reference, *args).shape, jnp.float32)
 
@@ -62,3 +65,11 @@ def self_check(interpret: bool = False) -> dict[str, str | None]:
         except Exception as exc:  # any failure to lower, compile or run is the answer to "does it work here"
             results[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     return results
+
+
+def self_check_model(cfg, tensor_parallel_size: int = 1, interpret: bool = False) -> dict[str, str | None]:
+    """`self_check` at a `ptd_jax.config.ModelConfig`'s widths: hidden size, head dim, sequence length, and this
+    tensor-parallel size's vocabulary shard."""
+    shard = cfg.padded_vocab_size(tensor_parallel_size) // tensor_parallel_size
+    return self_check(hidden=cfg.hidden_size, head_dim=cfg.head_dim, seq=cfg.seq_length, vocab_shard=shard,
+                      vocab_real=min(cfg.vocab_size, shard), dtype=jnp.dtype(cfg.dtype), interpret=interpret)

@@ -211,9 +211,10 @@ def check_default_kernels(model_cfg: ModelConfig, args) -> ModelConfig:
     fused = args.fused_kernels is None and model_cfg.fused_kernels
     if jax.default_backend() != "gpu" or not (attention or fused):
         return model_cfg
-    from pallas_kernels.self_check import self_check
+    from pallas_kernels.self_check import self_check_model
 
-    return apply_self_check(model_cfg, self_check(), attention=attention, fused=fused)
+    failures = self_check_model(model_cfg, args.tensor_model_parallel_size)
+    return apply_self_check(model_cfg, failures, attention=attention, fused=fused)
 
 
 def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool, fused: bool) -> ModelConfig:
@@ -224,9 +225,10 @@ def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool,
         changes["fused_kernels"] = False
     for kernel, why in failures.items():
         if why and ((kernel == "flash_attention" and attention) or (kernel != "flash_attention" and fused)):
+            instead = (f"attention by {changes['attention_backend']}" if kernel == "flash_attention"
+                       else "XLA for LayerNorm and the loss (--fused-kernels off)")
             print(f"ptd-train: warning: the Pallas {kernel} kernel failed its self-check on this GPU ({why}); "
-                  f"using {changes.get('attention_backend', 'XLA') if kernel == 'flash_attention' else 'XLA'} "
-                  f"instead", file=sys.stderr)
+                  f"using {instead} instead", file=sys.stderr)
     return model_cfg.replace(**changes)
 
 

@@ -136,8 +136,8 @@ def test_failing_default_kernels_fall_back_with_a_warning(capsys):
     bad_attention = {**ok, "flash_attention": "ValueError: no"}
     got = cli.apply_self_check(cfg, bad_attention, attention=True, fused=True)
     assert (got.attention_backend, got.fused_kernels) == ("cudnn", True)
-    assert "Pallas flash_attention kernel failed its self-check on this GPU (ValueError: no); using cudnn" in \
-        capsys.readouterr().err
+    assert "Pallas flash_attention kernel failed its self-check on this GPU (ValueError: no); using attention by " \
+           "cudnn instead" in capsys.readouterr().err
     got = cli.apply_self_check(cfg.replace(dtype="float32"), {**ok, "cross_entropy": "relative error 1"},
                                attention=True, fused=True)
     assert (got.attention_backend, got.fused_kernels) == ("pallas", False)
@@ -145,7 +145,12 @@ def test_failing_default_kernels_fall_back_with_a_warning(capsys):
     assert cli.apply_self_check(cfg, bad_attention, attention=False, fused=False) == cfg
 
 
-def test_kernel_self_check_passes_in_interpret_mode():
-    from pallas_kernels.self_check import self_check
+def test_kernel_self_check_at_odd_model_widths_passes_in_interpret_mode():
+    """hidden 48 (masked LayerNorm columns), head_dim 12 (padded), seq 40 (padded), vocab shard 512 of which 357
+    real: every padded and masked path, forward and all gradients (weights and biases included)."""
+    from pallas_kernels.self_check import self_check_model
+    from ptd_jax.config import ModelConfig
 
-    assert self_check(interpret=True) == {"flash_attention": None, "layer_norm": None, "cross_entropy": None}
+    cfg = ModelConfig(num_layers=1, hidden_size=48, num_attention_heads=4, seq_length=40, vocab_size=357)
+    assert self_check_model(cfg, tensor_parallel_size=1, interpret=True) == \
+        {"flash_attention": None, "layer_norm": None, "cross_entropy": None}

@@ -26,11 +26,14 @@ def grads(fn, argnums):
     return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
 
 
-@pytest.mark.parametrize("shape", [(1, 2048, 16, 128), (2, 1000, 4, 96)], ids=["1.3b", "ragged-seq-head-dim-96"])
-def test_flash_attention_lowers_to_triton(shape):
+@pytest.mark.parametrize("shape, causal", [((1, 2048, 16, 128), True), ((2, 1000, 4, 96), True),
+                                           ((1, 8, 2, 8), True), ((1, 48, 2, 64), False)],
+                         ids=["1.3b", "ragged-seq-head-dim-96", "tiny", "non-causal-ragged"])
+def test_flash_attention_lowers_to_triton(shape, causal):
     q = spec(shape)
-    assert triton_calls(lambda q, k, v: flash_attention(q, k, v), q, q, q) == 1
-    assert triton_calls(grads(flash_attention, (0, 1, 2)), q, q, q) == 3  # forward, dK/dV, dQ
+    attend = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
+    assert triton_calls(attend, q, q, q) == 1
+    assert triton_calls(grads(attend, (0, 1, 2)), q, q, q) == 3  # forward, dK/dV, dQ
 
 
 @pytest.mark.parametrize("hidden", [2048, 768, 2304], ids=["1.3b", "gpt2-small", "paper-1.7b"])
@@ -40,7 +43,7 @@ def test_layer_norm_lowers_to_triton(hidden):
     assert triton_calls(grads(layer_norm, (0, 1, 2)), x, w, w) == 2
 
 
-@pytest.mark.parametrize("vocab", [50304, 51200 // 8], ids=["t1", "t8-shard"])
+@pytest.mark.parametrize("vocab", [50304, 51200 // 8, 1000], ids=["t1", "t8-shard", "unpadded-1000"])
 def test_cross_entropy_lowers_to_triton(vocab):
     logits, labels = spec((1000, vocab)), spec((1000,), jnp.int32)
     loss = lambda z, y: softmax_cross_entropy(z, y, vocab_size=vocab - 47)  # noqa: E731
