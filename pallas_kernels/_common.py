@@ -24,8 +24,8 @@ from jax.experimental import pallas as pl
 
 try:  # deprecated since jax 0.11 (in favour of Mosaic GPU), still the backend these kernels are written for
     from jax.experimental.pallas import triton as pltriton
-except ImportError:  # a future jax without it: lower with whatever pallas_call picks, and say so in errors
-    pltriton = None
+except ImportError:  # a future jax without it: lower with whatever pallas_call picks; the masked loads of
+    pltriton = None  # odd widths (LayerNorm columns, a partial vocabulary step) then need porting
 
 
 def varying_axes(x) -> frozenset:

@@ -169,6 +169,8 @@ def _check(q, k, v):
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one [batch, seq, heads, head_dim] shape, got {q.shape=}, {k.shape=}, "
                          f"{v.shape=}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
 
 
 def _forward(q, k, v, causal, scale, blocks, kv_len, interpret):

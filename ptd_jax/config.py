@@ -107,8 +107,8 @@ class ModelConfig:
             value = getattr(self, name)
             _check(value in DTYPES, f"{name}={value!r} is not one of {DTYPES}")
         _check(self.dtype != "float64" or (self.attention_backend == "xla" and not self.fused_kernels),
-               f"dtype='float64' needs attention_backend='xla' and fused_kernels=False, got "
-               f"{self.attention_backend=!r}, {self.fused_kernels=} (the kernels accumulate in float32)")
+               f"dtype='float64' needs attention_backend='xla' and fused_kernels=False, got attention_backend="
+               f"{self.attention_backend!r}, fused_kernels={self.fused_kernels} (the kernels accumulate in float32)")
 
     @property
     def head_dim(self) -> int:

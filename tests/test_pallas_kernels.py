@@ -69,6 +69,8 @@ def test_bad_shapes_are_named():
         flash_attention(q, k, v, block_sizes=BlockSizes(24, 32), interpret=True)
     with pytest.raises(ValueError, match=r"q.shape=\(1, 48, 2, 8\), k.shape=\(1, 48, 2, 4\)"):
         flash_attention(q, k[..., :4], v, interpret=True)
+    with pytest.raises(ValueError, match=r"must share one dtype, got q.dtype=.*float32.*, k.dtype=.*bfloat16"):
+        flash_attention(q, k.astype(jnp.bfloat16), v, interpret=True)
 
 
 def _loss_trace(cfg, parallel, data, path, iters=4):
@@ -139,7 +141,7 @@ def test_attention_dropout_needs_xla_and_float64_no_kernels():
 
     with pytest.raises(ConfigError, match=r"attention_dropout=0.1 needs attention_backend='xla', got 'pallas'"):
         ModelConfig(attention_backend="pallas", attention_dropout=0.1)
-    with pytest.raises(ConfigError, match=r"dtype='float64' needs .* self.fused_kernels=True"):
+    with pytest.raises(ConfigError, match=r"dtype='float64' needs .* got attention_backend='xla', fused_kernels=True"):
         ModelConfig(dtype="float64", fused_kernels=True)
 
 
