@@ -66,8 +66,16 @@ def compare(parallel, cfg, rtol):
     assert float(norm) == pytest.approx(ref_norm, rel=rtol)
 
 
-@pytest.mark.parametrize("schedule, v", SCHEDULES, ids=[s for s, _ in SCHEDULES])
-@pytest.mark.parametrize("d, p, t", LAYOUTS, ids=[f"d{d}p{p}t{t}" for d, p, t in LAYOUTS])
+# The default run covers every schedule on one layout and every layout with some schedule; `pytest -m slow` runs
+# the whole product.
+COVERING = {((1, 2, 1), "gpipe"), ((1, 2, 1), "1f1b"), ((1, 2, 1), "interleaved"), ((1, 4, 2), "interleaved"),
+            ((2, 2, 2), "1f1b"), ((1, 8, 1), "gpipe"), ((1, 2, 4), "interleaved")}
+PRODUCT = [pytest.param(d, p, t, s, v, id=f"d{d}p{p}t{t}-{s}",
+                        marks=() if ((d, p, t), s) in COVERING else pytest.mark.slow)
+           for d, p, t in LAYOUTS for s, v in SCHEDULES]
+
+
+@pytest.mark.parametrize("d, p, t, schedule, v", PRODUCT)
 def test_float64_pipeline_equals_the_reference(d, p, t, schedule, v):
     with jax.enable_x64(True):
         compare(layout(d, p, t, schedule, v), model_cfg(p), rtol=1e-12)
