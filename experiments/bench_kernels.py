@@ -175,23 +175,44 @@ def main(argv=None) -> None:
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels.self_check import self_check_model
+    from ptd_jax.config import model_preset
+
     on_gpu = jax.default_backend() == "gpu"
-    interpret = not on_gpu
-    if args.smoke or not on_gpu:
-        attn = attention_rows([32, 64], 1, 2, 16, jnp.float32, interpret, repeats=2)
-        other = norm_and_loss_rows(64, 64, 512, jnp.float32, interpret, repeats=2)
-        steps = [training_step_row("tiny", 2, "float32", backend, fused, 2)
-                 for backend, fused in (("xla", False), ("pallas", True))]
+    smoke = args.smoke or not on_gpu
+    result = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "self_check": None,
+              "attention": [], "norm_and_loss": None, "training_step": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every row: a run cut short by a time limit still leaves what it measured
+        out.write_text(json.dumps(result, indent=1))
+
+    preset = "tiny" if smoke else "1.3b"
+    dtype = "float32" if smoke else "bfloat16"
+    result["self_check"] = self_check_model(model_preset(preset).replace(vocab_size=50257, dtype=dtype),
+                                            interpret=not on_gpu)
+    print(json.dumps({"self_check": result["self_check"]}), flush=True)
+    save()
+    if smoke:
+        seqs, attn_shape, repeats = [32, 64], (1, 2, 16, jnp.float32), 2
+        norm_shape = (64, 64, 512, jnp.float32)
+        variants, micro_batch, steps = (("xla", False), ("pallas", True)), 2, 2
     else:
-        attn = attention_rows([512, 1024, 2048, 4096, 8192], 4, 16, 128, jnp.bfloat16, False, repeats=10)
-        other = norm_and_loss_rows(8192, 2048, 50304, jnp.bfloat16, False, repeats=10)
-        steps = [training_step_row("1.3b", 4, "bfloat16", backend, fused, 5)
-                 for backend, fused in (("xla", False), ("cudnn", False), ("pallas", False), ("pallas", True),
-                                        ("cudnn", True))]
-    result = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "attention": attn,
-              "norm_and_loss": other, "training_step": steps}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+        seqs, attn_shape, repeats = [512, 1024, 2048, 4096, 8192], (4, 16, 128, jnp.bfloat16), 10
+        norm_shape = (8192, 2048, 50304, jnp.bfloat16)
+        # the GPU default (pallas + fused) first, then the baselines
+        variants = (("pallas", True), ("xla", False), ("cudnn", False), ("cudnn", True), ("pallas", False))
+        micro_batch, steps = 4, 5
+    for seq in seqs:
+        result["attention"] += attention_rows([seq], *attn_shape, not on_gpu, repeats=repeats)
+        save()
+    result["norm_and_loss"] = norm_and_loss_rows(*norm_shape, not on_gpu, repeats=repeats)
+    save()
+    for backend, fused in variants:
+        result["training_step"].append(training_step_row(preset, micro_batch, dtype, backend, fused, steps))
+        save()
+    attn = result["attention"]
     if args.plot:
         import matplotlib
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,9 @@ from pallas_kernels._common import match_varying, out_struct, pallas_call, pltri
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Rows per program and vocabulary columns per inner step, both powers of two (Triton's tiles). Rows that do
-    not fill the last block are padded; a vocabulary width that is not a multiple of the step is read with a
-    masked last step."""
+    not fill the last block are padded. The vocabulary step is the largest power of two <= block_vocab dividing
+    the shard's width when that is at least 64 (Megatron pads the vocabulary to a multiple of 128·t); otherwise
+    block_vocab with a masked last step."""
 
     block_rows: int = 32
     block_vocab: int = 256
@@ -36,7 +38,9 @@ class BlockSizes:
         for name, value in (("block_rows", self.block_rows), ("block_vocab", self.block_vocab)):
             if value <= 0 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a positive power of two")
-        return min(self.block_rows, pl.next_power_of_2(rows)), min(self.block_vocab, pl.next_power_of_2(vocab))
+        bv = min(self.block_vocab, pl.next_power_of_2(vocab))
+        whole = math.gcd(bv, vocab)  # a power of two: whole steps need no masked loads
+        return min(self.block_rows, pl.next_power_of_2(rows)), whole if whole >= min(bv, 64) else bv
 
 
 def _columns(ref, j, block_vocab, vocab):

@@ -54,8 +54,8 @@ def test_layer_norm_errors_name_shapes():
                                          (24, 300, CEBlocks(16, 64))],
                          ids=["blocks", "ragged-rows-and-vocab", "vocab-not-a-multiple-of-16"])
 def test_cross_entropy_forward_and_gradient_with_padded_vocabulary(N, V, blocks):
-    """V=384 with 256-column steps ends in a masked half step; N=40 rows leave a padded last row block; V=300
-    has no power-of-two divisor >= 8 (a masked last step of 44 columns)."""
+    """V=384 with block_vocab 256 runs whole 128-column steps; N=40 rows leave a padded last row block; V=300
+    has no power-of-two divisor >= 8, so its last 64-column step is masked (44 real columns)."""
     real = 257
     x = jax.random.normal(jax.random.key(0), (N, V)) * 3
     x = x.at[:, real:].set(50.0)  # padded columns must never count

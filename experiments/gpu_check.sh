@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~560 s).
+# Everything lands under $OUT (or experiments/results/ without it); each step's JSON is written as it goes,
+# so a run cut short still brings back what it measured.
+set -uo pipefail
+out="${OUT:-experiments/results}"
+mkdir -p "$out"
+export PYTHONPATH=.
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "${PYTHON:-python}" -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/gpu_env.txt"
+# 1. kernels at the 1.3B widths, compiled: values and all gradients against the references (seconds)
+# 2. attention vs XLA and cuDNN over sequence lengths, LayerNorm and loss vs XLA, the 1.3B step (5 variants)
+timeout "${BENCH_TIMEOUT_S:-480}" "${PYTHON:-python}" experiments/bench_kernels.py --out "$out/bench_kernels.json" \
+    --plot "$out/bench_kernels.png" 2>&1 | tail -n 40
+echo "bench exit: ${PIPESTATUS[0]}"
