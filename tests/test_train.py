@@ -97,7 +97,7 @@ def test_train_step_applies_adamw(small_corpus):
     np.testing.assert_allclose((w0 - w1)[big], 1e-2 * np.sign(g[big]), rtol=1e-3)
 
 
-@pytest.mark.parametrize("d, t", [(1, 1), (2, 4)])
+@pytest.mark.parametrize("d, t", [pytest.param(1, 1, marks=pytest.mark.slow), (2, 4)])  # (2, 4): sharded state
 def test_checkpoint_resume_reproduces_an_uninterrupted_run(small_corpus, tmp_path, d, t):
     parallel = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=4 // d,
                               global_batch_size=4)
