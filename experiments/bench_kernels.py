@@ -13,6 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
+from pallas_kernels.self_check import error_text, max_rel_error
+
 
 def timed(fn, *args, repeats=10):
     import jax
@@ -24,21 +26,6 @@ def timed(fn, *args, repeats=10):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def max_rel_error(got, want):
-    """max |got - want| / max |want| over a pytree pair, in float64 numpy."""
-    import jax
-    import numpy as np
-
-    errs = [float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)))
-                  / max(float(np.max(np.abs(np.asarray(w, np.float64)))), 1e-30))
-            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
-    return max(errs)
-
-
-def error_text(err: Exception) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
 
 
 def attention_rows(seqs, batch, heads, head_dim, dtype, interpret, repeats):

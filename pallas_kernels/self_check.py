@@ -17,12 +17,18 @@ from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 TOLERANCE = 2e-2  # bf16 inputs, float32 accumulation (float32 inputs pass far below it)
 
 
-def _max_rel_error(got, want) -> float:
+def max_rel_error(got, want) -> float:
+    """max |got - want| / max |want| per leaf of a pytree pair (float64), the worst leaf."""
     errs = []
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         errs.append(float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30)))
     return max(errs)
+
+
+def error_text(err: Exception) -> str:
+    """The exception's type and first line (at most 300 characters)."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
 
 
 def _cases(hidden: int, head_dim: int, seq: int, vocab_shard: int, vocab_real: int, dtype):
@@ -60,10 +66,10 @@ def self_check(*, hidden: int = 256, head_dim: int = 64, seq: int = 128, vocab_s
         try:
             got = jax.jit(jax.value_and_grad(loss(fn), argnums=argnums))(*args)
             want = jax.jit(jax.value_and_grad(loss(reference), argnums=argnums))(*args)
-            err = _max_rel_error(got, want)
+            err = max_rel_error(got, want)
             results[name] = None if err <= TOLERANCE else f"relative error {err:.2e} > {TOLERANCE}"
         except Exception as exc:  # any failure to lower, compile or run is the answer to "does it work here"
-            results[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            results[name] = error_text(exc)
     return results
 
 
