@@ -23,20 +23,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import varying_axes  # one definition for the kernels and tensor parallelism
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig
 from ptd_jax.mesh import Axis
 
 TENSOR = Axis.TENSOR.value
 SEQ_DIM = 1  # activations are [B, S, D]
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes over which x is varying inside shard_map (jax 0.10: manual_axis_type; older: vma)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "manual_axis_type"):
-        return frozenset(aval.manual_axis_type.varying)
-    return frozenset(getattr(aval, "vma", ()))
 
 
 def mark_varying(x, axes: tuple[str, ...]):
