@@ -38,8 +38,8 @@ def grad_step(mesh, cfg, parallel, params_specs, sched):
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from ptd_jax import sharding
-    from ptd_jax.parallel_step import loss_and_grads
+    from ptd_jax.parallel import sharding
+    from ptd_jax.parallel.step import loss_and_grads
 
     def body(params, tokens, labels, mask):
         return loss_and_grads(params, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute="none",
@@ -55,10 +55,10 @@ def run_case(name, p, v, m, cfg, repeats):
     import numpy as np
 
     from ptd_jax import model as gpt
-    from ptd_jax import sharding
+    from ptd_jax.parallel import sharding
     from ptd_jax.config import ParallelConfig
-    from ptd_jax.mesh import make_mesh
-    from ptd_jax.pipeline.schedule import build
+    from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.pipeline import build
 
     parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v,
                               pipeline_schedule=name if p > 1 else "1f1b", micro_batch_size=1, global_batch_size=m)
@@ -83,7 +83,7 @@ def reference_case(m, cfg, repeats, recompute="full"):
     import numpy as np
 
     from ptd_jax import model as gpt
-    from ptd_jax.train import accumulate_gradients
+    from ptd_jax.train.reference import accumulate_gradients
 
     params = gpt.init_params(jax.random.key(0), cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="experiments/results/bench_pipeline.json")
     parser.add_argument("--plot", default="experiments/results/bench_pipeline.png")
     args = parser.parse_args(argv)
-    from ptd_jax.mesh import set_fake_devices
+    from ptd_jax.parallel.mesh import set_fake_devices
 
     set_fake_devices(8)
     from ptd_jax.config import ModelConfig

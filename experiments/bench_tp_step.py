@@ -29,10 +29,10 @@ def main(argv=None) -> None:
     import numpy as np
 
     from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
-    from ptd_jax.mesh import make_mesh
+    from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.optimizer import make_optimizer
-    from ptd_jax.parallel_step import init_sharded_state, make_parallel_train_step
-    from ptd_jax.train import init_state, make_train_step
+    from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
+    from ptd_jax.train.reference import init_state, make_train_step
 
     cfg = model_preset(args.preset)
     parallel = ParallelConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)

@@ -24,11 +24,11 @@ def report(L: int, h: int, heads: int, s: int, b: int, m: int, d: int, t: int, s
     import jax
     import jax.numpy as jnp
 
-    from ptd_jax.collectives import hlo_collectives, jaxpr_collectives, summarize
+    from ptd_jax.parallel.collectives import hlo_collectives, jaxpr_collectives, summarize
     from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
-    from ptd_jax.mesh import make_mesh
+    from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.optimizer import make_optimizer
-    from ptd_jax.parallel_step import init_sharded_state, make_parallel_train_step
+    from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
 
     cfg = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=heads, seq_length=s)
     parallel = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=b,
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-microbatches", type=int, default=2)
     parser.add_argument("--out", default="experiments/results/comm_report.json")
     args = parser.parse_args(argv)
-    from ptd_jax.mesh import set_fake_devices
+    from ptd_jax.parallel.mesh import set_fake_devices
 
     set_fake_devices(args.fake_devices)
     rows = []

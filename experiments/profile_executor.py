@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="experiments/results/profile_executor.json")
     args = parser.parse_args(argv)
-    from ptd_jax.mesh import set_fake_devices
+    from ptd_jax.parallel.mesh import set_fake_devices
 
     set_fake_devices(8)
     import jax
@@ -50,12 +50,12 @@ def main(argv=None) -> None:
     from jax.sharding import PartitionSpec as P
 
     from ptd_jax import model as gpt
-    from ptd_jax import sharding
+    from ptd_jax.parallel import sharding
     from ptd_jax.config import ModelConfig, ParallelConfig
-    from ptd_jax.mesh import make_mesh
-    from ptd_jax.parallel_step import loss_and_grads
-    from ptd_jax.pipeline.schedule import build
-    from ptd_jax.train import accumulate_gradients
+    from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.step import loss_and_grads
+    from ptd_jax.parallel.pipeline import build
+    from ptd_jax.train.reference import accumulate_gradients
 
     cfg = ModelConfig(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
     m = 8

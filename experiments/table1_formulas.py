@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ptd_jax.config import PAPER_TABLE_1, model_preset
-from ptd_jax.flops import flops_per_iteration, model_flops_per_iteration, num_params, training_days
+from ptd_jax.train.flops import flops_per_iteration, model_flops_per_iteration, num_params, training_days
 
 
 def rows(tokens: float) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Pallas kernels for the hot paths, each with a pure-jnp reference (DESIGN.md §5)."""
+"""Pallas kernels for the hot paths, each with a pure-jnp reference (docs/architecture.md, "Pallas kernels")."""
 
 from pallas_kernels.cross_entropy import cross_entropy_reference, softmax_cross_entropy
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference

@@ -1,23 +1,19 @@
-"""What every kernel file shares: one `pallas_call` entry point and the typing that lets kernels run inside
-`jax.shard_map` bodies (each device's local heads, tokens or vocabulary shard).
+"""What every kernel file shares: one `pallas_call` entry point that lets kernels run inside `jax.shard_map`
+bodies (each device's local heads, tokens or vocabulary shard); the typing helpers are public in `vma.py`.
 
 Inside shard_map, jax 0.10 types every value with the mesh axes it varies over ("vma") and checks that the
-operands of each primitive agree. Two consequences for Pallas:
-- `out_shape` must carry the varying axes of the inputs (`out_struct`).
-- In interpret mode (CPU), the interpreter re-binds the kernel's top-level primitives on block values that
-  carry the caller's varying axes, while the kernel itself was traced without any; a literal such as the `D`
-  in a mean then fails the check ("Primitive div requires varying manual axes to match"). Tracing the kernel
-  under `jax.jit` makes its body one call whose types are its own, so nothing inside is re-checked. Grid
-  indices must then be read outside that call (the interpreter substitutes `program_id` only at top level),
-  so every kernel takes them as its first argument. The jit is added only in interpret mode.
+operands of each primitive agree. In interpret mode (CPU), the interpreter re-binds the kernel's top-level
+primitives on block values that carry the caller's varying axes, while the kernel itself was traced without any;
+a literal such as the `D` in a mean then fails the check ("Primitive div requires varying manual axes to
+match"). Tracing the kernel under `jax.jit` makes its body one call whose types are its own, so nothing inside
+is re-checked. Grid indices must then be read outside that call (the interpreter substitutes `program_id` only
+at top level), so every kernel takes them as its first argument. The jit is added only in interpret mode.
 
 On GPUs the kernels are compiled by Pallas' Triton backend, named explicitly (see `pallas_call`); its tiles
 must have power-of-two sizes, which each kernel file arranges by padding or masking.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import jax
 from jax.experimental import pallas as pl
@@ -26,36 +22,6 @@ try:  # deprecated since jax 0.11 (in favour of Mosaic GPU), still the backend t
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # a future jax without it: lower with whatever pallas_call picks; the masked loads of
     pltriton = None  # odd widths (LayerNorm columns, a partial vocabulary step) then need porting
-
-
-def varying_axes(x) -> frozenset:
-    """Mesh axes x varies over inside shard_map (empty outside; jax 0.10: manual_axis_type, earlier: vma)."""
-    aval = jax.typeof(x)
-    if getattr(aval, "manual_axis_type", None) is not None:
-        return frozenset(aval.manual_axis_type.varying)
-    return frozenset(getattr(aval, "vma", None) or ())
-
-
-def match_varying(*arrays):
-    """The arrays, each marked varying over the union of their varying axes (a kernel's operands must agree;
-    autodiff turns each mark into the psum that the broadcast implies)."""
-    union = frozenset().union(*(varying_axes(a) for a in arrays))
-    out = []
-    for a in arrays:
-        missing = tuple(sorted(union - varying_axes(a)))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return out
-
-
-def out_struct(shape, dtype, like):
-    """ShapeDtypeStruct varying over the same shard_map axes as `like`."""
-    aval = jax.typeof(like)
-    params = inspect.signature(jax.ShapeDtypeStruct).parameters
-    if "manual_axis_type" in params and getattr(aval, "manual_axis_type", None) is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-    if "vma" in params and getattr(aval, "vma", None) is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def pallas_call(kernel, *, grid: tuple[int, ...], interpret: bool, num_warps: int = 4, num_stages: int = 2,

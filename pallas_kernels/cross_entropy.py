@@ -3,7 +3,7 @@
 Forward: one kernel streams each row block's logits over vocabulary blocks and keeps three numbers per row —
 running max, sum of exponentials relative to it, and the target logit (if the label falls in this shard).
 Under tensor parallelism those three are combined across the vocabulary shards with one pmax and two psums
-(the same reduction as `ptd_jax.tensor_parallel.vocab_parallel_cross_entropy`), so composing is just passing
+(the same reduction as `ptd_jax.parallel.tensor.vocab_parallel_cross_entropy`), so composing is just passing
 `axis_name`. Backward: a second kernel writes d logits = (softmax − one-hot) · d loss block by block from the
 saved log-sum-exp. Padded vocabulary columns (global id >= vocab_size) never enter the normaliser.
 
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import match_varying, out_struct, pallas_call, pltriton
+from pallas_kernels._common import pallas_call, pltriton
+from pallas_kernels.vma import match_varying, out_struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,9 @@ def _specs(rows, vocab, br):
             pl.BlockSpec((1,), lambda i: (0,)))
 
 
-def _stats(logits, local_labels, valid, blocks, interpret):
+def shard_statistics(logits, local_labels, valid, blocks, interpret):
+    """One vocabulary shard's per-row (max, sum of exp(logit - max), target logit or 0): what the three
+    all-reduces of the vocab-parallel loss combine. `valid` [1] holds how many of the shard's columns are real."""
     rows, vocab = logits.shape
     br, bv = blocks.for_shape(rows, vocab)
     mat, vec, scalar = _specs(rows, vocab, br)
@@ -127,7 +130,7 @@ def _cross_entropy(logits, local_labels, valid, axis_name, blocks, interpret):
 
 
 def _cross_entropy_fwd(logits, local_labels, valid, axis_name, blocks, interpret):
-    row_max, sum_exp, target = _stats(logits, local_labels, valid, blocks, interpret)
+    row_max, sum_exp, target = shard_statistics(logits, local_labels, valid, blocks, interpret)
     if axis_name is not None:  # combine the vocabulary shards: max, rescaled sum of exponentials, target
         global_max = jax.lax.pmax(row_max, axis_name)
         scale = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - global_max), 0.0)

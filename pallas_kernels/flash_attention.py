@@ -5,8 +5,9 @@ accumulation. The forward keeps a running max and normaliser per query row (onli
 no [seq, seq] matrix exists in memory; it saves the log-sum-exp per row for the backward, which recomputes the
 probabilities block by block: one kernel accumulates dK and dV per key block, another dQ per query block.
 
-Written with the generic `pl.pallas_call` + `BlockSpec` API so that `interpret=True` runs it on CPU (DESIGN.md §5);
-`flash_attention_reference` is the pure-jnp definition it is tested against.
+Written with the generic `pl.pallas_call` + `BlockSpec` API so that `interpret=True` runs it on CPU
+(docs/architecture.md, "Pallas kernels"); `flash_attention_reference` is the pure-jnp definition it is tested
+against.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import match_varying, out_struct, pallas_call
+from pallas_kernels._common import pallas_call
+from pallas_kernels.vma import match_varying, out_struct
 
 
 @dataclasses.dataclass(frozen=True)

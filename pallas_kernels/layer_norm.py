@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import match_varying, out_struct, pallas_call, pltriton
+from pallas_kernels._common import pallas_call, pltriton
+from pallas_kernels.vma import match_varying, out_struct
 
 
 @dataclasses.dataclass(frozen=True)

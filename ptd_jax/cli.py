@@ -13,8 +13,8 @@ import sys
 from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES,
                             ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
 from ptd_jax.data import DataError
-from ptd_jax.indexed_dataset import IndexedDatasetError
-from ptd_jax.tokenizer import ByteTokenizer
+from ptd_jax.data.indexed_dataset import IndexedDatasetError
+from ptd_jax.data.tokenizer import ByteTokenizer
 
 DEMO_PRESET = "tiny"
 
@@ -262,7 +262,7 @@ def run(argv=None) -> dict:
     demo = apply_demo_layout(args)
     fill_defaults(args)
     if args.fake_devices is not None:
-        from ptd_jax.mesh import set_fake_devices
+        from ptd_jax.parallel.mesh import set_fake_devices
 
         set_fake_devices(args.fake_devices)
     import jax

@@ -1,6 +1,6 @@
 """Configuration: frozen dataclasses validated on construction, and the paper's presets.
 
-Three configs travel through the whole system (DESIGN.md §1):
+Three configs travel through the whole system (docs/architecture.md, "Data flow"):
 - `ModelConfig`: the GPT architecture (Megatron GPT = GPT-2: learned positions, pre-LayerNorm, tied output).
 - `ParallelConfig`: the PTD-P layout (data × pipe × tensor), microbatching and the pipeline schedule.
 - `TrainConfig`: optimizer, learning-rate schedule, iterations, logging and evaluation cadence.
@@ -35,6 +35,22 @@ def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_siz
     """Megatron's `--make-vocab-size-divisible-by`: pad V to a multiple of divisible_by · t."""
     multiple = divisible_by * tensor_parallel_size
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def check_pipeline_request(schedule: str, p: int, v: int, m: int, group: int | None = None) -> int:
+    """The rules a pipeline schedule request must meet (schedule name, p, v, m and the interleaved group G);
+    returns the effective G. `ParallelConfig` and the schedule builders both check them here."""
+    _check(schedule in PIPELINE_SCHEDULES, f"schedule={schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    _check(p >= 1 and v >= 1 and m >= 1, f"p={p}, v={v} and m={m} must be positive")
+    if schedule != "interleaved":
+        _check(v == 1, f"schedule={schedule!r} has no model chunks: v={v} needs schedule='interleaved'")
+        return 1
+    _check(p >= 2, f"interleaving needs p >= 2 pipeline ranks, got p={p}")
+    g = p if group is None else group
+    _check(p <= g <= m, f"interleaved schedule needs p <= G <= m (Megatron's rule), got p={p}, G={g}, m={m}")
+    _check(not (m % g and m % g < p), f"interleaved schedule needs m % G == 0 or m % G >= p (Megatron's rule), "
+                                      f"got m={m}, G={g}, m % G={m % g}, p={p}")
+    return g
 
 
 @dataclass(frozen=True)
@@ -176,13 +192,8 @@ class ParallelConfig:
                    f"the interleaved schedule needs pipeline_model_parallel_size >= 2, got "
                    f"{self.pipeline_model_parallel_size}")
         if self.pipeline_model_parallel_size > 1:
-            from ptd_jax.pipeline.schedule import ScheduleError, check_request
-
-            try:
-                check_request(self.pipeline_schedule, self.pipeline_model_parallel_size,
-                              self.virtual_pipeline_stages, self.num_microbatches, self.microbatch_group_size)
-            except ScheduleError as err:
-                raise ConfigError(str(err)) from None
+            check_pipeline_request(self.pipeline_schedule, self.pipeline_model_parallel_size,
+                                   self.virtual_pipeline_stages, self.num_microbatches, self.microbatch_group_size)
 
     @classmethod
     def for_devices(cls, num_devices: int, **kwargs) -> "ParallelConfig":

@@ -3,10 +3,10 @@
 Learned position embeddings, pre-LayerNorm blocks, causal multi-head attention, a 4h GeLU MLP, a final
 LayerNorm and an output layer tied to the word embedding (paper §2, Megatron-LM `GPTModel`).
 
-Parameter layout (DESIGN.md §1): the transformer layers are *stacked* along a leading layer dim L so that
-(a) one `lax.scan` runs them (half the CPU step time and a quarter of the compile time of unrolled layers,
-DESIGN.md §6), (b) the pipeline can reshape L into [pipe, chunk, layers_per_chunk], and (c) tensor
-parallelism splits a named dim of each weight without renaming anything:
+Parameter layout (docs/architecture.md, "Parameters"): the transformer layers are *stacked* along a leading
+layer dim L so that (a) one `lax.scan` runs them (half the CPU step time and a quarter of the compile time of
+unrolled layers, docs/architecture.md, "Measured"), (b) the pipeline can reshape L into [v, p, k] chunks
+(`parallel/sharding.py`), and (c) tensor parallelism splits a named dim of each weight without renaming anything:
 
     embed/word          [Vp, D]          split Vp over "tensor" (vocab-parallel embedding and tied output)
     embed/position      [S, D]

@@ -1,20 +1,29 @@
-"""AdamW with Megatron's learning-rate schedule, built from optax.
+"""The update rule shared by every train step: AdamW with Megatron's learning-rate schedule (built from optax),
+clipping by a global norm, and the training state it updates.
 
 Schedule (Megatron's OptimizerParamScheduler): linear warm-up from 0 to `lr` over `lr_warmup_iters`, then decay
 to `min_lr` by iteration `lr_decay_iters` (counted from 0, warm-up included) — cosine, linear or constant — and
-`min_lr` afterwards. Biases and LayerNorm parameters are not weight-decayed. Gradient clipping by global norm is
-done by the train step itself (it also reports the norm and, later, must count sharded parameters once).
+`min_lr` afterwards. Biases and LayerNorm parameters are not weight-decayed. Each step computes its gradients'
+global norm its own way (the parallel step counts every sharded parameter once) and hands it to
+`apply_gradients`, which clips and updates.
+
+This module sits below both the single-device reference step (`train/reference.py`) and the parallel step
+(`parallel/step.py`), so that neither imports the other and both apply exactly the same update.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from ptd_jax.config import TrainConfig
+
+State = dict[str, Any]
+"""The training state: {"params", "opt_state", "step"} (a pytree; donated to every train step)."""
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -68,3 +77,18 @@ def clip_by_global_norm(grads, max_norm: float):
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
+
+
+def new_state(params, optimizer: optax.GradientTransformation) -> State:
+    return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def apply_gradients(state: State, grads, grad_norm, optimizer: optax.GradientTransformation,
+                    train_cfg: TrainConfig) -> State:
+    """Clip `grads` to `train_cfg.clip_grad` by their (given) global norm and take one optimizer step."""
+    if train_cfg.clip_grad > 0:
+        scale = jnp.minimum(1.0, train_cfg.clip_grad / (grad_norm + 1e-6))
+        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+            "step": state["step"] + 1}

@@ -21,7 +21,7 @@ TEXT = (
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
     """A .bin/.idx pair of 60 small Python-like documents (about 15k byte tokens)."""
-    from ptd_jax.preprocess import build_indexed_dataset
+    from ptd_jax.data.preprocess import build_indexed_dataset
 
     root = tmp_path_factory.mktemp("corpus")
     rng = np.random.RandomState(0)

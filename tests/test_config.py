@@ -2,7 +2,7 @@ import pytest
 
 from ptd_jax.config import (PAPER_TABLE_1, ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset,
                             pad_vocab_size, paper_parallel_config)
-from ptd_jax.flops import num_params
+from ptd_jax.train.flops import num_params
 
 
 def test_heads_must_divide_hidden():

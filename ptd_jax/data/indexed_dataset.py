@@ -1,0 +1,188 @@
+"""Megatron's indexed dataset (`MMIDIDX`), read and written byte-compatibly.
+
+`PREFIX.bin` holds the raw tokens of every sequence back to back. `PREFIX.idx` is, little-endian:
+
+    magic      9 bytes  b"MMIDIDX\\x00\\x00"
+    version    u64      1
+    dtype      u8       1 u8, 2 i8, 3 i16, 4 i32, 5 i64, 6 f64, 7 f32, 8 u16
+    sequences  u64      N
+    documents  u64      D (length of the document index, which starts with 0: D = documents + 1)
+    lengths    int32[N] tokens per sequence
+    pointers   int64[N] byte offset of each sequence in .bin
+    doc index  int64[D] sequence index where each document starts, then N
+
+Files are written to temporary names and renamed, so a failed write leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+_HEADER = len(MAGIC) + 8 + 1 + 8 + 8
+
+
+class DataError(ValueError):
+    """Empty corpus, bad split string or a dataset too small for the request; the message names values."""
+
+
+class IndexedDatasetError(ValueError):
+    """A missing, corrupt or inconsistent .bin/.idx pair; the message names the file and the values."""
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """Megatron's choice: uint16 when every id fits, else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def idx_path(prefix) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def bin_path(prefix) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+class IndexedDatasetWriter:
+    """Streams documents into PREFIX.bin/.idx (under temporary names until `finalize`)."""
+
+    def __init__(self, prefix, dtype=np.uint16):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise IndexedDatasetError(f"dtype={self.dtype} has no indexed-dataset code ({list(CODE_OF_DTYPE)})")
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        self._tmp_bin = Path(f"{self.prefix}.bin.tmp{os.getpid()}")
+        self._bin = open(self._tmp_bin, "wb")
+        self.lengths: list[int] = []
+        self.doc_index: list[int] = [0]
+
+    def add_document(self, tokens) -> None:
+        """One document made of one sequence (the GPT case)."""
+        self.add_sequence(tokens)
+        self.end_document()
+
+    def add_sequence(self, tokens) -> None:
+        array = np.asarray(tokens)
+        if self.dtype.kind in "iu" and array.size:
+            info, lo, hi = np.iinfo(self.dtype), int(array.min()), int(array.max())
+            if lo < info.min or hi > info.max:
+                raise IndexedDatasetError(f"token ids in [{lo}, {hi}] do not fit dtype={self.dtype}")
+        self._bin.write(array.astype(self.dtype).tobytes(order="C"))
+        self.lengths.append(int(array.size))
+
+    def end_document(self) -> None:
+        self.doc_index.append(len(self.lengths))
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.asarray(self.lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
+        doc_index = np.asarray(self.doc_index, dtype=np.int64)
+        tmp_idx = Path(f"{self.prefix}.idx.tmp{os.getpid()}")
+        with open(tmp_idx, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(doc_index)))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(doc_index.tobytes())
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        os.replace(tmp_idx, idx_path(self.prefix))
+
+    def abort(self) -> None:
+        self._bin.close()
+        self._tmp_bin.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """Memory-mapped reader; validates the header and that .idx and .bin agree before any access."""
+
+    def __init__(self, prefix):
+        self.prefix = str(prefix)
+        ipath, bpath = idx_path(prefix), bin_path(prefix)
+        for path in (ipath, bpath):
+            if not path.is_file():
+                raise IndexedDatasetError(f"missing file {path} (expected a .bin/.idx pair at prefix {prefix!r})")
+        idx_size = ipath.stat().st_size
+        with open(ipath, "rb") as f:
+            header = f.read(_HEADER)
+        if len(header) < _HEADER:
+            raise IndexedDatasetError(f"{ipath} is truncated: {idx_size} bytes, header needs {_HEADER}")
+        if header[: len(MAGIC)] != MAGIC:
+            raise IndexedDatasetError(f"{ipath} has magic {header[:len(MAGIC)]!r}, expected {MAGIC!r}")
+        version, code, num_seq, num_docs = struct.unpack("<QBQQ", header[len(MAGIC):])
+        if version != VERSION:
+            raise IndexedDatasetError(f"{ipath} has version={version}, expected {VERSION}")
+        if code not in DTYPE_CODES:
+            raise IndexedDatasetError(f"{ipath} has dtype code={code}, expected one of {sorted(DTYPE_CODES)}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = _HEADER + 4 * num_seq + 8 * num_seq + 8 * num_docs
+        if idx_size < expected:
+            raise IndexedDatasetError(
+                f"{ipath} is truncated: {idx_size} bytes for sequences={num_seq} documents={num_docs} "
+                f"(needs {expected})")
+        index = np.memmap(ipath, mode="r", dtype=np.uint8)
+        offset = _HEADER
+        self.lengths = np.frombuffer(index, dtype=np.int32, count=num_seq, offset=offset)
+        offset += 4 * num_seq
+        self.pointers = np.frombuffer(index, dtype=np.int64, count=num_seq, offset=offset)
+        offset += 8 * num_seq
+        self.doc_index = np.frombuffer(index, dtype=np.int64, count=num_docs, offset=offset)
+        bin_size = bpath.stat().st_size
+        total_tokens = int(self.lengths.astype(np.int64).sum())
+        if bin_size != total_tokens * self.dtype.itemsize:
+            raise IndexedDatasetError(
+                f"{bpath} has {bin_size} bytes but {ipath} describes {total_tokens} tokens of {self.dtype} "
+                f"({total_tokens * self.dtype.itemsize} bytes)")
+        if num_seq:
+            expected_ptr = np.concatenate([[0], np.cumsum(self.lengths[:-1], dtype=np.int64)]) * self.dtype.itemsize
+            if not np.array_equal(expected_ptr, self.pointers):
+                raise IndexedDatasetError(f"{ipath} has sequence pointers that disagree with its lengths")
+        if num_docs and (self.doc_index[0] != 0 or self.doc_index[-1] != num_seq
+                         or np.any(np.diff(self.doc_index) < 0)):
+            raise IndexedDatasetError(
+                f"{ipath} has a document index that does not run from 0 to sequences={num_seq}")
+        self._bin = np.memmap(bpath, mode="r", dtype=self.dtype) if total_tokens else np.zeros(0, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.astype(np.int64).sum())
+
+    def max_token(self) -> int:
+        """Largest token id in .bin (one pass over the memory map)."""
+        return int(self._bin.max()) if self._bin.size else -1
+
+    def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset+length) of sequence `index`."""
+        start = int(self.pointers[index]) // self.dtype.itemsize + offset
+        stop = start + (int(self.lengths[index]) - offset if length is None else length)
+        return np.asarray(self._bin[start:stop])
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.get(index)

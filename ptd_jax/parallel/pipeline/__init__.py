@@ -1,0 +1,17 @@
+"""Pipeline model parallelism (paper §2.2): the schedule as data, and the one executor that reads it.
+
+    schedule.py   actions (F/B chunk.microbatch) and each rank's order: GPipe, 1F1B, interleaved 1F1B. Pure Python.
+    lockstep.py   the orders placed on global ticks of one kind, stash slots, validation, simulation. Pure Python.
+    plot.py       the timeline as a PNG (paper Figure 4).
+    executor.py   one SPMD program: `lax.scan` over the ticks inside the step's shard_map (JAX).
+    cli.py        `ptd-schedule`.
+
+Importing this package does not import JAX: schedules can be built, checked and drawn anywhere.
+"""
+
+from ptd_jax.parallel.pipeline.lockstep import Cell, Schedule, build, build_forward_only, validate
+from ptd_jax.parallel.pipeline.plot import plot
+from ptd_jax.parallel.pipeline.schedule import SCHEDULES, Action, ScheduleError, build_orders
+
+__all__ = ["SCHEDULES", "Action", "Cell", "Schedule", "ScheduleError", "build", "build_forward_only",
+           "build_orders", "plot", "validate"]

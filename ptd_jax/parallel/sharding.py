@@ -1,0 +1,129 @@
+"""Every sharding decision in one file: which dim of which parameter is split over which mesh axis, and the
+pipeline's stacked-layer layout [v, p, k, ...] with its conversions (no other module knows that layout).
+
+- "tensor": the table `TENSOR_SPLIT_DIM` (paper §2.3); parameters not in it are replicated over "tensor".
+- "pipe": with pipeline parallelism the stacked layers [L, ...] are stored [v, p, k = L/(p·v), ...] and split over
+  "pipe" on dim 1 (`stage_layers`); inside shard_map a rank sees [v, 1, k, ...] and the executor works on its
+  chunks [v, k, ...] (`local_chunks`). Embeddings and the final LayerNorm are replicated over "pipe" (used by the
+  first and last virtual stages, their gradients summed: Megatron's tied-embedding all-reduce).
+- "data": nothing is split (replicated weights, data-parallel gradients reduced once per step); batches
+  [M, d·b, S] are split over "data" on dim 1 (each data rank takes its b rows of every microbatch).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ptd_jax.parallel.mesh import Axis
+
+TENSOR, DATA, PIPE = Axis.TENSOR.value, Axis.DATA.value, Axis.PIPE.value
+
+# parameter path -> dim split over tensor (the stored arrays: layers carry a leading L dim)
+TENSOR_SPLIT_DIM: dict[tuple[str, ...], int] = {
+    ("embed", "word"): 0,                    # [Vp, D]: vocab-parallel embedding and output layer
+    ("layers", "attn", "qkv_kernel"): 3,     # [L, D, 3, H, K]: column-parallel over heads
+    ("layers", "attn", "qkv_bias"): 2,       # [L, 3, H, K]
+    ("layers", "attn", "out_kernel"): 1,     # [L, H, K, D]: row-parallel over heads
+    ("layers", "mlp", "fc1_kernel"): 2,      # [L, D, F]: column-parallel
+    ("layers", "mlp", "fc1_bias"): 1,        # [L, F]
+    ("layers", "mlp", "fc2_kernel"): 1,      # [L, F, D]: row-parallel
+}
+
+BATCH_SPEC = P(None, DATA, None)  # [M, d·b, S]
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
+def param_spec(path, leaf, pipelined: bool = False) -> P:
+    """Spec of one parameter. With `pipelined`, layer leaves are stored [v, p, L/(p·v), ...] (see
+    `stage_layers`) and their dim 1 is split over "pipe"."""
+    names = _path_names(path)
+    dims: list = [None] * leaf.ndim
+    offset = 0
+    if pipelined and names[0] == "layers":
+        dims[1], offset = PIPE, 2
+    dim = TENSOR_SPLIT_DIM.get(names)
+    if dim is not None:
+        dims[dim + offset] = TENSOR
+    return P(*dims)
+
+
+def param_specs(params, pipelined: bool = False):
+    """PartitionSpec tree matching `params`."""
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: param_spec(path, leaf, pipelined), params)
+
+
+def stage_layers(layers, p: int, v: int):
+    """[L, ...] -> [v, p, L/(p·v), ...]: a free reshape that puts layer (c·p + r)·k + j at [c, r, j], i.e. chunk c
+    of pipeline rank r holds virtual stage c·p + r — the paper's round-robin assignment (§2.2.2)."""
+    return jax.tree.map(lambda x: x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]), layers)
+
+
+def unstage_layers(layers):
+    """[v, p, k, ...] -> [L, ...] (the reference layout)."""
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), layers)
+
+
+def local_chunks(layers_local):
+    """Inside shard_map: this pipeline rank's shard [v, 1, k, ...] -> its chunks [v, k, ...] (chunk c is virtual
+    stage c·p + rank)."""
+    return jax.tree.map(lambda x: x[:, 0], layers_local)
+
+
+def from_local_chunks(chunks):
+    """The inverse of `local_chunks`: [v, k, ...] -> the rank's shard [v, 1, k, ...] (for gradients)."""
+    return jax.tree.map(lambda x: x[:, None], chunks)
+
+
+def split_axes(spec: P) -> tuple[str, ...]:
+    return tuple(a for a in tuple(spec) if a is not None)
+
+
+def replicated_axes(spec: P, pipelined: bool, sequence_parallel: bool) -> tuple[str, ...]:
+    """Mesh axes a parameter is replicated on but used with differing data, so that its gradient is a partial
+    sum: "data" always, "pipe" for the embeddings/final LayerNorm under pipelining, "tensor" for the
+    tensor-replicated weights under sequence parallelism. Marked varying before autodiff (no per-microbatch
+    all-reduce) and summed once after."""
+    marked = (DATA,) + ((PIPE,) if pipelined else ()) + ((TENSOR,) if sequence_parallel else ())
+    split = split_axes(spec)
+    return tuple(a for a in marked if a not in split)
+
+
+def replicated_axes_tree(specs, pipelined: bool, sequence_parallel: bool):
+    """`replicated_axes` for every leaf of a PartitionSpec tree: a tree of axis-name tuples."""
+    return jax.tree.map(lambda s: replicated_axes(s, pipelined, sequence_parallel), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def opt_state_specs(optimizer: optax.GradientTransformation, opt_state, specs):
+    """Optimizer moments shard like their parameters; counters and other scalars are replicated."""
+    return optax.tree_map_params(optimizer, lambda _, spec: spec, opt_state, specs,
+                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+
+def state_specs(optimizer, state, pipelined: bool = False):
+    specs = param_specs(state["params"], pipelined)
+    return {"params": specs, "opt_state": opt_state_specs(optimizer, state["opt_state"], specs), "step": P()}
+
+
+def named(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def global_norm(grads, specs):
+    """L2 norm counting every parameter once, inside shard_map: each leaf's sum of squares is summed over the mesh
+    axes it is split on (one scalar all-reduce per group of axes), and replicated leaves (LayerNorm, biases of
+    row-parallel layers, embeddings over "pipe") are counted once — not once per replica."""
+    groups: dict[tuple[str, ...], jax.Array] = {}
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        square = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+        axes = split_axes(spec)
+        groups[axes] = groups.get(axes, 0.0) + square
+    total = sum(jax.lax.psum(value, axes) if axes else value for axes, value in sorted(groups.items()))
+    return jnp.sqrt(total)

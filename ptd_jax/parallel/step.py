@@ -1,0 +1,193 @@
+"""The tensor- and data-parallel training step: one `jit(shard_map(...))` over the ("data", "pipe", "tensor") mesh.
+
+Per iteration, on every device (paper §2.3 for tensor, §2.1 for data parallelism):
+1. take this data rank's b rows of each of the M microbatches (in_specs split the batch over "data");
+2. accumulate float32 gradients of the tensor-parallel loss over the M microbatches (`lax.scan`); parameters are
+   first marked varying over "data" (and, under sequence parallelism, the tensor-replicated ones over "tensor")
+   so that autodiff does not all-reduce them once per microbatch;
+3. all-reduce the gradients over "data" once (and the sequence-parallel replicated ones over "tensor" once);
+4. clip by a global norm that counts each parameter once, then AdamW on the local shards.
+
+With p > 1, step 2 is the pipeline executor (`pipeline/executor.py`) running the schedule table instead of the
+scan over microbatches. Initialisation shards the serial `model.init_params` (jit with out_shardings), so a run
+at t = 4 starts from exactly the weights of t = 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from ptd_jax import model as gpt
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.optimizer import apply_gradients, learning_rate_schedule, new_state
+from ptd_jax.parallel import sharding
+from ptd_jax.parallel import tensor as tp
+from ptd_jax.parallel.mesh import Axis
+from ptd_jax.parallel.pipeline.executor import pipeline_accumulate
+from ptd_jax.parallel.pipeline.lockstep import build, build_forward_only, validate
+from ptd_jax.parallel.vma import mark_like, mark_tree, mark_varying
+
+DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
+
+
+def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None):
+    """The serial initial state, laid out on the mesh (TP-sharded init equals the serial init). With p > 1 the
+    layers are stored in the pipeline layout (`sharding.stage_layers`)."""
+    p = mesh.shape[PIPE]
+    v = parallel.virtual_pipeline_stages if parallel is not None else 1
+
+    def init(k):
+        params = gpt.init_params(k, model_cfg, mesh.shape[TENSOR])
+        if p > 1:
+            params["layers"] = sharding.stage_layers(params["layers"], p, v)
+        return new_state(params, optimizer)
+
+    abstract = jax.eval_shape(init, key)
+    specs = sharding.state_specs(optimizer, abstract, pipelined=p > 1)
+    return jax.jit(init, out_shardings=sharding.named(mesh, specs))(key)
+
+
+def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, key):
+    """Per-rank float32 sums over microbatches of the loss and its gradient (not yet reduced over data)."""
+    sequence_parallel = parallel.sequence_parallel
+    acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+
+    def micro_loss(p, t, l, m, k):
+        return tp.loss_sum(p, t, l, m, model_cfg, sequence_parallel=sequence_parallel, key=k,
+                           recompute=recompute) / total_tokens
+
+    grad_fn = jax.value_and_grad(micro_loss)
+
+    def body(carry, xs):
+        loss_acc, grad_acc = carry
+        index, t, l, m = xs
+        k = jax.random.fold_in(key, index) if key is not None else None
+        loss, grads = grad_fn(params, t, l, m, k)
+        return (loss_acc + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)), None
+
+    zeros = jax.tree.map(lambda x: mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x),
+                         params)
+    loss0 = mark_varying(jnp.zeros((), acc), (DATA,))
+    (loss, grads), _ = jax.lax.scan(body, (loss0, zeros), (jnp.arange(tokens.shape[0]), tokens, labels, mask))
+    return loss, grads
+
+
+def _replicated_axes(param_specs, parallel: ParallelConfig):
+    """Per parameter, the mesh axes its gradient is a partial sum over (`sharding.replicated_axes`)."""
+    return sharding.replicated_axes_tree(param_specs, parallel.pipeline_model_parallel_size > 1,
+                                         parallel.sequence_parallel)
+
+
+def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig, parallel: ParallelConfig,
+                   recompute: str, param_specs, sched=None, scatter_gather: bool = True):
+    """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm)."""
+    axes = _replicated_axes(param_specs, parallel)
+    varying = mark_tree(params, axes)
+    if sched is None:
+        loss, grads = _accumulate(varying, tokens, labels, mask, model_cfg, parallel, recompute, key)
+        loss = jax.lax.psum(loss, DATA)
+    else:
+        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+        loss, grads = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
+                                          sequence_parallel=parallel.sequence_parallel,
+                                          scatter_gather=scatter_gather, recompute=recompute)
+        loss = jax.lax.psum(loss, (DATA, PIPE))
+    grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a), axes, grads, is_leaf=lambda a: isinstance(a, tuple))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return loss, grads, sharding.global_norm(grads, param_specs)
+
+
+def pipeline_schedule(parallel: ParallelConfig):
+    """The validated schedule table for the layout, or None without pipelining."""
+    if parallel.pipeline_model_parallel_size == 1:
+        return None
+    sched = build(parallel.pipeline_schedule, parallel.pipeline_model_parallel_size,
+                  parallel.virtual_pipeline_stages, parallel.num_microbatches, parallel.microbatch_group_size)
+    validate(sched)
+    return sched
+
+
+def make_parallel_grad_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs,
+                            recompute: str = "none", scatter_gather: bool = True):
+    """jit(params, tokens, labels, mask) -> (loss, grads, grad_norm), for comparing with the reference."""
+    sched = pipeline_schedule(parallel)
+
+    def body(params, tokens, labels, mask):
+        return loss_and_grads(params, tokens, labels, mask, None, model_cfg=model_cfg, parallel=parallel,
+                              recompute=recompute, param_specs=param_specs, sched=sched,
+                              scatter_gather=scatter_gather)
+
+    batch = sharding.BATCH_SPEC
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch, batch, batch),
+                                 out_specs=(P(), param_specs, P())))
+
+
+def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
+                             optimizer: optax.GradientTransformation, state):
+    """jit(state, tokens, labels, mask [M, d·b, S], key) -> (state, metrics); state donated, shardings declared.
+
+    `state` (or its abstract shape) fixes the pytree structure of the in/out specifications."""
+    schedule = learning_rate_schedule(train_cfg)
+    use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
+    sched = pipeline_schedule(parallel)
+    if sched is not None and use_dropout:
+        raise ConfigError("dropout with pipeline parallelism is not implemented yet: hidden_dropout="
+                          f"{model_cfg.hidden_dropout}, attention_dropout={model_cfg.attention_dropout}")
+    specs = sharding.state_specs(optimizer, state, pipelined=sched is not None)
+
+    def step(state, tokens, labels, mask, key):
+        params = state["params"]
+        if use_dropout:  # a different stream per iteration and per data rank
+            key = jax.random.fold_in(jax.random.fold_in(key, state["step"]), jax.lax.axis_index(DATA))
+        else:
+            key = None
+        loss, grads, grad_norm = loss_and_grads(params, tokens, labels, mask, key, model_cfg=model_cfg,
+                                                parallel=parallel, recompute=train_cfg.recompute_granularity,
+                                                param_specs=specs["params"], sched=sched,
+                                                scatter_gather=parallel.scatter_gather)
+        metrics = {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        return apply_gradients(state, grads, grad_norm, optimizer, train_cfg), metrics
+
+    batch = sharding.BATCH_SPEC
+    metric_specs = {"lm_loss": P(), "grad_norm": P(), "lr": P()}
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(specs, batch, batch, batch, P()),
+                            out_specs=(specs, metric_specs))
+    state_shardings = sharding.named(mesh, specs)
+    batch_sharding = sharding.named(mesh, batch)
+    replicated = sharding.named(mesh, P())
+    return jax.jit(sharded, donate_argnums=0,
+                   in_shardings=(state_shardings, batch_sharding, batch_sharding, batch_sharding, replicated),
+                   out_shardings=(state_shardings, sharding.named(mesh, metric_specs)))
+
+
+def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs):
+    """jit(params, tokens, labels, mask [M, d·b, S]) -> mean token loss over the global batch (no dropout).
+    With p > 1 the forwards of the training schedule run through the pipeline executor."""
+    p = parallel.pipeline_model_parallel_size
+    sched = None if p == 1 else build_forward_only(
+        parallel.pipeline_schedule, p, parallel.virtual_pipeline_stages, parallel.num_microbatches,
+        parallel.microbatch_group_size)
+
+    def eval_step(params, tokens, labels, mask):
+        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+        if sched is not None:
+            varying = mark_tree(params, _replicated_axes(param_specs, parallel))
+            loss, _ = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
+                                          sequence_parallel=parallel.sequence_parallel,
+                                          scatter_gather=parallel.scatter_gather, forward_only=True)
+            return jax.lax.psum(loss, (DATA, PIPE))
+
+        def body(total, xs):
+            return total + tp.loss_sum(params, *xs, model_cfg, sequence_parallel=parallel.sequence_parallel), None
+
+        total, _ = jax.lax.scan(body, mark_varying(jnp.zeros((), acc), (DATA,)), (tokens, labels, mask))
+        return jax.lax.psum(total, DATA) / total_tokens
+
+    batch = sharding.BATCH_SPEC
+    return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(param_specs, batch, batch, batch), out_specs=P()))

@@ -1,0 +1,191 @@
+"""Tensor (intra-layer) model parallelism, paper §2.3, written explicitly for `jax.shard_map` bodies.
+
+Everything here runs on one device's shard; the only communication is over the "tensor" mesh axis:
+- Megatron's `f` (identity forward, all-reduce backward) before each column-parallel linear and `g` (all-reduce
+  forward, identity backward) after each row-parallel linear: 2 all-reduces per layer forward, 2 backward.
+- Attention heads split over tensor (QKV column-parallel, output projection row-parallel); MLP fc1
+  column-parallel, fc2 row-parallel.
+- Vocab-parallel embedding (each rank holds Vp/t rows, out-of-range ids masked, one all-reduce) and
+  vocab-parallel cross-entropy (max, sum-exp and target logit reduced over tensor; full logits never gathered).
+- Sequence parallelism (Korthikanti et al. 2022): LayerNorm/dropout regions hold S/t tokens; `f` becomes an
+  all-gather along the sequence (reduce-scatter backward) and `g` a reduce-scatter (all-gather backward).
+
+The f/g operators lean on shard_map's varying-manual-axes typing (`vma.py`): `psum` of a tensor-varying value
+transposes to a no-op, and marking an invariant value varying (`pcast`) transposes to a `psum`. They are written
+as named functions so that each collective the paper names appears once, by name, in this file.
+
+Local shape legend: B batch, S sequence (S/t under sequence parallelism: "Sl"), D hidden, H heads (H/t local:
+"Hl"), K head dim, F ffn (F/t local: "Fl"), V vocabulary (Vp/t local: "Vl").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ptd_jax import model as gpt
+from ptd_jax.config import ModelConfig
+from ptd_jax.parallel.mesh import Axis
+from ptd_jax.parallel.vma import mark_varying
+
+TENSOR = Axis.TENSOR.value
+SEQ_DIM = 1  # activations are [B, S, D]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Megatron's conjugate operators (paper §2.3, Figure 3)
+# ---------------------------------------------------------------------------------------------------------------
+
+def copy_to_tensor_region(x_BxSxD):
+    """`f`: identity in the forward pass, all-reduce over tensor in the backward pass (enters a TP region)."""
+    return mark_varying(x_BxSxD, (TENSOR,))
+
+
+def reduce_from_tensor_region(x_BxSxD):
+    """`g`: all-reduce over tensor in the forward pass, identity in the backward pass (leaves a TP region)."""
+    return jax.lax.psum(x_BxSxD, TENSOR)
+
+
+def gather_from_sequence_region(x_BxSlxD):
+    """Sequence-parallel `f`: all-gather the sequence forward, reduce-scatter it backward."""
+    return jax.lax.all_gather(x_BxSlxD, TENSOR, axis=SEQ_DIM, tiled=True)
+
+
+def reduce_scatter_to_sequence_region(x_BxSxD):
+    """Sequence-parallel `g`: reduce-scatter along the sequence forward, all-gather backward."""
+    return jax.lax.psum_scatter(x_BxSxD, TENSOR, scatter_dimension=SEQ_DIM, tiled=True)
+
+
+def enter_tensor_region(x, sequence_parallel: bool):
+    return gather_from_sequence_region(x) if sequence_parallel else copy_to_tensor_region(x)
+
+
+def leave_tensor_region(x, sequence_parallel: bool):
+    return reduce_scatter_to_sequence_region(x) if sequence_parallel else reduce_from_tensor_region(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers on local shards
+# ---------------------------------------------------------------------------------------------------------------
+
+def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None):
+    """Column-parallel QKV (local heads), causal attention on local heads, row-parallel output projection."""
+    x_BxSxD = enter_tensor_region(x, sequence_parallel)
+    qkv_BxSx3xHlxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
+    q, k, v = (qkv_BxSx3xHlxK[:, :, i] for i in range(3))
+    key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
+    ctx_BxSxHlxK = gpt.causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
+                                        backend=cfg.attention_backend)
+    partial_BxSxD = jnp.einsum("bshk,hkd->bsd", ctx_BxSxHlxK, p["out_kernel"])
+    return leave_tensor_region(partial_BxSxD, sequence_parallel) + p["out_bias"]
+
+
+def mlp(p, x, cfg: ModelConfig, sequence_parallel: bool):
+    """Column-parallel fc1 (F/t local columns) + GeLU, row-parallel fc2."""
+    x_BxSxD = enter_tensor_region(x, sequence_parallel)
+    h_BxSxFl = gpt.gelu(x_BxSxD @ p["fc1_kernel"] + p["fc1_bias"], cfg.gelu_approximate)
+    return leave_tensor_region(h_BxSxFl @ p["fc2_kernel"], sequence_parallel) + p["fc2_bias"]
+
+
+def _per_tensor_rank(key):
+    return None if key is None else jax.random.fold_in(key, jax.lax.axis_index(TENSOR))
+
+
+def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None):
+    """The pre-LN block of `model.transformer_layer` with TP attention and MLP ([B, S or Sl, D] in and out).
+    Hidden dropout acts on replicated activations (same mask on every tensor rank) or, under sequence
+    parallelism, on a rank's own tokens (its own mask)."""
+    k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+    if sequence_parallel:
+        k_h1, k_h2 = _per_tensor_rank(k_h1), _per_tensor_rank(k_h2)
+    h = attention(p["attn"], gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
+                  sequence_parallel, k_attn)
+    x = x + gpt.dropout(h, cfg.hidden_dropout, k_h1)
+    h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
+            sequence_parallel)
+    return x + gpt.dropout(h, cfg.hidden_dropout, k_h2)
+
+
+def run_layers(layers, x, cfg: ModelConfig, sequence_parallel: bool, *, key=None, recompute: str = "none"):
+    """Scan the stacked local layer shards, with the same recomputation options as the reference."""
+    num = jax.tree.leaves(layers)[0].shape[0]
+    layer_fn = gpt.remat_layer(lambda p, h, k: transformer_layer(p, h, cfg, sequence_parallel, k), recompute)
+
+    def body(h, xs):
+        p, index = xs
+        return layer_fn(p, h, jax.random.fold_in(key, index) if key is not None else None), None
+
+    x, _ = jax.lax.scan(body, x, (layers, jnp.arange(num)))
+    return x
+
+
+def vocab_parallel_embed(params, tokens_BxS, cfg: ModelConfig, sequence_parallel: bool, key=None):
+    """Word rows [Vl, D] of this rank: look up ids in [rank·Vl, (rank+1)·Vl), zero the others, all-reduce
+    (reduce-scatter along the sequence under sequence parallelism); then add positions."""
+    word_VlxD = params["embed"]["word"]
+    vocab_local = word_VlxD.shape[0]
+    local_ids_BxS = tokens_BxS - jax.lax.axis_index(TENSOR) * vocab_local
+    in_range_BxS = (local_ids_BxS >= 0) & (local_ids_BxS < vocab_local)
+    rows_BxSxD = jnp.take(word_VlxD, jnp.where(in_range_BxS, local_ids_BxS, 0), axis=0)
+    rows_BxSxD = jnp.where(in_range_BxS[..., None], rows_BxSxD, jnp.zeros_like(rows_BxSxD))
+    S = tokens_BxS.shape[1]
+    position_SxD = params["embed"]["position"][:S]
+    if sequence_parallel:
+        x_BxSlxD = reduce_scatter_to_sequence_region(rows_BxSxD)
+        seq_local = x_BxSlxD.shape[SEQ_DIM]
+        position_SlxD = jax.lax.dynamic_slice_in_dim(position_SxD, jax.lax.axis_index(TENSOR) * seq_local,
+                                                     seq_local)
+        x = x_BxSlxD + position_SlxD
+    else:
+        x = reduce_from_tensor_region(rows_BxSxD) + position_SxD
+    key = _per_tensor_rank(key) if sequence_parallel else key
+    return gpt.dropout(x.astype(jnp.dtype(cfg.dtype)), cfg.hidden_dropout, key)
+
+
+def vocab_parallel_logits(params, x, cfg: ModelConfig, sequence_parallel: bool):
+    """Final LayerNorm, then the tied output layer on this rank's vocabulary rows: logits [B, S, Vl]."""
+    x = gpt.layer_norm(x, params["final_ln"], cfg.layernorm_epsilon, cfg.fused_kernels)
+    x_BxSxD = enter_tensor_region(x, sequence_parallel)
+    word_VlxD = params["embed"]["word"].astype(x_BxSxD.dtype)
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VlxD,
+                      preferred_element_type=gpt.logits_dtype(x_BxSxD.dtype, cfg))
+
+
+def vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, vocab_size: int, fused: bool = False):
+    """-log softmax(logits)[label] with the vocabulary split over tensor: three all-reduces of B·S scalars
+    (max, sum of exponentials, target logit). Padded ids (>= vocab_size) never enter the normaliser.
+    `fused`: the Pallas kernel computes the three per-shard statistics, the same three all-reduces combine them."""
+    vocab_local = logits_BxSxVl.shape[-1]
+    start = jax.lax.axis_index(TENSOR) * vocab_local
+    if fused:
+        from pallas_kernels import softmax_cross_entropy
+
+        B, S = labels_BxS.shape
+        losses = softmax_cross_entropy(logits_BxSxVl.reshape(B * S, vocab_local), labels_BxS.reshape(B * S),
+                                       vocab_size=vocab_size, vocab_start=start, axis_name=TENSOR,
+                                       interpret=gpt.interpret_kernels())
+        return losses.reshape(B, S)
+    logits = logits_BxSxVl.astype(gpt.acc_dtype(logits_BxSxVl.dtype))
+    valid_Vl = start + jnp.arange(vocab_local) < vocab_size
+    logits = jnp.where(valid_Vl, logits, -jnp.inf)
+    # The max only stabilises exp(); it has no gradient (the result does not depend on it).
+    max_BxS = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), TENSOR)
+    sum_exp_BxS = jax.lax.psum(jnp.sum(jnp.exp(logits - max_BxS[..., None]), axis=-1), TENSOR)
+    local_labels_BxS = labels_BxS - start
+    in_range_BxS = (local_labels_BxS >= 0) & (local_labels_BxS < vocab_local)
+    target_BxS = jnp.take_along_axis(logits, jnp.where(in_range_BxS, local_labels_BxS, 0)[..., None], -1)[..., 0]
+    target_BxS = jax.lax.psum(jnp.where(in_range_BxS, target_BxS, 0.0), TENSOR)
+    return jnp.log(sum_exp_BxS) + max_BxS - target_BxS
+
+
+def loss_sum(params, tokens_BxS, labels_BxS, mask_BxS, cfg: ModelConfig, *, sequence_parallel: bool = False,
+             key=None, recompute: str = "none"):
+    """Sum of masked token losses of this data rank's microbatch, computed tensor-parallel on local shards.
+    Equals `model.loss_sum` on the unsharded parameters."""
+    params = gpt.cast_params(params, cfg)
+    k_embed, k_layers = jax.random.split(key) if key is not None else (None, None)
+    x = vocab_parallel_embed(params, tokens_BxS, cfg, sequence_parallel, k_embed)
+    x = run_layers(params["layers"], x, cfg, sequence_parallel, key=k_layers, recompute=recompute)
+    logits_BxSxVl = vocab_parallel_logits(params, x, cfg, sequence_parallel)
+    losses_BxS = vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, cfg.vocab_size, cfg.fused_kernels)
+    return jnp.sum(jnp.where(mask_BxS > 0, losses_BxS, 0.0))

@@ -1,0 +1,184 @@
+"""The training loop, `train()`: data -> the parallel step on the mesh -> metrics -> checkpoints.
+
+Each iteration takes global batch i (a function of the iteration alone), cuts it into the layout's microbatches,
+runs the jit(shard_map) train step of `parallel/step.py` (or, for comparisons on one device, the reference step),
+logs loss, grad norm, throughput, TFLOP/s (paper eq. 3) and MFU, evaluates, and saves orbax checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from ptd_jax import model as gpt
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.data import GPTData, microbatches
+from ptd_jax.data.corpus import default_corpus
+from ptd_jax.optimizer import make_optimizer
+from ptd_jax.parallel.mesh import make_mesh
+from ptd_jax.parallel.sharding import param_specs
+from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_train_step,
+                                   pipeline_schedule)
+from ptd_jax.train import checkpoint
+from ptd_jax.train.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
+from ptd_jax.train.metrics import MetricsLogger
+from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
+
+
+@dataclass
+class RunOptions:
+    """Where data comes from and where results go (not part of the algorithm)."""
+
+    data_path: str | None = None
+    """Prefix of a .bin/.idx pair; None = the embedded default corpus."""
+    split: str = "969,30,1"
+    save: str | None = None
+    load: str | None = None
+    metrics_file: str | None = None
+    plot_dir: str | None = None
+    peak_tflops: float | None = None
+    progress: bool = True
+    reference_step: bool = False
+    """Run the single-device reference step instead of the shard_map step (one device only; for comparisons)."""
+
+
+def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops, num_devices):
+    B, s = parallel.global_batch_size, model_cfg.seq_length
+    vocab = model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size)  # the logits actually computed
+    flops = flops_per_iteration(model_cfg, B, vocab)
+    tflops = flops / step_time / num_devices / 1e12
+    mfu = model_flops_per_iteration(model_cfg, B, vocab) / step_time / num_devices / (peak_tflops * 1e12)
+    return {
+        "kind": "train",
+        "iteration": iteration,
+        "lm_loss": float(metrics["lm_loss"]),
+        "grad_norm": float(metrics["grad_norm"]),
+        "lr": float(metrics["lr"]),
+        "step_time_s": step_time,
+        "tokens_per_s": B * s / step_time,
+        "tflops_per_device": tflops,
+        "mfu": mfu,
+    }
+
+
+def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
+          options: RunOptions | None = None) -> dict:
+    """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line)."""
+    options = options or RunOptions()
+    parallel.check_model(model_cfg)
+    data_path = options.data_path or default_corpus(progress=options.progress)
+    data = GPTData(data_path, seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
+                   train_iters=train_cfg.train_iters, eval_iters=train_cfg.eval_iters, seed=train_cfg.seed,
+                   split=options.split, vocab_size=model_cfg.vocab_size)
+
+    optimizer = make_optimizer(train_cfg)
+    key = jax.random.key(train_cfg.seed)
+    init_key, dropout_key = jax.random.split(key)
+    mesh = make_mesh(parallel)
+    if options.reference_step:
+        if parallel.num_devices != 1:
+            raise ConfigError(f"the reference step runs on one device, not num_devices={parallel.num_devices}")
+        state = init_state(init_key, model_cfg, optimizer)
+    else:
+        state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel)
+    start = 0
+    if options.load:
+        state, start = checkpoint.restore(options.load, state, model_cfg, parallel)
+    num_params = gpt.count_params(state["params"])
+
+    if options.reference_step:
+        train_step, eval_step = make_train_step(model_cfg, train_cfg, optimizer), make_eval_step(model_cfg)
+    else:
+        train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state)
+        pipelined = parallel.pipeline_model_parallel_size > 1
+        eval_step = make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"], pipelined))
+    device = jax.devices()[0]
+    num_devices = parallel.num_devices
+    peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype == "bfloat16",
+                                           options.peak_tflops, jax.local_device_count())
+    if data.valid is None and train_cfg.eval_iters > 0:
+        print(f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
+              f"no validation loss will be reported", file=sys.stderr)
+
+    def evaluate(params):
+        losses = [float(eval_step(params, *microbatches(b, parallel))) for b in data.valid_batches()]
+        return float(np.mean(losses)) if losses else None
+
+    logger = MetricsLogger(train_cfg.train_iters, start_iter=start, metrics_file=options.metrics_file,
+                           progress=options.progress)
+    logger.message(f"ptd_jax: {num_params / 1e6:.2f}M parameters, layout d={parallel.data_parallel_size} "
+                   f"p={parallel.pipeline_model_parallel_size} t={parallel.tensor_model_parallel_size}, "
+                   f"B={parallel.global_batch_size} b={parallel.micro_batch_size} m={parallel.num_microbatches}, "
+                   f"{model_cfg.dtype}, attention {model_cfg.attention_backend}, fused LayerNorm/loss kernels "
+                   f"{'on' if model_cfg.fused_kernels else 'off'}, peak {peak:.3g} TFLOP/s/device ({peak_source}), "
+                   f"data {data_path}")
+    if parallel.pipeline_model_parallel_size > 1:
+        sched = pipeline_schedule(parallel)
+        sim = sched.simulate()
+        logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
+                       f"bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = {sched.formula_bubble():.3f}), "
+                       f"peak stash per rank {sched.peak_stash}")
+    wall_start = time.perf_counter()
+    records, compile_time = [], None
+    window_start, window_iters = time.perf_counter(), 0
+    first_loss = None
+    try:
+        for iteration in range(start, train_cfg.train_iters):
+            batch = data.train_batch(iteration)
+            state, metrics = train_step(state, *microbatches(batch, parallel), dropout_key)
+            window_iters += 1
+            if compile_time is None:  # the first step includes compilation: time it apart
+                jax.block_until_ready(metrics)
+                compile_time = time.perf_counter() - window_start
+                first_loss = float(metrics["lm_loss"])
+                window_start, window_iters = time.perf_counter(), 0
+            logger.advance()
+            done = iteration + 1
+            if done % train_cfg.log_interval == 0 or done == train_cfg.train_iters:
+                jax.block_until_ready(metrics)
+                now = time.perf_counter()
+                step_time = (now - window_start) / window_iters if window_iters else compile_time
+                record = _log_record(done, metrics, step_time, model_cfg, parallel, peak, num_devices)
+                record["includes_compile"] = not window_iters
+                records.append(record)
+                logger.log_train(record)
+                window_start, window_iters = now, 0
+            if data.valid is not None and (done % train_cfg.eval_interval == 0 or done == train_cfg.train_iters):
+                valid = evaluate(state["params"])
+                logger.log_eval({"kind": "valid", "iteration": done, "valid_lm_loss": valid,
+                                 "valid_ppl": math.exp(min(valid, 50))})
+            if options.save and ((train_cfg.save_interval and done % train_cfg.save_interval == 0)
+                                 or done == train_cfg.train_iters):
+                checkpoint.save(options.save, done, state, model_cfg, parallel, train_cfg)
+            if window_iters == 0:  # eval and save are not training time: restart the window after them
+                window_start = time.perf_counter()
+    finally:
+        logger.close()
+
+    timed = [r for r in records if not r["includes_compile"]]
+    summary = {
+        "iterations": train_cfg.train_iters - start,
+        "num_params": num_params,
+        "wall_time_s": time.perf_counter() - wall_start,
+        "compile_time_s": compile_time,
+        "first_lm_loss": first_loss,
+        "final_lm_loss": records[-1]["lm_loss"] if records else None,
+        "final_valid_lm_loss": logger.eval_records[-1]["valid_lm_loss"] if logger.eval_records else None,
+        "tokens_per_s": float(np.median([r["tokens_per_s"] for r in timed])) if timed else None,
+        "tflops_per_device": float(np.median([r["tflops_per_device"] for r in timed])) if timed else None,
+        "mfu": float(np.median([r["mfu"] for r in timed])) if timed else None,
+        "peak_tflops": peak,
+        "peak_source": peak_source,
+        "device": device.device_kind,
+        "num_devices": num_devices,
+        "attention_backend": model_cfg.attention_backend,
+        "fused_kernels": model_cfg.fused_kernels,
+    }
+    if options.plot_dir:
+        summary["plot"] = logger.plot(options.plot_dir)
+    return summary

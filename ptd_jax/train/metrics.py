@@ -1,0 +1,79 @@
+"""Training metrics: a progress bar on the terminal, JSONL records, a final summary and a loss-curve PNG.
+
+One record per logged iteration carries at least iteration, lm_loss, grad_norm, lr, step_time_s, tokens_per_s,
+tflops_per_device (eq. 3) and mfu (docs/architecture.md, "Interfaces") — later tools parse these names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class MetricsLogger:
+    def __init__(self, total_iters: int, *, start_iter: int = 0, metrics_file: str | None = None,
+                 progress: bool = True):
+        self.records: list[dict] = []
+        self.eval_records: list[dict] = []
+        self._file = None
+        if metrics_file:
+            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(metrics_file, "a" if start_iter else "w")
+        self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it", file=sys.stderr,
+                         disable=not progress, dynamic_ncols=True)
+
+    def _write(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def advance(self, n: int = 1) -> None:
+        self._bar.update(n)
+
+    def log_train(self, record: dict) -> None:
+        self.records.append(record)
+        self._write(record)
+        self._bar.set_postfix(loss=f"{record['lm_loss']:.4f}", lr=f"{record['lr']:.2e}",
+                              tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def log_eval(self, record: dict) -> None:
+        self.eval_records.append(record)
+        self._write(record)
+        self.message(f"iteration {record['iteration']}: validation lm loss {record['valid_lm_loss']:.4f} "
+                     f"(ppl {record['valid_ppl']:.2f})")
+
+    def message(self, text: str) -> None:
+        tqdm.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._file:
+            self._file.close()
+
+    def plot(self, plot_dir: str) -> str:
+        """Write loss_curve.png (train and validation loss against iteration); returns its path."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["iteration"] for r in self.records], [r["lm_loss"] for r in self.records], label="train")
+        if self.eval_records:
+            ax.plot([r["iteration"] for r in self.eval_records], [r["valid_lm_loss"] for r in self.eval_records],
+                    "o-", label="validation")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("lm loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = os.path.join(plot_dir, "loss_curve.png")
+        tmp = path + ".tmp.png"
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        os.replace(tmp, path)
+        return path

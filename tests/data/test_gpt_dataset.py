@@ -1,0 +1,116 @@
+import numpy as np
+import pytest
+
+from ptd_jax.data import DataError, GPTData, GPTDataset, parse_split, split_documents, split_global_batch
+from ptd_jax.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+
+
+def make_data(prefix, **kw):
+    args = dict(seq_length=32, global_batch_size=8, train_iters=20, eval_iters=2, seed=7)
+    args.update(kw)
+    return GPTData(prefix, **args)
+
+
+def test_same_seed_same_batches_other_seed_other_batches(small_corpus):
+    a, b, c = make_data(small_corpus), make_data(small_corpus), make_data(small_corpus, seed=8)
+    for i in (0, 5, 19):
+        np.testing.assert_array_equal(a.train_batch(i).tokens, b.train_batch(i).tokens)
+    assert not np.array_equal(a.train_batch(0).tokens, c.train_batch(0).tokens)
+
+
+def test_samples_are_windows_of_the_shuffled_document_stream(small_corpus):
+    """Reference by brute force: concatenate the documents in the dataset's order and slice."""
+    data = make_data(small_corpus)
+    ds = data.train
+    stream = np.concatenate([data.indexed[int(i)] for i in ds.order]).astype(np.int32)
+    for index in (0, 3, 17, len(ds) - 1):
+        start = int(ds.shuffle[index]) * ds.seq_length
+        np.testing.assert_array_equal(ds[index], stream[start:start + ds.seq_length + 1])
+    batch = data.train_batch(2)
+    np.testing.assert_array_equal(batch.tokens[:, 1:], batch.labels[:, :-1])
+    assert batch.tokens.shape == (8, 32) and batch.loss_mask.sum() == 8 * 32
+
+
+def test_many_epochs_when_the_corpus_is_small(small_corpus):
+    data = make_data(small_corpus, train_iters=400)  # 3200 samples x 32 tokens > the corpus
+    assert len(set(data.train.order.tolist())) < len(data.train.order)
+    assert data.train_batch(399).tokens.shape == (8, 32)
+
+
+def test_train_and_valid_documents_are_disjoint(small_corpus):
+    data = make_data(small_corpus, split="80,20,0")
+    assert not set(data.train.order.tolist()) & set(data.valid.order.tolist())
+    assert len(list(data.valid_batches())) == 2
+
+
+def test_split_parsing():
+    assert parse_split("969,30,1") == pytest.approx((0.969, 0.03, 0.001))
+    assert parse_split("1") == (1.0, 0.0, 0.0)
+    docs = split_documents(10, "8,2,0")
+    assert [len(d) for d in docs] == [8, 2, 0]
+    assert [len(d) for d in split_documents(5, "1,1,1")] == [2, 1, 2]  # megatron-core's cumulative rounding
+    with pytest.raises(DataError, match=r"split='a,b'"):
+        parse_split("a,b")
+    with pytest.raises(DataError, match=r"split='0,0,0'"):
+        parse_split("0,0,0")
+
+
+def test_global_batch_cut_is_megatrons_order():
+    rows = np.arange(16)
+    cut = split_global_batch(rows, num_microbatches=2, data_parallel_size=2, micro_batch_size=4)
+    assert cut.shape == (2, 2, 4)
+    assert cut[1, 0].tolist() == [8, 9, 10, 11] and cut[0, 1].tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("layout", [(16, 1, 1), (4, 2, 2), (1, 4, 4), (2, 8, 1), (8, 2, 1)])
+def test_each_data_rank_gets_megatrons_rows(layout):
+    """Rows tagged with their sample id, cut by the train loop and placed on the mesh: microbatch j of data rank
+    r must hold samples j·b·d + r·b ... + b on every device of that rank."""
+    import jax
+
+    from ptd_jax.config import ParallelConfig
+    from ptd_jax.data import Batch
+    from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.sharding import BATCH_SPEC, named
+    from ptd_jax.data import microbatches
+
+    m, d, b = layout
+    ids = np.repeat(np.arange(16)[:, None], 4, axis=1)
+    parallel = ParallelConfig(data_parallel_size=d, micro_batch_size=b, global_batch_size=16)
+    mesh = make_mesh(parallel)
+    tokens, _, _ = microbatches(Batch(ids, ids, ids), parallel)
+    placed = jax.device_put(tokens, named(mesh, BATCH_SPEC))
+    rank_of = {dev.id: r for r, plane in enumerate(mesh.devices) for dev in plane.ravel()}
+    for shard in placed.addressable_shards:
+        r = rank_of[shard.device.id]
+        for j in range(m):
+            expected = [j * b * d + r * b + i for i in range(b)]
+            assert np.asarray(shard.data)[j, :, 0].tolist() == expected
+
+
+def test_global_batch_does_not_depend_on_the_layout(small_corpus):
+    """The samples of iteration i depend on (seed, B, i) only: two GPTData built for different layouts agree."""
+    a = make_data(small_corpus, global_batch_size=16).train_batch(3).tokens
+    b = make_data(small_corpus, global_batch_size=16, train_iters=7).train_batch(3).tokens
+    np.testing.assert_array_equal(a, b)
+
+
+def test_token_ids_beyond_the_vocabulary_are_rejected(small_corpus):
+    with pytest.raises(DataError, match=r"holds token id 256 but vocab_size=200"):
+        make_data(small_corpus, vocab_size=200)
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "empty"):
+        pass
+    assert len(IndexedDataset(tmp_path / "empty")) == 0
+    with pytest.raises(DataError, match=r"is empty \(0 documents, 0 tokens\)"):
+        make_data(tmp_path / "empty")
+
+
+def test_too_little_data_for_one_sample(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "tiny") as writer:
+        writer.add_document([1, 2, 3])
+    with pytest.raises(DataError, match=r"holds 3 tokens in 1 sequences, fewer than one sample of "
+                                        r"seq_length\+1=33"):
+        GPTDataset(IndexedDataset(tmp_path / "tiny"), np.array([0]), 32, 4, 0)

@@ -1,0 +1,138 @@
+"""Fused LayerNorm and cross-entropy kernels (interpret mode) against their references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.cross_entropy import BlockSizes as CEBlocks
+from pallas_kernels.cross_entropy import cross_entropy_reference, softmax_cross_entropy
+from pallas_kernels.layer_norm import BlockSizes as LNBlocks
+from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape, blocks", [((4, 16, 32), LNBlocks(16)), ((3, 10, 64), LNBlocks(128)),
+                                           ((3, 10, 48), LNBlocks(16))],
+                         ids=["blocks", "one-padded-block", "ragged-rows-width-not-power-of-2"])
+def test_layer_norm_forward_and_gradients(shape, blocks, dtype, tol):
+    k = jax.random.split(jax.random.key(0), 4)
+    x = (jax.random.normal(k[0], shape) * 3 + 1).astype(dtype)
+    w, b = jax.random.normal(k[1], shape[-1:]), jax.random.normal(k[2], shape[-1:])
+    dy = jax.random.normal(k[3], shape)
+    assert rel(layer_norm(x, w, b, block_sizes=blocks, interpret=True), layer_norm_reference(x, w, b)) <= tol
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * dy)
+
+    got = jax.grad(loss(lambda *a: layer_norm(*a, block_sizes=blocks, interpret=True)), (0, 1, 2))(x, w, b)
+    want = jax.grad(loss(layer_norm_reference), (0, 1, 2))(x, w, b)
+    for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
+        assert rel(g, r) <= 2 * tol, name
+
+
+def test_layer_norm_blocks_are_powers_of_two():
+    assert LNBlocks(128, max_elements=6000).for_shape(rows=4096, width=1024) == 4
+    assert LNBlocks(128).for_shape(rows=30, width=64) == 32
+    assert LNBlocks(128).for_shape(rows=4096, width=32768) == 1
+
+
+def test_layer_norm_errors_name_shapes():
+    x = jnp.ones((6, 8))
+    with pytest.raises(ValueError, match=r"block_rows=0 must be a positive power of two"):
+        layer_norm(x, jnp.ones(8), jnp.zeros(8), block_sizes=LNBlocks(0), interpret=True)
+    with pytest.raises(ValueError, match=r"weight.shape=\(7,\)"):
+        layer_norm(x, jnp.ones(7), jnp.zeros(8), interpret=True)
+
+
+@pytest.mark.parametrize("N, V, blocks", [(32, 384, CEBlocks(16, 128)), (40, 384, CEBlocks(16, 256)),
+                                         (24, 300, CEBlocks(16, 64))],
+                         ids=["blocks", "ragged-rows-and-vocab", "vocab-not-a-multiple-of-16"])
+def test_cross_entropy_forward_and_gradient_with_padded_vocabulary(N, V, blocks):
+    """V=384 with block_vocab 256 runs whole 128-column steps; N=40 rows leave a padded last row block; V=300
+    has no power-of-two divisor >= 8, so its last 64-column step is masked (44 real columns)."""
+    real = 257
+    x = jax.random.normal(jax.random.key(0), (N, V)) * 3
+    x = x.at[:, real:].set(50.0)  # padded columns must never count
+    y = jax.random.randint(jax.random.key(1), (N,), 0, real)
+    g = jax.random.normal(jax.random.key(2), (N,))
+    got = softmax_cross_entropy(x, y, vocab_size=real, block_sizes=blocks, interpret=True)
+    want = cross_entropy_reference(x, y, vocab_size=real)
+    assert rel(got, want) <= 1e-5
+    dgot = jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, y, vocab_size=real, block_sizes=blocks,
+                                                            interpret=True) * g))(x)
+    dwant = jax.grad(lambda x: jnp.sum(cross_entropy_reference(x, y, vocab_size=real) * g))(x)
+    assert rel(dgot, dwant) <= 1e-5
+    assert not np.any(np.asarray(dgot[:, real:]))
+
+
+def test_cross_entropy_shard_statistics_compose_like_the_vocab_parallel_loss():
+    """Per-shard kernels (vocab_start, no axis) give max / sum-exp / target that combine to the full loss."""
+    from pallas_kernels.cross_entropy import shard_statistics
+
+    N, V, real, t = 16, 512, 300, 4
+    x = jax.random.normal(jax.random.key(0), (N, V)) * 2
+    y = jax.random.randint(jax.random.key(1), (N,), 0, real)
+    shard = V // t
+    stats = []
+    for r in range(t):
+        valid = jnp.clip(jnp.asarray(real - r * shard, jnp.int32), 0, shard).reshape(1)
+        stats.append(shard_statistics(x[:, r * shard:(r + 1) * shard], (y - r * shard).astype(jnp.int32), valid,
+                            CEBlocks(16, 64), True))
+    m = jnp.max(jnp.stack([s[0] for s in stats]), axis=0)
+    total = sum(jnp.where(jnp.isfinite(s[0]), s[1] * jnp.exp(s[0] - m), 0.0) for s in stats)
+    target = sum(s[2] for s in stats)
+    assert rel(m + jnp.log(total) - target, cross_entropy_reference(x, y, vocab_size=real)) <= 1e-5
+
+
+def test_cross_entropy_shape_errors():
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\] and labels \[N\]"):
+        softmax_cross_entropy(jnp.ones((4, 8)), jnp.zeros((3,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"block_vocab=384 must be a positive power of two"):
+        softmax_cross_entropy(jnp.ones((4, 768)), jnp.zeros((4,), jnp.int32), block_sizes=CEBlocks(4, 384),
+                              interpret=True)
+
+
+def test_kernels_inside_shard_map_match_the_references():
+    """Under shard_map (data x tensor, vma checking on) with differently-typed operands: LayerNorm on
+    data-sharded rows with replicated weights, cross-entropy on a vocabulary shard combined over "tensor".
+    Loss and every gradient equal the single-device references."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4])
+    N, D, V, real = 32, 64, 256, 200
+    k = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(k[0], (N, D)) * 2 + 1
+    w, b = jax.random.normal(k[1], (D,)), jax.random.normal(k[2], (D,))
+    head = jax.random.normal(k[3], (D, V)) * 0.3
+    y = jax.random.randint(k[4], (N,), 0, real)
+
+    def loss(ln, ce, x, w, b, head):
+        return jnp.sum(ce(ln(x, w, b) @ head, y))
+
+    def reference(x, w, b, head):
+        return loss(layer_norm_reference, lambda z, y: cross_entropy_reference(z, y, vocab_size=real),
+                    x, w, b, head)
+
+    def body(x, w, b, head, y):
+        start = jax.lax.axis_index("tensor") * head.shape[1]
+        ce = lambda z, _: softmax_cross_entropy(z, y, vocab_size=real, vocab_start=start, axis_name="tensor",
+                                                 block_sizes=CEBlocks(8, 64), interpret=True)
+        ln = lambda *a: layer_norm(*a, block_sizes=LNBlocks(8), interpret=True)
+        value, grads = jax.value_and_grad(lambda *a: loss(ln, ce, *a), argnums=(0, 1, 2, 3))(x, w, b, head)
+        return (jax.lax.psum(value, "data"), *grads)  # replicated inputs' gradients arrive summed over data
+
+    specs = (P("data"), P(), P(), P(None, "tensor"), P("data"))
+    put = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, b, head, y), specs)]
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                                out_specs=(P(), P("data"), P(), P(), P(None, "tensor"))))(*put)
+    want_value, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3))(x, w, b, head)
+    assert rel(got[0], want_value) <= 1e-5
+    for name, g, r in zip(("dx", "dw", "db", "dhead"), got[1:], want_grads):
+        assert rel(g, r) <= 1e-5, name

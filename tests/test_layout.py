@@ -1,0 +1,127 @@
+"""The architecture's rules, checked on the source (docs/architecture.md, "Layout"): imports flow one way
+(config, data -> model, optimizer -> parallel -> train -> the CLI), no import cycles, no private names across
+packages, `pallas_kernels` independent of `ptd_jax`, the schedule modules free of JAX, and small modules."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ptd_jax", "pallas_kernels")
+MAX_LINES = 450
+
+# Layer of each part: a module may import its own layer or lower ones only (cycles within a layer are checked
+# separately). The kernels sit below everything and import nothing of ptd_jax.
+LAYERS = [("pallas_kernels", 0), ("ptd_jax.config", 1), ("ptd_jax.data", 2), ("ptd_jax.model", 3),
+          ("ptd_jax.optimizer", 3), ("ptd_jax.parallel", 4), ("ptd_jax.train", 5), ("ptd_jax.cli", 6)]
+
+
+def module_files() -> dict[str, Path]:
+    mods = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            mods[name] = path
+    return mods
+
+
+def layer(module: str) -> int:
+    matches = [(len(prefix), rank) for prefix, rank in LAYERS if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} has no layer in LAYERS"
+    return max(matches)[1]
+
+
+def imports(path: Path, module: str, mods: dict):
+    """(imported module, imported name or None, line) for every import statement, lazy ones included."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(parent + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                yield (sub, None, node.lineno) if sub in mods else (base, alias.name, node.lineno)
+
+
+def graph():
+    """Module -> modules it makes Python run (explicit targets and their parent packages, except its own)."""
+    mods = module_files()
+    edges: dict[str, set] = {m: set() for m in mods}
+    records = []
+    for module, path in mods.items():
+        ancestors = {".".join(module.split(".")[:i]) for i in range(1, len(module.split(".")) + 1)}
+        for target, name, line in imports(path, module, mods):
+            if target.split(".")[0] not in PACKAGES:
+                continue
+            records.append((module, target, name, line))
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in mods and dep != module and (dep not in ancestors or dep == target and name):
+                    edges[module].add(dep)
+    return edges, records
+
+
+def test_no_import_cycles():
+    edges, _ = graph()
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_imports_flow_one_way():
+    _, records = graph()
+    upward = [f"{m}:{line} imports {t}" for m, t, _, line in records if layer(t) > layer(m)]
+    assert upward == []
+
+
+def test_no_private_names_across_packages():
+    _, records = graph()
+    private = [f"{m}:{line} imports {t}{'.' + n if n else ''}" for m, t, n, line in records
+               if t.split(".")[0] != m.split(".")[0]
+               and (any(p.startswith("_") and p != "__init__" for p in t.split(".")) or (n or "").startswith("_"))]
+    assert private == []
+
+
+def test_the_tests_import_no_private_names_of_the_packages():
+    mods = module_files()
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for target, name, line in imports(path, "tests", mods):
+            if target.split(".")[0] in PACKAGES and (
+                    any(p.startswith("_") for p in target.split(".")) or (name or "").startswith("_")):
+                found.append(f"{path.relative_to(ROOT)}:{line} imports {target}.{name}")
+    assert found == []
+
+
+def test_modules_are_small():
+    big = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert big == {}
+
+
+def test_schedules_are_pure_python():
+    code = ("import sys; import ptd_jax.parallel.pipeline, ptd_jax.parallel.pipeline.cli, ptd_jax.data; "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
