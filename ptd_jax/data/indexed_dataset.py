@@ -32,7 +32,9 @@ _HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 
 
 class DataError(ValueError):
-    """Empty corpus, bad split string or a dataset too small for the request; the message names values."""
+    """Empty corpus, bad split string or a dataset too small for the request; the message names values.
+    Defined here, at the bottom of the data package, so that preprocessing and datasets share it without
+    importing each other."""
 
 
 class IndexedDatasetError(ValueError):

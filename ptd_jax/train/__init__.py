@@ -6,8 +6,17 @@ paper's FLOP formulas.
     checkpoint.py  orbax checkpoints of the training state
     metrics.py     progress bar, JSONL records, loss-curve plot
     flops.py       parameters (eq. 2), FLOPs per iteration (eq. 3), training time (eq. 4), device peaks
+
+`train` and `RunOptions` are imported from `loop` on first use, so that `ptd_jax.train.flops` (pure formulas)
+does not pull in JAX, orbax and the parallel step.
 """
 
-from ptd_jax.train.loop import RunOptions, train
-
 __all__ = ["RunOptions", "train"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from ptd_jax.train import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

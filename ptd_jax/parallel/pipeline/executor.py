@@ -82,7 +82,7 @@ class Carry(NamedTuple):
     grad: jax.Array          # [gradient slots + trash, B, S or S/t, D]: gradients received from the next stage
     grads_chunks: dict       # float32 accumulators [v, k, ...] of this rank's chunks
     grads_shared: dict       # float32 accumulators of the embeddings and final LayerNorm
-    loss: jax.Array          # float32 sum of the last stage's token losses / total tokens
+    loss: jax.Array          # sum of the last stage's token losses (accumulation dtype; / total tokens at the end)
 
 
 def read_cell(row: dict, rank, p: int, v: int) -> Cell:

@@ -24,7 +24,7 @@ from ptd_jax.config import PIPELINE_SCHEDULES, ConfigError, check_pipeline_reque
 SCHEDULES = PIPELINE_SCHEDULES
 
 
-class ScheduleError(ConfigError):
+class ScheduleError(ValueError):
     """An impossible schedule request; the message names the values and the rule."""
 
 
