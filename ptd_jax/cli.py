@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES,
+from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS, PIPELINE_SCHEDULES,
+                            RECOMPUTE_GRANULARITIES,
                             ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
 from ptd_jax.data import DataError
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
+    g.add_argument("--pipeline-branching", choices=PIPELINE_BRANCHINGS, default="uniform",
+                   help="uniform: every pipeline rank takes the same branch each tick (embedding and output layer "
+                        "masked on all ranks, only on the ticks that need them); per-rank: each rank computes only "
+                        "its own work (tensor collectives in pipe-divergent branches; measured correct on XLA:CPU, "
+                        "not yet on GPUs)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true",
                    help="send whole boundary activations between pipeline stages (paper §4.1 off)")
@@ -176,7 +182,7 @@ def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) ->
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
-        scatter_gather=not args.no_scatter_gather_tensors_in_pipeline,
+        scatter_gather=not args.no_scatter_gather_tensors_in_pipeline, pipeline_branching=args.pipeline_branching,
     )
     parallel.check_model(model_cfg)
     return parallel

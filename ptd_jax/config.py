@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+PIPELINE_BRANCHINGS = ("uniform", "per-rank")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("xla", "pallas", "cudnn")
@@ -169,6 +170,11 @@ class ParallelConfig:
     scatter_gather: bool = True
     """Paper §4.1: send 1/t of each pipeline boundary activation per tensor rank and re-assemble it after."""
     use_distributed_optimizer: bool = False
+    pipeline_branching: str = "uniform"
+    """How pipeline cells branch: "uniform" (every rank the same branch each tick; the embedding and the output
+    layer run masked on all ranks, only on the ticks that need them) or "per-rank" (each rank its own branch:
+    only the ranks that need them embed or run the head, idle cells compute nothing). Same lockstep wall time on
+    GPUs; "per-rank" puts tensor collectives in pipe-divergent branches, measured correct on XLA:CPU only."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
@@ -177,6 +183,8 @@ class ParallelConfig:
             _check(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive integer")
         _check(self.pipeline_schedule in PIPELINE_SCHEDULES,
                f"pipeline_schedule={self.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
+        _check(self.pipeline_branching in PIPELINE_BRANCHINGS,
+               f"pipeline_branching={self.pipeline_branching!r} is not one of {PIPELINE_BRANCHINGS}")
         per_step = self.micro_batch_size * self.data_parallel_size
         _check(
             self.global_batch_size % per_step == 0,

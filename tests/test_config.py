@@ -105,3 +105,9 @@ def test_other_presets():
     assert model_preset("1.3b").num_layers == 24
     with pytest.raises(ConfigError, match="model preset 'gpt5'"):
         model_preset("gpt5")
+
+
+def test_pipeline_branching_is_checked():
+    assert ParallelConfig().pipeline_branching == "uniform"
+    with pytest.raises(ConfigError, match=r"pipeline_branching='diverge' is not one of \('uniform', 'per-rank'\)"):
+        ParallelConfig(pipeline_branching="diverge")

@@ -95,7 +95,8 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
         total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
         loss, grads = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
                                           sequence_parallel=parallel.sequence_parallel,
-                                          scatter_gather=scatter_gather, recompute=recompute)
+                                          scatter_gather=scatter_gather, recompute=recompute,
+                                          branching=parallel.pipeline_branching)
         loss = jax.lax.psum(loss, (DATA, PIPE))
     grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a), axes, grads, is_leaf=lambda a: isinstance(a, tuple))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -180,7 +181,8 @@ def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
             varying = mark_tree(params, _replicated_axes(param_specs, parallel))
             loss, _ = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
                                           sequence_parallel=parallel.sequence_parallel,
-                                          scatter_gather=parallel.scatter_gather, forward_only=True)
+                                          scatter_gather=parallel.scatter_gather, forward_only=True,
+                                          branching=parallel.pipeline_branching)
             return jax.lax.psum(loss, (DATA, PIPE))
 
         def body(total, xs):

@@ -5,25 +5,38 @@ tick reads like the schedule: each pipeline rank
 
 1. reads its cell of the row and its inputs from the stash (before the cond: a buffer read and written inside a
    cond is kept twice by XLA);
-2. runs the cell, one `lax.cond(kind == F)` whose predicate comes from the replicated table, so every device takes
-   the same branch and the tensor-parallel collectives inside are issued identically everywhere:
+2. runs the cell (a branch of `lax.switch`, see below):
    - F: x = embedding (virtual stage 0) or the stashed activation; y = chunk(x);
    - B: full recomputation — `jax.vjp` of the same stage function on the stashed input, with cotangent dy
      (received from the next virtual stage) or d loss = 1/tokens on the last stage, whose recomputed forward also
      yields the loss value; parameter gradients accumulate per chunk in float32;
-   - idle cells compute on a dummy and write to a trash slot; their cotangents are zero, so they add nothing;
+   - idle cells compute nothing ("per-rank") or a masked dummy ("uniform"); either way they write to a trash slot
+     and add nothing;
 3. sends: y to rank + 1 over "pipe" (rank p−1 -> 0 carries it into its next chunk: the ring that makes
    interleaving work), dx to rank − 1. Every rank issues the ring on every tick (docs/architecture.md, "Pipeline");
 4. writes what it received into the table's slot, and adds its gradients to the chunk's accumulator.
 
-The embedding (every tick) and the output layer (every backward tick) are computed by every rank (masked): they
-hold tensor-parallel collectives and are kept uniform. Scatter/gather (§4.1): with t > 1 and no sequence
-parallelism, each tensor rank sends 1/t of the hidden dim; the receivers re-assemble it with an all-reduce of the
-zero-padded slices (jax 0.10 has no public all-gather whose result is typed tensor-invariant).
+What a cell computes is decided per cell kind (`cell_variants`), before tracing, from the table: the embedding
+only where virtual stage 0 runs, the output layer and loss only where the last virtual stage runs its backward
+(or, in evaluation, its forward). Two ways to branch (`ParallelConfig.pipeline_branching`):
+- "uniform": one branch per tick for all ranks (its index comes from the replicated table): the embedding and the
+  head run on every rank, masked, but only on the ticks where some rank needs them; idle cells compute a masked
+  dummy. No collective ever sits in a pipe-divergent branch.
+- "per-rank": each rank takes its own branch of a `lax.switch`: only the rank of virtual stage 0 embeds, only the
+  last stage's rank runs the head, and an idle cell computes nothing. Its tensor-parallel collectives sit in
+  pipe-divergent branches, which XLA:CPU runs correctly (measured; docs/architecture.md, "Pipeline"); the ring
+  stays outside the switch, uniform.
+On a GPU both take about the same lockstep wall time (a tick lasts as long as its busiest rank); on fake CPU devices,
+which share the cores, "per-rank" does less total work.
+
+The parameters are cast to the compute dtype once per step, before the scan. Scatter/gather (§4.1): with t > 1
+and no sequence parallelism, each tensor rank sends 1/t of the hidden dim; the receivers re-assemble it with an
+all-reduce of the zero-padded slices (jax 0.10 has no public all-gather whose result is typed tensor-invariant).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -61,6 +74,43 @@ def schedule_arrays(sched: Schedule) -> dict[str, np.ndarray]:
             trash = trash_act if is_f else trash_grad
             out["recv_slot"][t, r] = cell.recv_slot if cell.recv_slot >= 0 else trash
     return out
+
+
+BRANCHINGS = ("uniform", "per-rank")
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    """What one branch of the tick computes: kind "F", "B" or "idle"; with the embedding (virtual stage 0) and/or
+    the output layer and loss (the last virtual stage: its backward in training, its forward in evaluation)."""
+
+    kind: str
+    embed: bool = False
+    head: bool = False
+
+
+def cell_variants(sched: Schedule, branching: str, forward_only: bool = False) -> tuple[list[Variant], np.ndarray]:
+    """The branches a schedule needs and which one each tick ([T], "uniform") or each cell ([T, p], "per-rank")
+    takes. In training the loss comes from the backward's recomputation, so forwards never run the head."""
+    if branching not in BRANCHINGS:
+        raise ValueError(f"pipeline_branching={branching!r} is not one of {BRANCHINGS}")
+    p, last = sched.p, sched.p * sched.v - 1
+
+    def needs(kind, cell, rank):
+        if cell.action is None:
+            return Variant("idle")
+        stage = sched.stage(cell.action, rank)
+        return Variant(kind, embed=stage == 0, head=stage == last and (kind == "B" or forward_only))
+
+    per_cell = [[needs(kind, cell, r) for r, cell in enumerate(row)] for kind, row in zip(sched.kinds, sched.cells)]
+    if branching == "uniform":
+        chosen = [Variant(kind, embed=any(c.embed for c in row), head=any(c.head for c in row))
+                  for kind, row in zip(sched.kinds, per_cell)]
+    else:
+        chosen = [c for row in per_cell for c in row]
+    variants = sorted(set(chosen))
+    index = np.array([variants.index(c) for c in chosen], np.int32)
+    return variants, index if branching == "uniform" else index.reshape(sched.ticks, p)
 
 
 class Cell(NamedTuple):
@@ -129,17 +179,20 @@ def _grad_structs(tree, drop_leading: bool = False):
 
 def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
                         sched: Schedule, sequence_parallel: bool, scatter_gather: bool = True,
-                        recompute: str = "none", forward_only: bool = False):
+                        recompute: str = "none", forward_only: bool = False, branching: str = "uniform"):
     """shard_map body: this device's (loss sum / total_tokens, float32 gradients) over the whole schedule —
     loss only on the last virtual stage's rank, embedding/output gradients only where those stages run (the
     caller sums them over "pipe" and "data"). `params["layers"]` is the local shard (`sharding.local_chunks`).
-    `forward_only` (evaluation) runs a schedule of F ticks without the backward branch."""
+    `forward_only` (evaluation) runs a schedule of F ticks without backward branches."""
     p, v = sched.p, sched.v
     t = jax.lax.psum(1, TENSOR)
     rank = jax.lax.axis_index(PIPE)
+    variants, variant_index = cell_variants(sched, branching, forward_only)
     table = {k: jnp.asarray(a) for k, a in schedule_arrays(sched).items()}
+    table["variant"] = jnp.asarray(variant_index)
     chunks = sharding.local_chunks(params["layers"])  # [v, k, ...]
     shared = {k: val for k, val in params.items() if k != "layers"}
+    chunks_c, shared_c = gpt.cast_params(chunks, cfg), gpt.cast_params(shared, cfg)  # once per step
     acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
     b, S = tokens_MxBxS.shape[1], tokens_MxBxS.shape[2]
     act_shape = (b, S // t if sequence_parallel else S, cfg.hidden_size)
@@ -151,44 +204,73 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     def chunk_index(cell: Cell):
         return cell.chunk if v > 1 else 0  # with one chunk per rank the index is static: no dynamic slice
 
-    def stage(chunk_params, shared_p, x_stash, cell: Cell, with_loss=True):
-        """Virtual stage function: (embedding on stage 0 | stashed input) -> chunk layers -> (y, loss sum).
-        The embedding and the loss are computed on every rank (uniform collectives) and masked by the caller."""
+    def stage(chunk_params, shared_p, x_stash, cell: Cell, variant: Variant):
+        """Virtual stage function: (embedding on stage 0 | stashed input) -> chunk layers -> (y, loss sum or None).
+        Under "uniform" branching the embedding and the loss run on every rank and are masked here and by the
+        caller; under "per-rank" the masks select what this rank computes anyway."""
         mb = cell.microbatch
-        tokens, labels, mask = tokens_MxBxS[mb], labels_MxBxS[mb], mask_MxBxS[mb]
-        cast = gpt.cast_params({"shared": shared_p, "layers": chunk_params}, cfg)
-        emb = tp.vocab_parallel_embed(cast["shared"], tokens, cfg, sequence_parallel)
-        x = jnp.where(cell.is_first, emb, x_stash)
-        y = tp.run_layers(cast["layers"], x, cfg, sequence_parallel, recompute=recompute)
-        if not with_loss:
+        x = x_stash
+        if variant.embed:
+            x = jnp.where(cell.is_first, tp.vocab_parallel_embed(shared_p, tokens_MxBxS[mb], cfg, sequence_parallel),
+                          x_stash)
+        y = tp.run_layers(chunk_params, x, cfg, sequence_parallel, recompute=recompute)
+        if not variant.head:
             return y, None
-        logits = tp.vocab_parallel_logits(cast["shared"], y, cfg, sequence_parallel)
-        losses = tp.vocab_parallel_cross_entropy(logits, labels, cfg.vocab_size, cfg.fused_kernels)
-        return y, jnp.sum(jnp.where(mask > 0, losses, 0.0))
+        logits = tp.vocab_parallel_logits(shared_p, y, cfg, sequence_parallel)
+        losses = tp.vocab_parallel_cross_entropy(logits, labels_MxBxS[mb], cfg.vocab_size, cfg.fused_kernels)
+        return y, jnp.sum(jnp.where(mask_MxBxS[mb] > 0, losses, 0.0))
 
-    def run_forward(cell: Cell, chunk_params, x_in, dy, loss_like):
-        # In training the loss is taken from the backward tick's recomputation (the output layer runs once per
-        # microbatch, not twice); evaluation has no backward, so it computes the loss here.
-        y, loss = stage(chunk_params, shared, x_in, cell, with_loss=forward_only)
-        if forward_only:
-            loss = jnp.where(cell.is_last, loss, 0.0).astype(acc)
-        else:
-            loss = mark_like(jnp.zeros((), acc), loss_like)
-        no_grads = _zeros_like_typed(grad_structs, (chunk_params, shared))
-        return y.astype(act_dtype), loss, no_grads
+    def no_loss(loss_like):
+        return mark_like(jnp.zeros((), acc), loss_like)
 
-    def run_backward(cell: Cell, chunk_params, x_in, dy, loss_like):
-        (y, loss), vjp = jax.vjp(lambda lc, sh, x: stage(lc, sh, x, cell), chunk_params, shared, x_in)
-        ct_y = mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)).astype(y.dtype), y)
-        ct_loss = mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(loss.dtype), loss)
-        d_chunk, d_shared, dx = vjp((ct_y, ct_loss))
-        grads = jax.tree.map(lambda g, like: g.astype(like.dtype), (d_chunk, d_shared), grad_structs)
-        return dx.astype(act_dtype), jnp.where(cell.is_last, loss, 0.0).astype(acc), grads
+    def last_stage_loss(cell: Cell, loss):
+        return jnp.where(cell.is_last, loss, 0.0).astype(acc)
 
-    def run_cell(cell: Cell, chunk_params, x_in, dy, loss_like):
-        if forward_only:
-            return run_forward(cell, chunk_params, x_in, dy, loss_like)
-        return jax.lax.cond(cell.is_forward, run_forward, run_backward, cell, chunk_params, x_in, dy, loss_like)
+    def make_forward(variant: Variant):
+        def forward(cell: Cell, chunk_params, x_in, dy, loss_like):
+            y, loss = stage(chunk_params, shared_c, x_in, cell, variant)
+            loss = last_stage_loss(cell, loss) if variant.head else no_loss(loss_like)
+            return y.astype(act_dtype), loss, _zeros_like_typed(grad_structs, (chunk_params, shared))
+        return forward
+
+    def make_backward(variant: Variant):
+        uses_shared = variant.embed or variant.head  # else the shared parameters are not differentiated at all
+
+        def backward(cell: Cell, chunk_params, x_in, dy, loss_like):
+            def f(lc, sh, x):
+                y, loss = stage(lc, sh, x, cell, variant)
+                return (y, loss) if variant.head else y
+
+            if uses_shared:
+                out, vjp = jax.vjp(f, chunk_params, shared_c, x_in)
+            else:
+                out, vjp = jax.vjp(lambda lc, x: f(lc, shared_c, x), chunk_params, x_in)
+            y = out[0] if variant.head else out
+            ct_y = mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)).astype(y.dtype), y)
+            if variant.head:
+                ct_loss = mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(out[1].dtype), out[1])
+                cotangents, loss = vjp((ct_y, ct_loss)), last_stage_loss(cell, out[1])
+            else:
+                cotangents, loss = vjp(ct_y), no_loss(loss_like)
+            if uses_shared:
+                d_chunk, d_shared, dx = cotangents
+            else:
+                (d_chunk, dx), d_shared = cotangents, _zeros_like_typed(grad_structs[1], shared)
+            grads = jax.tree.map(lambda g, like: g.astype(like.dtype), (d_chunk, d_shared), grad_structs)
+            return dx.astype(act_dtype), loss, grads
+        return backward
+
+    def idle(cell: Cell, chunk_params, x_in, dy, loss_like):
+        return (mark_like(jnp.zeros(x_in.shape, act_dtype), x_in), no_loss(loss_like),
+                _zeros_like_typed(grad_structs, (chunk_params, shared)))
+
+    branches = [idle if vr.kind == "idle" else make_forward(vr) if vr.kind == "F" else make_backward(vr)
+                for vr in variants]
+
+    def run_cell(which, cell: Cell, chunk_params, x_in, dy, loss_like):
+        if len(branches) == 1:
+            return branches[0](cell, chunk_params, x_in, dy, loss_like)
+        return jax.lax.switch(which, branches, cell, chunk_params, x_in, dy, loss_like)
 
     def send(out, cell: Cell, like):
         """The ring, issued by every rank on every tick: F outputs go to rank + 1, B input-gradients to rank − 1."""
@@ -213,9 +295,10 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
 
     def tick(carry: Carry, row):
         cell = read_cell(row, rank, p, v)
-        chunk_params = jax.tree.map(lambda x: x[chunk_index(cell)], chunks)
+        which = row["variant"] if branching == "uniform" else row["variant"][rank]
+        chunk_params = jax.tree.map(lambda x: x[chunk_index(cell)], chunks_c)
         x_in, dy = carry.act[cell.in_slot], carry.grad[cell.grad_slot]
-        out, loss, (d_chunk, d_shared) = run_cell(cell, chunk_params, x_in, dy, carry.loss)
+        out, loss, (d_chunk, d_shared) = run_cell(which, cell, chunk_params, x_in, dy, carry.loss)
         recv = send(out, cell, like=x_in)
         return write(carry, cell, recv, loss, d_chunk, d_shared), None
 

@@ -14,6 +14,8 @@ from ptd_jax.parallel.collectives import jaxpr_collectives, summarize
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.optimizer import make_optimizer
+from ptd_jax.parallel.pipeline import build
+from ptd_jax.parallel.pipeline.executor import Variant, cell_variants
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_grad_step,
                                    make_parallel_train_step, pipeline_schedule)
 from ptd_jax.train.reference import accumulate_gradients, make_eval_step
@@ -28,10 +30,11 @@ def model_cfg(p, x64=True):
     return cfg.replace(dtype="float64", param_dtype="float64") if x64 else cfg
 
 
-def layout(d, p, t, schedule, v, sp=False, scatter_gather=True):
+def layout(d, p, t, schedule, v, sp=False, scatter_gather=True, branching="uniform"):
     return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
                           virtual_pipeline_stages=v, pipeline_schedule=schedule, micro_batch_size=1,
-                          global_batch_size=B, sequence_parallel=sp, scatter_gather=scatter_gather)
+                          global_batch_size=B, sequence_parallel=sp, scatter_gather=scatter_gather,
+                          pipeline_branching=branching)
 
 
 def batch(m):
@@ -66,31 +69,36 @@ def compare(parallel, cfg, rtol):
     assert float(norm) == pytest.approx(ref_norm, rel=rtol)
 
 
-# The default run covers every schedule on one layout and every layout with some schedule; `pytest -m slow` runs
-# the whole product.
+# The default run covers every schedule on one layout and every layout with some schedule, for both branchings
+# (per-rank on a smaller cover); `pytest -m slow` runs the whole product.
 COVERING = {((1, 2, 1), "gpipe"), ((1, 2, 1), "1f1b"), ((1, 2, 1), "interleaved"), ((1, 4, 2), "interleaved"),
             ((2, 2, 2), "1f1b"), ((1, 8, 1), "gpipe"), ((1, 2, 4), "interleaved")}
-PRODUCT = [pytest.param(d, p, t, s, v, id=f"d{d}p{p}t{t}-{s}",
-                        marks=() if ((d, p, t), s) in COVERING else pytest.mark.slow)
-           for d, p, t in LAYOUTS for s, v in SCHEDULES]
+COVERING_PER_RANK = {((1, 2, 1), "gpipe"), ((1, 2, 1), "1f1b"), ((1, 2, 1), "interleaved"),
+                     ((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b")}
+PRODUCT = [pytest.param(d, p, t, s, v, b, id=f"d{d}p{p}t{t}-{s}-{b}",
+                        marks=() if ((d, p, t), s) in (COVERING if b == "uniform" else COVERING_PER_RANK)
+                        else pytest.mark.slow)
+           for b in ("uniform", "per-rank") for d, p, t in LAYOUTS for s, v in SCHEDULES]
 
 
-@pytest.mark.parametrize("d, p, t, schedule, v", PRODUCT)
-def test_float64_pipeline_equals_the_reference(d, p, t, schedule, v):
+@pytest.mark.parametrize("d, p, t, schedule, v, branching", PRODUCT)
+def test_float64_pipeline_equals_the_reference(d, p, t, schedule, v, branching):
     with jax.enable_x64(True):
-        compare(layout(d, p, t, schedule, v), model_cfg(p), rtol=1e-12)
+        compare(layout(d, p, t, schedule, v, branching=branching), model_cfg(p), rtol=1e-12)
 
 
+@pytest.mark.parametrize("branching", ["uniform", "per-rank"])
 @pytest.mark.parametrize("sp, scatter_gather", [(True, True), (False, False)], ids=["sequence-parallel",
                                                                                    "no-scatter-gather"])
-def test_float64_pipeline_variants(sp, scatter_gather):
+def test_float64_pipeline_variants(sp, scatter_gather, branching):
     with jax.enable_x64(True):
-        compare(layout(1, 2, 2, "interleaved", 2, sp, scatter_gather), model_cfg(2), rtol=1e-12)
+        compare(layout(1, 2, 2, "interleaved", 2, sp, scatter_gather, branching), model_cfg(2), rtol=1e-12)
 
 
-def test_pipeline_evaluation_equals_the_reference():
+@pytest.mark.parametrize("branching", ["uniform", "per-rank"])
+def test_pipeline_evaluation_equals_the_reference(branching):
     cfg = model_cfg(2, x64=False)
-    parallel = layout(2, 2, 2, "interleaved", 2)
+    parallel = layout(2, 2, 2, "interleaved", 2, branching=branching)
     params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=2)
     ref = float(make_eval_step(cfg)(params, *batch(4)))
     mesh = make_mesh(parallel)
@@ -140,6 +148,71 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     else:
         expected = {"psum_invariant@tensor": 1 + 2 * k + 2 + 2 * k + 1 + 1, "pmax@tensor": 1, "ppermute@pipe": 1}
     assert counts == expected
+
+
+# --- what each tick computes ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule, p, v, m", [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("gpipe", 2, 1, 4)])
+def test_the_head_and_the_embedding_run_only_where_the_table_needs_them(schedule, p, v, m):
+    """Per rank: the head only in the last virtual stage's backward cells (m of them, all on rank p−1), the
+    embedding only in virtual stage 0's cells, nothing in idle cells. Uniform: a tick runs the head (on every rank)
+    exactly when some rank runs the last stage's backward, so m ticks, not every backward tick."""
+    sched = build(schedule, p, v, m)
+    variants, index = cell_variants(sched, "per-rank")
+    cells = [[variants[i] for i in row] for row in index]
+    last = p * v - 1
+    for t, row in enumerate(sched.cells):
+        for r, cell in enumerate(row):
+            work = cells[t][r]
+            if cell.action is None:
+                assert work == Variant("idle")
+                continue
+            stage = sched.stage(cell.action, r)
+            assert work == Variant(sched.kinds[t], embed=stage == 0, head=stage == last and sched.kinds[t] == "B")
+    head_cells = [(t, r) for t, row in enumerate(cells) for r, w in enumerate(row) if w.head]
+    assert len(head_cells) == m and {r for _, r in head_cells} == {p - 1}
+    uniform, tick_index = cell_variants(sched, "uniform")
+    head_ticks = [t for t, i in enumerate(tick_index) if uniform[i].head]
+    assert sorted(head_ticks) == sorted(t for t, _ in head_cells)
+    assert len(head_ticks) == m < sched.kinds.count("B")  # before: the head ran on every backward tick
+    assert all(uniform[i].kind == sched.kinds[t] for t, i in enumerate(tick_index))
+
+
+def _dot_output_dims(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn.outvars[0].aval.shape[-1]
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (list, tuple)) else [value]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _dot_output_dims(inner)
+
+
+@pytest.mark.parametrize("branching", ["uniform", "per-rank"])
+def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
+    """In the traced tick, the branches of the cell switch that do not hold the last virtual stage contain no
+    output-layer matmul (an output dim of Vp/t) and no cross-entropy pmax; those that do contain both."""
+    p, v, t = 2, 2, 2
+    cfg = model_cfg(p, x64=False)
+    parallel = layout(1, p, t, "interleaved", v, branching=branching)
+    params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
+    pp = staged(params, p, v)
+    specs = sharding.param_specs(pp, pipelined=True)
+    step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs)
+    jaxpr = jax.make_jaxpr(step)(pp, *batch(parallel.num_microbatches))
+    sched = pipeline_schedule(parallel)
+    variants, _ = cell_variants(sched, branching)
+    assert any(vr.head for vr in variants) and any(vr.kind == "B" and not vr.head for vr in variants)
+    body = next(_scan_bodies(jaxpr.jaxpr, sched.ticks))
+    switch = max((e for e in body.eqns if e.primitive.name == "cond"), key=lambda e: len(e.params["branches"]))
+    assert len(switch.params["branches"]) == len(variants)
+    vocab_local = cfg.padded_vocab_size(t) // t  # no other matmul of the model has this output width
+    assert vocab_local not in {cfg.hidden_size, cfg.ffn_size // t, cfg.head_dim, S}
+    for variant, branch in zip(variants, switch.params["branches"]):
+        has_pmax = "pmax@tensor" in summarize(jaxpr_collectives(branch))
+        has_head_matmul = vocab_local in set(_dot_output_dims(branch.jaxpr))
+        assert has_pmax == has_head_matmul == variant.head, variant
 
 
 # --- end to end: float32 loss traces ----------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""Interleaved vs plain 1F1B on simulated devices (paper §2.2.2, Figure 12): does interleaving pay?
+
+Four fake CPU devices, p = 4, m = 8, b = 1, s = 256, two models: the paper's vocabulary/hidden ratio (16 layers,
+h 256, V 6400 = 25·h, as GPT-3's 51200/2048; the output layer costs about one chunk) and a wide model with a small
+vocabulary (8 layers, h 512, V 1024). For each, the gradient step of 1F1B (v = 1) and interleaved 1F1B (v = 2)
+under both `--pipeline-branching` modes, and the single-device reference step with the same recomputation (the
+executor recomputes each chunk's forward in its backward; the reference with recompute="full" does the same per
+layer). Medians of alternating rounds, ratios from the same run. On fake devices the step time follows the work
+that every rank executes: "uniform" (idle cells compute masked dummies) stands for a lockstep GPU step, whose
+tick lasts as long as its busiest rank; "per-rank" (idle cells compute nothing) measures the total work.
+
+Usage: python -m experiments.bench_interleaving [--rounds 5] [--out experiments/results/bench_interleaving.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+P, M, SEQ = 4, 8, 256
+MODELS = {
+    "paper_ratio": dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400),
+    "wide_small_vocab": dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=1024),
+}
+CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per-rank"),
+         ("interleaved", 2, "per-rank")]
+
+
+def pipeline_step(cfg, schedule, v, branching):
+    """(compiled grad step, its arguments) for the layout on the first P devices."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as PS
+
+    from ptd_jax import model as gpt
+    from ptd_jax.config import ParallelConfig
+    from ptd_jax.parallel import sharding
+    from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.step import loss_and_grads, pipeline_schedule
+
+    parallel = ParallelConfig(pipeline_model_parallel_size=P, virtual_pipeline_stages=v, pipeline_schedule=schedule,
+                              micro_batch_size=1, global_batch_size=M, pipeline_branching=branching)
+    mesh = make_mesh(parallel)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    params = {**params, "layers": sharding.stage_layers(params["layers"], P, v)}
+    specs = sharding.param_specs(params, pipelined=True)
+    params = jax.device_put(params, sharding.named(mesh, specs))
+    sched = pipeline_schedule(parallel)
+
+    def body(prm, tokens, labels, mask):
+        return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute="none",
+                              param_specs=specs, sched=sched)
+
+    batch = sharding.BATCH_SPEC
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
+                                 out_specs=(PS(), specs, PS())))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 1, cfg.seq_length), dtype=np.int32)
+    args = (params, tokens, tokens, np.ones_like(tokens))
+    return step.lower(*args).compile(), args
+
+
+def reference_step(cfg):
+    import jax
+    import numpy as np
+
+    from ptd_jax import model as gpt
+    from ptd_jax.train.reference import accumulate_gradients
+
+    params = gpt.init_params(jax.random.key(0), cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 1, cfg.seq_length), dtype=np.int32)
+    args = (params, tokens, tokens, np.ones_like(tokens))
+    step = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute="full"))
+    return step.lower(*args).compile(), args
+
+
+def measure(model_name, rounds):
+    import jax
+
+    from ptd_jax.config import ModelConfig
+
+    cfg = ModelConfig(seq_length=SEQ, **MODELS[model_name])
+    steps = {f"{s} v={v} {b}": pipeline_step(cfg, s, v, b) for s, v, b in CASES}
+    steps["reference (recompute=full)"] = reference_step(cfg)
+    times = {name: [] for name in steps}
+    for compiled, args in steps.values():  # warm up
+        jax.block_until_ready(compiled(*args))
+    for _ in range(rounds):  # alternating rounds: the machine is shared and noisy
+        for name, (compiled, args) in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    ref = median["reference (recompute=full)"]
+    ratios = {}
+    for branching in ("uniform", "per-rank"):
+        ratios[f"interleaved/1f1b ({branching})"] = median[f"interleaved v=2 {branching}"] / median[f"1f1b v=1 {branching}"]
+        ratios[f"1f1b/reference ({branching})"] = median[f"1f1b v=1 {branching}"] / ref
+    return {"model": {**MODELS[model_name], "seq_length": SEQ, "p": P, "m": M, "micro_batch_size": 1},
+            "median_step_s": median, "all_step_s": times, "ratios": ratios,
+            "ideal_interleaved_over_1f1b": (M + (P - 1) / 2) / (M + P - 1),
+            "bubble_only_1f1b_over_reference": (M + P - 1) / M}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--out", default="experiments/results/bench_interleaving.json")
+    args = parser.parse_args(argv)
+    from ptd_jax.parallel.mesh import set_fake_devices
+
+    set_fake_devices(P)
+    result = {}
+    for name in args.models:
+        result[name] = measure(name, args.rounds)
+        print(json.dumps({name: {"median_step_s": result[name]["median_step_s"], "ratios": result[name]["ratios"]}}),
+              flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
