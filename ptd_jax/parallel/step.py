@@ -21,7 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.optimizer import apply_gradients, learning_rate_schedule, new_state
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
@@ -96,7 +96,7 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
         loss, grads = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
                                           sequence_parallel=parallel.sequence_parallel,
                                           scatter_gather=scatter_gather, recompute=recompute,
-                                          branching=parallel.pipeline_branching)
+                                          branching=parallel.pipeline_branching, key=key)
         loss = jax.lax.psum(loss, (DATA, PIPE))
     grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a), axes, grads, is_leaf=lambda a: isinstance(a, tuple))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -136,9 +136,6 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
     sched = pipeline_schedule(parallel)
-    if sched is not None and use_dropout:
-        raise ConfigError("dropout with pipeline parallelism is not implemented yet: hidden_dropout="
-                          f"{model_cfg.hidden_dropout}, attention_dropout={model_cfg.attention_dropout}")
     specs = sharding.state_specs(optimizer, state, pipelined=sched is not None)
 
     def step(state, tokens, labels, mask, key):

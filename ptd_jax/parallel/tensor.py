@@ -106,8 +106,11 @@ def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None)
     return x + gpt.dropout(h, cfg.hidden_dropout, k_h2)
 
 
-def run_layers(layers, x, cfg: ModelConfig, sequence_parallel: bool, *, key=None, recompute: str = "none"):
-    """Scan the stacked local layer shards, with the same recomputation options as the reference."""
+def run_layers(layers, x, cfg: ModelConfig, sequence_parallel: bool, *, key=None, recompute: str = "none",
+               first_layer=0):
+    """Scan the stacked local layer shards, with the same recomputation options as the reference. Layer j draws
+    its dropout masks from fold_in(key, first_layer + j), so a pipeline chunk draws the masks of the same layers
+    in the whole stack."""
     num = jax.tree.leaves(layers)[0].shape[0]
     layer_fn = gpt.remat_layer(lambda p, h, k: transformer_layer(p, h, cfg, sequence_parallel, k), recompute)
 
@@ -115,7 +118,7 @@ def run_layers(layers, x, cfg: ModelConfig, sequence_parallel: bool, *, key=None
         p, index = xs
         return layer_fn(p, h, jax.random.fold_in(key, index) if key is not None else None), None
 
-    x, _ = jax.lax.scan(body, x, (layers, jnp.arange(num)))
+    x, _ = jax.lax.scan(body, x, (layers, first_layer + jnp.arange(num)))
     return x
 
 

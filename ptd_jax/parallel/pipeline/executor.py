@@ -179,11 +179,15 @@ def _grad_structs(tree, drop_leading: bool = False):
 
 def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
                         sched: Schedule, sequence_parallel: bool, scatter_gather: bool = True,
-                        recompute: str = "none", forward_only: bool = False, branching: str = "uniform"):
+                        recompute: str = "none", forward_only: bool = False, branching: str = "uniform",
+                        key=None):
     """shard_map body: this device's (loss sum / total_tokens, float32 gradients) over the whole schedule —
     loss only on the last virtual stage's rank, embedding/output gradients only where those stages run (the
     caller sums them over "pipe" and "data"). `params["layers"]` is the local shard (`sharding.local_chunks`).
-    `forward_only` (evaluation) runs a schedule of F ticks without backward branches."""
+    `forward_only` (evaluation) runs a schedule of F ticks without backward branches. `key` enables dropout with
+    Megatron's semantics: microbatch i draws from fold_in(key, i) (split into embedding and layer streams, layer
+    j of the whole stack from fold_in(layer stream, j)), the same streams as the scan over microbatches at p = 1,
+    and a backward's recomputed forward draws the masks of its forward."""
     p, v = sched.p, sched.v
     t = jax.lax.psum(1, TENSOR)
     rank = jax.lax.axis_index(PIPE)
@@ -197,6 +201,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     b, S = tokens_MxBxS.shape[1], tokens_MxBxS.shape[2]
     act_shape = (b, S // t if sequence_parallel else S, cfg.hidden_size)
     act_dtype = jnp.dtype(cfg.dtype)
+    layers_per_chunk = jax.tree.leaves(chunks)[0].shape[1]
     use_scatter = scatter_gather and not sequence_parallel and t > 1
     # Shapes and dtypes of one tick's gradients: a chunk's (the accumulator without its chunk dim) and the shared.
     grad_structs = (_grad_structs(chunks, drop_leading=True), _grad_structs(shared))
@@ -209,11 +214,14 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         Under "uniform" branching the embedding and the loss run on every rank and are masked here and by the
         caller; under "per-rank" the masks select what this rank computes anyway."""
         mb = cell.microbatch
+        k_embed, k_layers = jax.random.split(jax.random.fold_in(key, mb)) if key is not None else (None, None)
         x = x_stash
         if variant.embed:
-            x = jnp.where(cell.is_first, tp.vocab_parallel_embed(shared_p, tokens_MxBxS[mb], cfg, sequence_parallel),
-                          x_stash)
-        y = tp.run_layers(chunk_params, x, cfg, sequence_parallel, recompute=recompute)
+            emb = tp.vocab_parallel_embed(shared_p, tokens_MxBxS[mb], cfg, sequence_parallel, k_embed)
+            x = jnp.where(cell.is_first, emb, x_stash)
+        first_layer = (cell.chunk * p + rank) * layers_per_chunk  # this virtual stage's first layer in the stack
+        y = tp.run_layers(chunk_params, x, cfg, sequence_parallel, key=k_layers, recompute=recompute,
+                          first_layer=first_layer)
         if not variant.head:
             return y, None
         logits = tp.vocab_parallel_logits(shared_p, y, cfg, sequence_parallel)

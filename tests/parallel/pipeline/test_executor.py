@@ -215,6 +215,49 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
         assert has_pmax == has_head_matmul == variant.head, variant
 
 
+# --- dropout ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d, t, schedule, v, branching", [(1, 2, "interleaved", 2, "uniform"),
+                                                          (2, 1, "1f1b", 1, "per-rank"),
+                                                          (1, 1, "gpipe", 1, "uniform")])
+def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, branching):
+    """With dropout, one training step at p = 2 gives the loss, grad norm and updated parameters of the p = 1
+    step on the same data and tensor layout: every microbatch and layer draws the masks it draws there, and each
+    backward's recomputed forward draws the masks of its forward (otherwise the gradients would not match)."""
+    with jax.enable_x64(True):
+        cfg = model_cfg(2).replace(hidden_dropout=0.2, attention_dropout=0.2)
+        tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0)
+        opt = make_optimizer(tcfg)
+        flat = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=1,
+                              global_batch_size=B)
+        results = []
+        for parallel, model in ((layout(d, 2, t, schedule, v, branching=branching), cfg), (flat, cfg),
+                                (flat, cfg.replace(hidden_dropout=0.0, attention_dropout=0.0))):
+            mesh = make_mesh(parallel)
+            state = init_sharded_state(jax.random.key(0), model, opt, mesh, parallel)
+            step = make_parallel_train_step(mesh, model, parallel, tcfg, opt, state)
+            state, metrics = step(state, *batch(parallel.num_microbatches), jax.random.key(7))
+            params = state["params"]
+            if parallel.pipeline_model_parallel_size > 1:
+                params = {**params, "layers": sharding.unstage_layers(params["layers"])}
+            results.append((float(metrics["lm_loss"]), float(metrics["grad_norm"]), params))
+        (loss, norm, params), (ref_loss, ref_norm, ref_params), (plain_loss, _, _) = results
+        assert abs(loss - plain_loss) > 1e-3  # dropout did act
+        assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-11, atol=1e-13)
+
+
+def test_dropout_training_at_p2_lowers_the_loss(small_corpus):
+    from ptd_jax.train import RunOptions, train
+
+    cfg = model_cfg(2, x64=False).replace(seq_length=32, hidden_dropout=0.1, attention_dropout=0.1)
+    summary = train(cfg, layout(1, 2, 1, "interleaved", 2).replace(global_batch_size=8),
+                    TrainConfig(train_iters=25, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0),
+                    RunOptions(data_path=small_corpus, progress=False))
+    assert summary["final_lm_loss"] < summary["first_lm_loss"] - 1.0
+
+
 # --- end to end: float32 loss traces ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("d, p, t, schedule, v", [(1, 2, 2, "interleaved", 2), (2, 2, 2, "1f1b", 1)])
