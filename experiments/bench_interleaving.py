@@ -10,6 +10,7 @@ that every rank executes: "uniform" (idle cells compute masked dummies) stands f
 tick lasts as long as its busiest rank; "per-rank" (idle cells compute nothing) measures the total work.
 
 Usage: python -m experiments.bench_interleaving [--rounds 5] [--out experiments/results/bench_interleaving.json]
+       python -m experiments.bench_interleaving --smoke --out /tmp/x.json   # tiny shapes, one round (checks only)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ MODELS = {
     "paper_ratio": dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400),
     "wide_small_vocab": dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=1024),
 }
+SMOKE_MODEL = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=257)
 CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per-rank"),
          ("interleaved", 2, "per-rank")]
 
@@ -76,12 +78,13 @@ def reference_step(cfg):
     return step.lower(*args).compile(), args
 
 
-def measure(model_name, rounds):
+def measure(model_name, rounds, smoke=False):
     import jax
 
     from ptd_jax.config import ModelConfig
 
-    cfg = ModelConfig(seq_length=SEQ, **MODELS[model_name])
+    shape, seq = (SMOKE_MODEL, 16) if smoke else (MODELS[model_name], SEQ)
+    cfg = ModelConfig(seq_length=seq, **shape)
     steps = {f"{s} v={v} {b}": pipeline_step(cfg, s, v, b) for s, v, b in CASES}
     steps["reference (recompute=full)"] = reference_step(cfg)
     times = {name: [] for name in steps}
@@ -98,7 +101,7 @@ def measure(model_name, rounds):
     for branching in ("uniform", "per-rank"):
         ratios[f"interleaved/1f1b ({branching})"] = median[f"interleaved v=2 {branching}"] / median[f"1f1b v=1 {branching}"]
         ratios[f"1f1b/reference ({branching})"] = median[f"1f1b v=1 {branching}"] / ref
-    return {"model": {**MODELS[model_name], "seq_length": SEQ, "p": P, "m": M, "micro_batch_size": 1},
+    return {"model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1},
             "median_step_s": median, "all_step_s": times, "ratios": ratios,
             "ideal_interleaved_over_1f1b": (M + (P - 1) / 2) / (M + P - 1),
             "bubble_only_1f1b_over_reference": (M + P - 1) / M}
@@ -109,13 +112,16 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", default="experiments/results/bench_interleaving.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and one round: checks that it runs")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.models, args.rounds = args.models[:1], 1
     from ptd_jax.parallel.mesh import set_fake_devices
 
     set_fake_devices(P)
     result = {}
     for name in args.models:
-        result[name] = measure(name, args.rounds)
+        result[name] = measure(name, args.rounds, args.smoke)
         print(json.dumps({name: {"median_step_s": result[name]["median_step_s"], "ratios": result[name]["ratios"]}}),
               flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

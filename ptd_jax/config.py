@@ -173,8 +173,9 @@ class ParallelConfig:
     pipeline_branching: str = "uniform"
     """How pipeline cells branch: "uniform" (every rank the same branch each tick; the embedding and the output
     layer run masked on all ranks, only on the ticks that need them) or "per-rank" (each rank its own branch:
-    only the ranks that need them embed or run the head, idle cells compute nothing). Same lockstep wall time on
-    GPUs; "per-rank" puts tensor collectives in pipe-divergent branches, measured correct on XLA:CPU only."""
+    only the ranks that need them embed or run the head, idle cells run no layer). Expected to take the same
+    lockstep wall time on GPUs (unmeasured); "per-rank" puts tensor collectives in pipe-divergent branches,
+    measured correct on XLA:CPU only."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",

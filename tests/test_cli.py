@@ -154,3 +154,17 @@ def test_kernel_self_check_at_odd_model_widths_passes_in_interpret_mode():
     cfg = ModelConfig(num_layers=1, hidden_size=48, num_attention_heads=4, seq_length=40, vocab_size=357)
     assert self_check_model(cfg, tensor_parallel_size=1, interpret=True) == \
         {"flash_attention": None, "layer_norm": None, "cross_entropy": None}
+
+
+def test_pipeline_branching_flag_reaches_the_layout():
+    from ptd_jax import cli
+
+    def layout(argv):
+        args = cli.build_parser().parse_args(argv)
+        cli.fill_defaults(args)
+        cfg = cli.model_config_from_args(args)
+        return cli.parallel_config_from_args(args, cfg, 2)
+
+    base = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    assert layout(base).pipeline_branching == "uniform"
+    assert layout(base + ["--pipeline-branching", "per-rank"]).pipeline_branching == "per-rank"

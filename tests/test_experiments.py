@@ -1,6 +1,10 @@
 """The experiment scripts run end to end on CPU (slow: `pytest -m slow`)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,3 +25,15 @@ def test_bench_kernels_smoke_checks_every_kernel_and_the_fused_training_step(tmp
     assert "error" not in xla and "error" not in fused and fused["fused_kernels"]
     assert fused["loss"] == pytest.approx(xla["loss"], rel=1e-5)
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_interleaving_smoke_runs_every_case(tmp_path):
+    out = tmp_path / "bench.json"  # its own process: the benchmark sets 4 fake devices before JAX starts
+    env = {**os.environ, "XLA_FLAGS": ""}
+    subprocess.run([sys.executable, "-m", "experiments.bench_interleaving", "--smoke", "--out", str(out)],
+                   check=True, cwd=Path(__file__).resolve().parents[1], env=env)
+    (result,) = json.loads(out.read_text()).values()
+    assert len(result["median_step_s"]) == 5 and all(t > 0 for t in result["median_step_s"].values())
+    assert set(result["ratios"]) == {"interleaved/1f1b (uniform)", "1f1b/reference (uniform)",
+                                     "interleaved/1f1b (per-rank)", "1f1b/reference (per-rank)"}

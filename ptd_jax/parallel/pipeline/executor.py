@@ -3,8 +3,8 @@
 The table (`lockstep.Schedule`) is turned into integer arrays before tracing; `lax.scan` runs over its rows. One
 tick reads like the schedule: each pipeline rank
 
-1. reads its cell of the row and its inputs from the stash (before the cond: a buffer read and written inside a
-   cond is kept twice by XLA);
+1. reads its cell of the row and its inputs from the stash (before the switch: a buffer read and written inside a
+   conditional is kept twice by XLA);
 2. runs the cell (a branch of `lax.switch`, see below):
    - F: x = embedding (virtual stage 0) or the stashed activation; y = chunk(x);
    - B: full recomputation — `jax.vjp` of the same stage function on the stashed input, with cotangent dy
@@ -23,13 +23,15 @@ only where virtual stage 0 runs, the output layer and loss only where the last v
   head run on every rank, masked, but only on the ticks where some rank needs them; idle cells compute a masked
   dummy. No collective ever sits in a pipe-divergent branch.
 - "per-rank": each rank takes its own branch of a `lax.switch`: only the rank of virtual stage 0 embeds, only the
-  last stage's rank runs the head, and an idle cell computes nothing. Its tensor-parallel collectives sit in
+  last stage's rank runs the head, and an idle cell runs no layer (it still returns zero gradients, which are
+  added to the accumulators like every cell's). Its tensor-parallel collectives sit in
   pipe-divergent branches, which XLA:CPU runs correctly (measured; docs/architecture.md, "Pipeline"); the ring
   stays outside the switch, uniform.
-On a GPU both take about the same lockstep wall time (a tick lasts as long as its busiest rank); on fake CPU devices,
-which share the cores, "per-rank" does less total work.
+On a GPU both are expected to take about the same lockstep wall time (a tick lasts as long as its busiest rank;
+not yet measured); on fake CPU devices, which share the cores, "per-rank" does less total work.
 
-The parameters are cast to the compute dtype once per step, before the scan. Scatter/gather (§4.1): with t > 1
+The parameters are cast to the compute dtype once per step, before the scan (with `--bf16` and float32 master
+weights, a bf16 copy of the rank's layers lives through the step: half their float32 size). Scatter/gather (§4.1): with t > 1
 and no sequence parallelism, each tensor rank sends 1/t of the hidden dim; the receivers re-assemble it with an
 all-reduce of the zero-padded slices (jax 0.10 has no public all-gather whose result is typed tensor-invariant).
 """
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ModelConfig
+from ptd_jax.config import PIPELINE_BRANCHINGS, ModelConfig
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
@@ -76,9 +78,6 @@ def schedule_arrays(sched: Schedule) -> dict[str, np.ndarray]:
     return out
 
 
-BRANCHINGS = ("uniform", "per-rank")
-
-
 @dataclass(frozen=True, order=True)
 class Variant:
     """What one branch of the tick computes: kind "F", "B" or "idle"; with the embedding (virtual stage 0) and/or
@@ -92,8 +91,8 @@ class Variant:
 def cell_variants(sched: Schedule, branching: str, forward_only: bool = False) -> tuple[list[Variant], np.ndarray]:
     """The branches a schedule needs and which one each tick ([T], "uniform") or each cell ([T, p], "per-rank")
     takes. In training the loss comes from the backward's recomputation, so forwards never run the head."""
-    if branching not in BRANCHINGS:
-        raise ValueError(f"pipeline_branching={branching!r} is not one of {BRANCHINGS}")
+    if branching not in PIPELINE_BRANCHINGS:
+        raise ValueError(f"pipeline_branching={branching!r} is not one of {PIPELINE_BRANCHINGS}")
     p, last = sched.p, sched.p * sched.v - 1
 
     def needs(kind, cell, rank):
@@ -185,7 +184,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     loss only on the last virtual stage's rank, embedding/output gradients only where those stages run (the
     caller sums them over "pipe" and "data"). `params["layers"]` is the local shard (`sharding.local_chunks`).
     `forward_only` (evaluation) runs a schedule of F ticks without backward branches. `key` enables dropout with
-    Megatron's semantics: microbatch i draws from fold_in(key, i) (split into embedding and layer streams, layer
+    per-microbatch, per-layer masks that do not depend on the layout: microbatch i draws from fold_in(key, i) (split into embedding and layer streams, layer
     j of the whole stack from fold_in(layer stream, j)), the same streams as the scan over microbatches at p = 1,
     and a backward's recomputed forward draws the masks of its forward."""
     p, v = sched.p, sched.v
@@ -276,8 +275,8 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
                 for vr in variants]
 
     def run_cell(which, cell: Cell, chunk_params, x_in, dy, loss_like):
-        if len(branches) == 1:
-            return branches[0](cell, chunk_params, x_in, dy, loss_like)
+        # Under "uniform" an idle cell runs its tick's branch on chunk 0, microbatch 0 and a trash slot; its
+        # cotangent is a `where`-zero, so nothing reaches the sums while the trash stays finite.
         return jax.lax.switch(which, branches, cell, chunk_params, x_in, dy, loss_like)
 
     def send(out, cell: Cell, like):

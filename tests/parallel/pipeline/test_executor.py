@@ -14,7 +14,7 @@ from ptd_jax.parallel.collectives import jaxpr_collectives, summarize
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.optimizer import make_optimizer
-from ptd_jax.parallel.pipeline import build
+from ptd_jax.parallel.pipeline import build, build_forward_only
 from ptd_jax.parallel.pipeline.executor import Variant, cell_variants
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_grad_step,
                                    make_parallel_train_step, pipeline_schedule)
@@ -171,11 +171,24 @@ def test_the_head_and_the_embedding_run_only_where_the_table_needs_them(schedule
             assert work == Variant(sched.kinds[t], embed=stage == 0, head=stage == last and sched.kinds[t] == "B")
     head_cells = [(t, r) for t, row in enumerate(cells) for r, w in enumerate(row) if w.head]
     assert len(head_cells) == m and {r for _, r in head_cells} == {p - 1}
+    embed_cells = [(t, r) for t, row in enumerate(cells) for r, w in enumerate(row) if w.embed]
+    assert len(embed_cells) == 2 * m and {r for _, r in embed_cells} == {0}  # F and B of stage 0, on rank 0
     uniform, tick_index = cell_variants(sched, "uniform")
     head_ticks = [t for t, i in enumerate(tick_index) if uniform[i].head]
     assert sorted(head_ticks) == sorted(t for t, _ in head_cells)
     assert len(head_ticks) == m < sched.kinds.count("B")  # before: the head ran on every backward tick
     assert all(uniform[i].kind == sched.kinds[t] for t, i in enumerate(tick_index))
+
+
+def test_evaluation_runs_the_head_in_the_last_stages_forwards():
+    sched = build_forward_only("interleaved", 4, 2, 8)
+    for branching in ("uniform", "per-rank"):
+        variants, index = cell_variants(sched, branching, forward_only=True)
+        assert {vr.kind for vr in variants} <= {"F", "idle"}
+        heads = sum(variants[i].head for i in np.ravel(index))
+        assert heads == (8 if branching == "per-rank" else len({t for t, row in enumerate(sched.cells)
+                                                                 if any(c.action and sched.stage(c.action, r) == 7
+                                                                        for r, c in enumerate(row))}))
 
 
 def _dot_output_dims(jaxpr):
@@ -210,6 +223,7 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
     vocab_local = cfg.padded_vocab_size(t) // t  # no other matmul of the model has this output width
     assert vocab_local not in {cfg.hidden_size, cfg.ffn_size // t, cfg.head_dim, S}
     for variant, branch in zip(variants, switch.params["branches"]):
+        assert "ppermute@pipe" not in summarize(jaxpr_collectives(branch))  # the ring stays outside the switch
         has_pmax = "pmax@tensor" in summarize(jaxpr_collectives(branch))
         has_head_matmul = vocab_local in set(_dot_output_dims(branch.jaxpr))
         assert has_pmax == has_head_matmul == variant.head, variant
@@ -217,10 +231,11 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
 
 # --- dropout ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("d, t, schedule, v, branching", [(1, 2, "interleaved", 2, "uniform"),
-                                                          (2, 1, "1f1b", 1, "per-rank"),
-                                                          (1, 1, "gpipe", 1, "uniform")])
-def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, branching):
+@pytest.mark.parametrize("d, t, schedule, v, branching, sp", [(1, 2, "interleaved", 2, "uniform", False),
+                                                              (1, 2, "interleaved", 2, "per-rank", True),
+                                                              (2, 1, "1f1b", 1, "per-rank", False),
+                                                              (1, 1, "gpipe", 1, "uniform", False)])
+def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, branching, sp):
     """With dropout, one training step at p = 2 gives the loss, grad norm and updated parameters of the p = 1
     step on the same data and tensor layout: every microbatch and layer draws the masks it draws there, and each
     backward's recomputed forward draws the masks of its forward (otherwise the gradients would not match)."""
@@ -229,9 +244,9 @@ def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, bra
         tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0)
         opt = make_optimizer(tcfg)
         flat = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=1,
-                              global_batch_size=B)
+                              global_batch_size=B, sequence_parallel=sp)
         results = []
-        for parallel, model in ((layout(d, 2, t, schedule, v, branching=branching), cfg), (flat, cfg),
+        for parallel, model in ((layout(d, 2, t, schedule, v, sp=sp, branching=branching), cfg), (flat, cfg),
                                 (flat, cfg.replace(hidden_dropout=0.0, attention_dropout=0.0))):
             mesh = make_mesh(parallel)
             state = init_sharded_state(jax.random.key(0), model, opt, mesh, parallel)
