@@ -201,6 +201,10 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     act_shape = (b, S // t if sequence_parallel else S, cfg.hidden_size)
     act_dtype = jnp.dtype(cfg.dtype)
     layers_per_chunk = jax.tree.leaves(chunks)[0].shape[1]
+    # The stash holds chunk inputs, so every backward recomputes its chunk's forward once: that already is
+    # recompute="full" (Megatron recomputes each layer once). Checkpointing each layer inside that vjp as well would
+    # recompute it a second time, so "full" runs the layers plainly; "selective" keeps its per-layer policy.
+    layer_recompute = "none" if recompute == "full" else recompute
     use_scatter = scatter_gather and not sequence_parallel and t > 1
     # Shapes and dtypes of one tick's gradients: a chunk's (the accumulator without its chunk dim) and the shared.
     grad_structs = (_grad_structs(chunks, drop_leading=True), _grad_structs(shared))
@@ -219,7 +223,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             emb = tp.vocab_parallel_embed(shared_p, tokens_MxBxS[mb], cfg, sequence_parallel, k_embed)
             x = jnp.where(cell.is_first, emb, x_stash)
         first_layer = (cell.chunk * p + rank) * layers_per_chunk  # this virtual stage's first layer in the stack
-        y = tp.run_layers(chunk_params, x, cfg, sequence_parallel, key=k_layers, recompute=recompute,
+        y = tp.run_layers(chunk_params, x, cfg, sequence_parallel, key=k_layers, recompute=layer_recompute,
                           first_layer=first_layer)
         if not variant.head:
             return y, None
