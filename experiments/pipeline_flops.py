@@ -1,0 +1,155 @@
+"""Matmul FLOPs the pipeline executor runs per device per step, against what Megatron's schedule runs (paper §2.2,
+§3.5), counted from the traced step without compiling or running it.
+
+For each branch of the executor's cell switch, the matmul FLOPs of its jaxpr are summed (2·M·N·K per dot_general,
+loops multiplied by their trip counts, the larger branch of any inner conditional). The schedule table says which
+branch each tick (uniform) or cell (per-rank) runs, so:
+- executed FLOPs of rank r = Σ over ticks of the FLOPs of the branch r runs (under "uniform" idle cells run their
+  tick's branch on a dummy, so every rank executes the same FLOPs);
+- critical path = Σ over ticks of the largest cell's FLOPs (a lockstep tick lasts as long as its busiest rank);
+- Megatron, analytically (not from this code): every forward of a chunk of k layers costs
+  k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that plus a recomputed forward under recompute="full", and the
+  last stage adds the output layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
+The bench model is the one of `bench_interleaving.py` (paper's vocabulary/hidden ratio); the 1.3B preset runs at
+(p, v, m, t) = (4, 2, 16, 2) with b = 1, traced on fake CPU devices.
+
+Usage: python -m experiments.pipeline_flops [--out experiments/results/pipeline_flops.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+CASES = [  # (name, model overrides or preset, p, v, m, t)
+    ("bench 1f1b", dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256),
+     "1f1b", 4, 1, 8, 1),
+    ("bench interleaved", dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400,
+                               seq_length=256), "interleaved", 4, 2, 8, 1),
+    ("bench gpipe", dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256),
+     "gpipe", 4, 1, 8, 1),
+    ("1.3b 1f1b", "1.3b", "1f1b", 4, 1, 16, 2),
+    ("1.3b interleaved", "1.3b", "interleaved", 4, 2, 16, 2),
+]
+
+
+def dot_flops(jaxpr) -> float:
+    """Matmul FLOPs of a jaxpr, loops multiplied by their trip counts, conditionals by their largest branch."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+            continue
+        if name == "cond":
+            total += max(dot_flops(b.jaxpr) for b in eqn.params["branches"])
+            continue
+        times = eqn.params["length"] if name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (list, tuple)) else [value]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += times * dot_flops(inner)
+    return total
+
+
+def scan_body(jaxpr, length):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
+            return eqn.params["jaxpr"].jaxpr
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (list, tuple)) else [value]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found = scan_body(inner, length)
+                    if found is not None:
+                        return found
+    return None
+
+
+def megatron_flops(cfg, p, v, m, t, b=1):
+    """Per device (the last pipeline rank, which also runs the output layer) with recompute='full'."""
+    s, h, k = cfg.seq_length, cfg.hidden_size, cfg.num_layers // (p * v)
+    chunk_fwd = k * (24 * b * s * h * h + 4 * b * s * s * h) / t
+    head_fwd = 2 * b * s * h * cfg.padded_vocab_size(t) / t
+    return m * v * (chunk_fwd + 3 * chunk_fwd) + m * 3 * head_fwd
+
+
+def measure(name, model, schedule, p, v, m, t):
+    import jax
+    import numpy as np
+
+    from ptd_jax import model as gpt
+    from ptd_jax.config import ModelConfig, ParallelConfig, model_preset
+    from ptd_jax.parallel import sharding
+    from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.pipeline.executor import cell_variants
+    from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
+
+    cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
+    row = {"case": name, "p": p, "v": v, "m": m, "t": t, "num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
+           "seq": cfg.seq_length, "vocab_padded": cfg.padded_vocab_size(t)}
+    megatron = megatron_flops(cfg, p, v, m, t)
+    for branching in ("uniform", "per-rank"):
+        parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v, pipeline_schedule=schedule,
+                                  tensor_model_parallel_size=t, micro_batch_size=1, global_batch_size=m,
+                                  pipeline_branching=branching)
+        sched = pipeline_schedule(parallel)
+        abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t), jax.random.key(0))
+        abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, p, v), abstract["layers"])}
+        specs = sharding.param_specs(abstract, pipelined=True)
+        step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs)
+        batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
+        jaxpr = jax.make_jaxpr(step)(abstract, batch, batch, batch)
+        body = scan_body(jaxpr.jaxpr, sched.ticks)
+        switch = max((e for e in body.eqns if e.primitive.name == "cond"), key=lambda e: len(e.params["branches"]))
+        branch_flops = [dot_flops(b.jaxpr) for b in switch.params["branches"]]
+        variants, index = cell_variants(sched, branching)
+        if branching == "uniform":
+            per_tick = np.array([branch_flops[i] for i in index])
+            executed = [float(per_tick.sum())] * p
+            critical = float(per_tick.sum())
+        else:
+            per_cell = np.array([[branch_flops[i] for i in tick] for tick in index])  # [T, p]
+            executed = [float(x) for x in per_cell.sum(axis=0)]
+            critical = float(per_cell.max(axis=1).sum())
+        row[branching] = {"ticks": sched.ticks, "executed_flops_per_rank": executed,
+                          "executed_over_megatron_last_rank": executed[-1] / megatron,
+                          "critical_path_flops": critical,
+                          "branches": {str(vr): f for vr, f in zip(variants, branch_flops)}}
+    row["megatron_flops_last_rank"] = megatron
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="experiments/results/pipeline_flops.json")
+    parser.add_argument("--cases", nargs="+", default=[c[0] for c in CASES])
+    args = parser.parse_args(argv)
+    from ptd_jax.parallel.mesh import set_fake_devices
+
+    set_fake_devices(8)
+    rows = [measure(*case) for case in CASES if case[0] in args.cases]
+    summary = {}
+    for row in rows:
+        summary[row["case"]] = {b: {"executed/megatron (last rank)": round(row[b]["executed_over_megatron_last_rank"], 4),
+                                    "critical_path_tflop": round(row[b]["critical_path_flops"] / 1e12, 4)}
+                                for b in ("uniform", "per-rank")}
+    for model in ("bench", "1.3b"):
+        one, inter = f"{model} 1f1b", f"{model} interleaved"
+        if one in summary and inter in summary:
+            for b in ("uniform", "per-rank"):
+                by = {r["case"]: r for r in rows}
+                summary[f"{model} critical path interleaved/1f1b ({b})"] = round(
+                    by[inter][b]["critical_path_flops"] / by[one][b]["critical_path_flops"], 4)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
