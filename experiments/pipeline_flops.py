@@ -10,8 +10,9 @@ branch each tick (uniform) or cell (per-rank) runs, so:
 - Megatron, analytically (not from this code): every forward of a chunk of k layers costs
   k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that plus a recomputed forward under recompute="full", and the
   last stage adds the output layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
-The bench model is the one of `bench_interleaving.py` (paper's vocabulary/hidden ratio); the 1.3B preset runs at
-(p, v, m, t) = (4, 2, 16, 2) with b = 1, traced on fake CPU devices.
+The bench model is the one of `bench_interleaving.py` (paper's vocabulary/hidden ratio; GPipe, 1F1B and
+interleaved at p = 4, m = 8); the 1.3B preset runs 1F1B and interleaved at (p, m, t) = (4, 16, 2), v = 1 or 2,
+b = 1, traced on fake CPU devices.
 
 Usage: python -m experiments.pipeline_flops [--out experiments/results/pipeline_flops.json]
 """
@@ -36,10 +37,13 @@ CASES = [  # (name, model overrides or preset, p, v, m, t)
 
 
 def dot_flops(jaxpr) -> float:
-    """Matmul FLOPs of a jaxpr, loops multiplied by their trip counts, conditionals by their largest branch."""
+    """Matmul FLOPs of a jaxpr, scans multiplied by their trip counts, conditionals by their largest branch.
+    Loops without a static trip count (`while`) and Pallas kernels (counted per block) are refused."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        if name in ("while", "pallas_call"):
+            raise ValueError(f"cannot count the matmul FLOPs of a {name!r} (no static trip count / per-block kernel)")
         if name == "dot_general":
             (contract, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
@@ -72,11 +76,12 @@ def scan_body(jaxpr, length):
 
 
 def megatron_flops(cfg, p, v, m, t, b=1):
-    """Per device (the last pipeline rank, which also runs the output layer) with recompute='full'."""
+    """Per pipeline rank with recompute='full': every rank runs m·v chunk forwards and m·v backwards (each a
+    recomputed forward plus a backward of twice its cost); the last rank also the output layer, m times."""
     s, h, k = cfg.seq_length, cfg.hidden_size, cfg.num_layers // (p * v)
     chunk_fwd = k * (24 * b * s * h * h + 4 * b * s * s * h) / t
     head_fwd = 2 * b * s * h * cfg.padded_vocab_size(t) / t
-    return m * v * (chunk_fwd + 3 * chunk_fwd) + m * 3 * head_fwd
+    return [m * v * 4 * chunk_fwd + (m * 3 * head_fwd if r == p - 1 else 0.0) for r in range(p)]
 
 
 def measure(name, model, schedule, p, v, m, t):
@@ -102,7 +107,7 @@ def measure(name, model, schedule, p, v, m, t):
         abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t), jax.random.key(0))
         abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, p, v), abstract["layers"])}
         specs = sharding.param_specs(abstract, pipelined=True)
-        step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs)
+        step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute="full")
         batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
         jaxpr = jax.make_jaxpr(step)(abstract, batch, batch, batch)
         body = scan_body(jaxpr.jaxpr, sched.ticks)
@@ -118,10 +123,11 @@ def measure(name, model, schedule, p, v, m, t):
             executed = [float(x) for x in per_cell.sum(axis=0)]
             critical = float(per_cell.max(axis=1).sum())
         row[branching] = {"ticks": sched.ticks, "executed_flops_per_rank": executed,
-                          "executed_over_megatron_last_rank": executed[-1] / megatron,
+                          "executed_over_megatron_per_rank": [e / g for e, g in zip(executed, megatron)],
+                          "executed_over_megatron_last_rank": executed[-1] / megatron[-1],
                           "critical_path_flops": critical,
                           "branches": {str(vr): f for vr, f in zip(variants, branch_flops)}}
-    row["megatron_flops_last_rank"] = megatron
+    row["megatron_flops_per_rank"] = megatron
     return row
 
 

@@ -37,7 +37,7 @@ def leaf_times(trace_file: str, windows: list[tuple[float, float]]) -> tuple[dic
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recompute", choices=["none", "full"], default="none",
+    parser.add_argument("--recompute", choices=["none", "full"], default="none",  # the executor runs both alike
                         help="recomputation inside the executor's backward tick (the reference always uses full)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="experiments/results/profile_executor.json")

@@ -231,10 +231,10 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
 
 # --- dropout ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("d, t, schedule, v, branching, sp", [(1, 2, "interleaved", 2, "uniform", False),
-                                                              (1, 2, "interleaved", 2, "per-rank", True),
-                                                              (2, 1, "1f1b", 1, "per-rank", False),
-                                                              (1, 1, "gpipe", 1, "uniform", False)])
+@pytest.mark.parametrize("d, t, schedule, v, branching, sp", [
+    (1, 2, "interleaved", 2, "uniform", False), (1, 2, "interleaved", 2, "per-rank", True),
+    pytest.param(2, 1, "1f1b", 1, "per-rank", False, marks=pytest.mark.slow),
+    pytest.param(1, 1, "gpipe", 1, "uniform", False, marks=pytest.mark.slow)])
 def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, branching, sp):
     """With dropout, one training step at p = 2 gives the loss, grad norm and updated parameters of the p = 1
     step on the same data and tensor layout: every microbatch and layer draws the masks it draws there, and each
