@@ -99,8 +99,9 @@ def measure(model_name, rounds, smoke=False):
     ref = median["reference (recompute=full)"]
     ratios = {}
     for branching in ("uniform", "per-rank"):
-        ratios[f"interleaved/1f1b ({branching})"] = median[f"interleaved v=2 {branching}"] / median[f"1f1b v=1 {branching}"]
-        ratios[f"1f1b/reference ({branching})"] = median[f"1f1b v=1 {branching}"] / ref
+        one_f_one_b = median[f"1f1b v=1 {branching}"]
+        ratios[f"interleaved/1f1b ({branching})"] = median[f"interleaved v=2 {branching}"] / one_f_one_b
+        ratios[f"1f1b/reference ({branching})"] = one_f_one_b / ref
     return {"model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1},
             "median_step_s": median, "all_step_s": times, "ratios": ratios,
             "ideal_interleaved_over_1f1b": (M + (P - 1) / 2) / (M + P - 1),

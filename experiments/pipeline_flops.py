@@ -8,8 +8,8 @@ branch each tick (uniform) or cell (per-rank) runs, so:
   tick's branch on a dummy, so every rank executes the same FLOPs);
 - critical path = Σ over ticks of the largest cell's FLOPs (a lockstep tick lasts as long as its busiest rank);
 - Megatron, analytically (not from this code): every forward of a chunk of k layers costs
-  k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that plus a recomputed forward under recompute="full", and the
-  last stage adds the output layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
+  k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that plus a recomputed forward under recompute="full", and
+  the last stage adds the output layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
 The bench model is the one of `bench_interleaving.py` (paper's vocabulary/hidden ratio; GPipe, 1F1B and
 interleaved at p = 4, m = 8); the 1.3B preset runs 1F1B and interleaved at (p, m, t) = (4, 16, 2), v = 1 or 2,
 b = 1, traced on fake CPU devices.
@@ -142,9 +142,10 @@ def main(argv=None) -> None:
     rows = [measure(*case) for case in CASES if case[0] in args.cases]
     summary = {}
     for row in rows:
-        summary[row["case"]] = {b: {"executed/megatron (last rank)": round(row[b]["executed_over_megatron_last_rank"], 4),
-                                    "critical_path_tflop": round(row[b]["critical_path_flops"] / 1e12, 4)}
-                                for b in ("uniform", "per-rank")}
+        summary[row["case"]] = {
+            b: {"executed/megatron (last rank)": round(row[b]["executed_over_megatron_last_rank"], 4),
+                "critical_path_tflop": round(row[b]["critical_path_flops"] / 1e12, 4)}
+            for b in ("uniform", "per-rank")}
     for model in ("bench", "1.3b"):
         one, inter = f"{model} 1f1b", f"{model} interleaved"
         if one in summary and inter in summary:

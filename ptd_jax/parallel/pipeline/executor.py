@@ -31,9 +31,11 @@ On a GPU both are expected to take about the same lockstep wall time (a tick las
 not yet measured); on fake CPU devices, which share the cores, "per-rank" does less total work.
 
 The parameters are cast to the compute dtype once per step, before the scan (with `--bf16` and float32 master
-weights, a bf16 copy of the rank's layers lives through the step: half their float32 size). Scatter/gather (§4.1): with t > 1
-and no sequence parallelism, each tensor rank sends 1/t of the hidden dim; the receivers re-assemble it with an
-all-reduce of the zero-padded slices (jax 0.10 has no public all-gather whose result is typed tensor-invariant).
+weights, a bf16 copy of the rank's layers lives through the step: half their float32 size).
+
+Scatter/gather (§4.1): with t > 1 and no sequence parallelism, each tensor rank sends 1/t of the hidden dim; the
+receivers re-assemble it with an all-reduce of the zero-padded slices (jax 0.10 has no public all-gather whose
+result is typed tensor-invariant).
 """
 
 from __future__ import annotations
@@ -184,9 +186,9 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     loss only on the last virtual stage's rank, embedding/output gradients only where those stages run (the
     caller sums them over "pipe" and "data"). `params["layers"]` is the local shard (`sharding.local_chunks`).
     `forward_only` (evaluation) runs a schedule of F ticks without backward branches. `key` enables dropout with
-    per-microbatch, per-layer masks that do not depend on the layout: microbatch i draws from fold_in(key, i) (split into embedding and layer streams, layer
-    j of the whole stack from fold_in(layer stream, j)), the same streams as the scan over microbatches at p = 1,
-    and a backward's recomputed forward draws the masks of its forward."""
+    per-microbatch, per-layer masks that do not depend on the layout: microbatch i draws from fold_in(key, i),
+    split into embedding and layer streams, and layer j of the whole stack from fold_in(layer stream, j) — the
+    streams of the scan over microbatches at p = 1; a backward's recomputed forward draws its forward's masks."""
     p, v = sched.p, sched.v
     t = jax.lax.psum(1, TENSOR)
     rank = jax.lax.axis_index(PIPE)

@@ -37,7 +37,8 @@ def test_design_example_rank3():
 def test_interleaved_follows_megatrons_rule(p, v, m, g):
     """The rule of docs/architecture.md ("Megatron's interleaved order"), written independently: forward
     k -> chunk (k mod Gv)//G, microbatch (k//Gv)·G + k mod G; backward k -> chunk v−1−that; warm-up
-    2(p−r−1) + (v−1)·G capped at m·v, then alternate one forward and one backward, then the remaining backwards."""
+    2(p−r−1) + (v−1)·G capped at m·v, then alternate one forward and one backward, then the remaining
+    backwards."""
     G = g or p
     total = m * v
 
@@ -73,8 +74,8 @@ def test_lockstep_bubble_equals_the_paper_formula(name, p, v, m):
 
 @pytest.mark.parametrize("p, v, m", [(4, 2, 8), (4, 2, 16), (2, 2, 8), (8, 2, 16), (4, 4, 16)])
 def test_peak_stash(p, v, m):
-    """Stage 0 holds min(p·v + p − 1, m·v) chunk inputs interleaved (docs/architecture.md, "Pipeline"), GPipe m·v, 1F1B in
-    lockstep 2(p−1)+1."""
+    """Stage 0 holds min(p·v + p − 1, m·v) chunk inputs interleaved (docs/architecture.md, "Pipeline"), GPipe m·v,
+    1F1B in lockstep 2(p−1)+1."""
     assert L.build("interleaved", p, v, m).peak_stash[0] == min(p * v + p - 1, m * v)
     assert L.build("gpipe", p, 1, m).peak_stash == [m] * p
     assert L.build("1f1b", p, 1, m).peak_stash == [min(2 * (p - 1 - s) + 1, m) for s in range(p)]
