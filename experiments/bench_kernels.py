@@ -122,10 +122,10 @@ def _training_step(preset, micro_batch, dtype, attention_backend, fused_kernels,
     import numpy as np
 
     from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
-    from ptd_jax.train.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
-    from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.optimizer import make_optimizer
+    from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
+    from ptd_jax.train.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
 
     cfg = model_preset(preset).replace(vocab_size=50257, dtype=dtype, attention_backend=attention_backend,
                                        fused_kernels=fused_kernels)

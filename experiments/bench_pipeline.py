@@ -55,8 +55,8 @@ def run_case(name, p, v, m, cfg, repeats):
     import numpy as np
 
     from ptd_jax import model as gpt
-    from ptd_jax.parallel import sharding
     from ptd_jax.config import ParallelConfig
+    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.pipeline import build
 

@@ -50,11 +50,11 @@ def main(argv=None) -> None:
     from jax.sharding import PartitionSpec as P
 
     from ptd_jax import model as gpt
-    from ptd_jax.parallel import sharding
     from ptd_jax.config import ModelConfig, ParallelConfig
+    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.step import loss_and_grads
     from ptd_jax.parallel.pipeline import build
+    from ptd_jax.parallel.step import loss_and_grads
     from ptd_jax.train.reference import accumulate_gradients
 
     cfg = ModelConfig(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)

@@ -70,9 +70,9 @@ def test_each_data_rank_gets_megatrons_rows(layout):
 
     from ptd_jax.config import ParallelConfig
     from ptd_jax.data import Batch
+    from ptd_jax.data import microbatches
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.sharding import BATCH_SPEC, named
-    from ptd_jax.data import microbatches
 
     m, d, b = layout
     ids = np.repeat(np.arange(16)[:, None], 4, axis=1)

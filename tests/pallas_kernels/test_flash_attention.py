@@ -108,8 +108,8 @@ def test_every_kernel_gives_the_xla_gradients_at_odd_widths(d, p, t, sp):
     Pipelined: interleaved v=2 with sequence parallelism (LayerNorm on a rank's own tokens, the loss kernel in
     the executor's backward ticks)."""
     from ptd_jax import model as gpt
-    from ptd_jax.parallel import sharding
     from ptd_jax.config import ModelConfig, ParallelConfig
+    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import make_parallel_grad_step
 

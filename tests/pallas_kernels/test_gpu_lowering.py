@@ -68,8 +68,8 @@ def test_a_model_gradient_with_every_kernel_lowers_to_triton(monkeypatch):
 def test_the_3d_parallel_step_with_every_kernel_lowers_to_triton(monkeypatch):
     """(d, p, t) = (2, 2, 2), interleaved, sequence parallel, bf16, inside shard_map: every kernel appears."""
     from ptd_jax import model as gpt
-    from ptd_jax.parallel import sharding
     from ptd_jax.config import ModelConfig, ParallelConfig
+    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import make_parallel_grad_step
 

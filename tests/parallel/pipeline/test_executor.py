@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from ptd_jax import model as gpt
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel.collectives import jaxpr_collectives, summarize
-from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.parallel.mesh import make_mesh
-from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel.pipeline import build, build_forward_only
 from ptd_jax.parallel.pipeline.executor import Variant, cell_variants
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_grad_step,
