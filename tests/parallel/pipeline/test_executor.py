@@ -73,8 +73,7 @@ def compare(parallel, cfg, rtol):
 # (per-rank on a smaller cover); `pytest -m slow` runs the whole product.
 COVERING = {((1, 2, 1), "gpipe"), ((1, 2, 1), "1f1b"), ((1, 2, 1), "interleaved"), ((1, 4, 2), "interleaved"),
             ((2, 2, 2), "1f1b"), ((1, 8, 1), "gpipe"), ((1, 2, 4), "interleaved")}
-COVERING_PER_RANK = {((1, 2, 1), "gpipe"), ((1, 2, 1), "1f1b"), ((1, 2, 1), "interleaved"),
-                     ((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b")}
+COVERING_PER_RANK = {((1, 2, 1), "interleaved"), ((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b")}
 PRODUCT = [pytest.param(d, p, t, s, v, b, id=f"d{d}p{p}t{t}-{s}-{b}",
                         marks=() if ((d, p, t), s) in (COVERING if b == "uniform" else COVERING_PER_RANK)
                         else pytest.mark.slow)
@@ -87,9 +86,11 @@ def test_float64_pipeline_equals_the_reference(d, p, t, schedule, v, branching):
         compare(layout(d, p, t, schedule, v, branching=branching), model_cfg(p), rtol=1e-12)
 
 
-@pytest.mark.parametrize("branching", ["uniform", "per-rank"])
-@pytest.mark.parametrize("sp, scatter_gather", [(True, True), (False, False)], ids=["sequence-parallel",
-                                                                                   "no-scatter-gather"])
+@pytest.mark.parametrize("sp, scatter_gather, branching", [
+    pytest.param(True, True, "uniform", id="sequence-parallel-uniform"),
+    pytest.param(False, False, "uniform", id="no-scatter-gather-uniform"),
+    pytest.param(True, True, "per-rank", id="sequence-parallel-per-rank"),
+    pytest.param(False, False, "per-rank", id="no-scatter-gather-per-rank", marks=pytest.mark.slow)])
 def test_float64_pipeline_variants(sp, scatter_gather, branching):
     with jax.enable_x64(True):
         compare(layout(1, 2, 2, "interleaved", 2, sp, scatter_gather, branching), model_cfg(2), rtol=1e-12)
@@ -315,7 +316,7 @@ def test_full_recomputation_recomputes_each_chunk_once():
     assert _branch_dot_counts("full") == _branch_dot_counts("none")
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective"])
+@pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_float64_pipeline_with_recomputation_equals_the_reference(recompute):
     with jax.enable_x64(True):
         parallel = layout(1, 2, 2, "interleaved", 2)
