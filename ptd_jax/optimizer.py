@@ -70,9 +70,10 @@ def global_norm(tree):
     return jnp.sqrt(sum(leaves))
 
 
-def clip_by_global_norm(grads, max_norm: float):
-    """Scale grads so their global L2 norm is at most max_norm (0 disables); returns (grads, norm before)."""
-    norm = global_norm(grads)
+def clip_by_global_norm(grads, max_norm: float, norm=None):
+    """Scale grads so their global L2 norm is at most max_norm (0 disables); returns (grads, norm before).
+    `norm` is the norm when the caller computed it (the parallel step counts every sharded parameter once)."""
+    norm = global_norm(grads) if norm is None else norm
     if max_norm <= 0:
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
@@ -86,9 +87,7 @@ def new_state(params, optimizer: optax.GradientTransformation) -> State:
 def apply_gradients(state: State, grads, grad_norm, optimizer: optax.GradientTransformation,
                     train_cfg: TrainConfig) -> State:
     """Clip `grads` to `train_cfg.clip_grad` by their (given) global norm and take one optimizer step."""
-    if train_cfg.clip_grad > 0:
-        scale = jnp.minimum(1.0, train_cfg.clip_grad / (grad_norm + 1e-6))
-        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    grads, _ = clip_by_global_norm(grads, train_cfg.clip_grad, grad_norm)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
             "step": state["step"] + 1}
