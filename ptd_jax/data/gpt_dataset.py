@@ -1,20 +1,53 @@
-"""GPT samples from an indexed dataset, train/validation splits, global batches and their microbatches.
+"""GPT samples from an indexed dataset: an endless stream of epochs, train/validation splits, global batches
+and how a layout cuts them.
 
-A sample is seq_length + 1 consecutive tokens of the concatenation of the (shuffled) documents; consecutive
-samples overlap by one token, as in Megatron's GPTDataset, so inputs are sample[:-1] and labels sample[1:].
+**The stream.** A split is a contiguous range of documents, so of sequences [a, b) (in the GPT case each
+document is one sequence). Sample k, for any k >= 0, lives in epoch e = k // samples_per_epoch at position
+i = k % samples_per_epoch, and epoch e is a function of (seed, stream, e) alone:
 
-Batch order is a function of the iteration alone: global batch i holds samples [i·B, (i+1)·B) of the
-shuffled training set, whatever the layout. A layout only decides how that batch is cut: microbatch j of
-data-parallel rank r holds rows [j·b·d + r·b, j·b·d + (r+1)·b) (Megatron's sampler), see `split_global_batch`.
+    rng = Generator(PCG64(SeedSequence([seed, stream, e])))
+    order = a + rng.permutation(b - a)            # the epoch's sequences, concatenated in this order
+    shuffle = rng.permutation(samples_per_epoch)  # drawn second, from the same generator
+
+Position i is the window of seq_length + 1 tokens that starts at token shuffle[i]·seq_length of that
+concatenation: consecutive windows overlap by one token, as in Megatron's GPTDataset (inputs sample[:-1],
+labels sample[1:]). samples_per_epoch = (tokens_per_epoch - 1) // seq_length; the tail is dropped and no window
+reaches into the next epoch. So no sample repeats inside an epoch, and sample k is the same however long the
+run is (Megatron instead sizes its epochs by the number of samples asked for). Training is stream 0 and
+validation stream 1.
+
+**The index cache.** An epoch's arrays (order, ends = cumsum of the lengths in order as int64, shuffle) are
+kept in memory for the last two epochs used. Epochs of at least `cache_min_size` sequences or samples are also
+stored as `<hash>_e<e>_{order,ends,shuffle}.npy` in the cache folder (by default `cache/ptd_jax_indices` beside
+the data, see `indexed_dataset`) and memory-mapped from there by later runs. The hash covers the format
+version, the file name, the .bin and .idx sizes, a digest of the split's sequence lengths, the split's range,
+seq_length, seed and stream. Files are renamed into place; when the folder cannot be written the arrays are
+just computed in memory (a few tens of milliseconds per million sequences).
+
+**Batches.** Global batch i holds samples [i·B, (i+1)·B) of the training stream, whatever the layout. A layout
+only decides how that batch is cut: microbatch j of data-parallel rank r holds rows [j·b·d + r·b, j·b·d + (r+1)·b)
+(Megatron's sampler), see `split_global_batch`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from ptd_jax.data.indexed_dataset import DataError, IndexedDataset
+from ptd_jax.data.indexed_dataset import DataError, IndexedDataset, atomic_write
+
+INDEX_FORMAT = 1
+CACHE_MIN_SIZE = 1 << 16
+"""Epochs with fewer sequences and fewer samples than this are not written to the cache (cheap to rebuild)."""
+TRAIN_STREAM, VALID_STREAM = 0, 1
+_EPOCHS_IN_MEMORY = 2
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -39,51 +72,130 @@ def split_documents(num_docs: int, split: str) -> list[np.ndarray]:
     return [np.arange(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
+def epoch_rng(seed: int, stream: int, epoch: int) -> np.random.Generator:
+    """The generator of one epoch: its order, then its shuffle, are drawn from it in that order."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stream, epoch])))
+
+
+class Epoch(NamedTuple):
+    """One epoch's index arrays (in memory, or memory-mapped from the cache)."""
+
+    order: np.ndarray
+    """[sequences] int64: sequence ids in the order they are concatenated."""
+    ends: np.ndarray
+    """[sequences] int64: token count of the concatenation up to and including each of them."""
+    shuffle: np.ndarray
+    """[samples_per_epoch] int64: which window of the concatenation each position of the epoch is."""
+
+
 class GPTDataset:
-    """`num_samples` samples of seq_length + 1 tokens from the documents `doc_ids` of `indexed`.
+    """The endless sample stream of documents `doc_ids` (a contiguous range) of `indexed`; `self[k]` is sample
+    k, int32 [seq_length + 1], for any k >= 0 (see the module docstring for the rule)."""
 
-    Document order is reshuffled every epoch and sample order shuffled once, both from `seed`; as many epochs are
-    made as `num_samples` needs.
-    """
+    def __init__(self, indexed: IndexedDataset, doc_ids, seq_length: int, seed: int, stream: int = 0,
+                 cache_dir=None, cache_min_size: int = CACHE_MIN_SIZE):
+        if seq_length < 1:
+            raise DataError(f"seq_length={seq_length} must be positive")
+        if seed < 0 or stream < 0:
+            raise DataError(f"seed={seed} and stream={stream} must be >= 0")
+        doc_ids = np.asarray(doc_ids, dtype=np.int64)
+        if len(doc_ids) and np.any(doc_ids != doc_ids[0] + np.arange(len(doc_ids))):
+            raise DataError(f"doc_ids must be a contiguous range, got {len(doc_ids)} ids from {doc_ids[0]} "
+                            f"to {doc_ids.max()}")
+        self.indexed, self.seq_length, self.seed, self.stream = indexed, seq_length, seed, stream
+        first_doc = int(doc_ids[0]) if len(doc_ids) else 0
+        self.first_sequence = int(indexed.doc_index[first_doc]) if len(doc_ids) else 0
+        stop = int(indexed.doc_index[first_doc + len(doc_ids)]) if len(doc_ids) else 0
+        self.num_sequences = stop - self.first_sequence
+        lengths = indexed.lengths[self.first_sequence:stop]
+        self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
+        if self.tokens_per_epoch < seq_length + 1:
+            raise DataError(f"the split holds {self.tokens_per_epoch} tokens in {self.num_sequences} sequences, "
+                            f"fewer than one sample of seq_length+1={seq_length + 1}")
+        self.samples_per_epoch = (self.tokens_per_epoch - 1) // seq_length
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else indexed.cache_dir
+        self.cached = max(self.num_sequences, self.samples_per_epoch) >= cache_min_size
+        key = [INDEX_FORMAT, Path(indexed.prefix).name, indexed.bin_bytes, indexed.idx_bytes,
+               hashlib.sha1(np.ascontiguousarray(lengths)).hexdigest(), self.first_sequence, stop, seq_length,
+               seed, stream]
+        self.key = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
+        self._epochs: OrderedDict[int, Epoch] = OrderedDict()
 
-    def __init__(self, indexed: IndexedDataset, doc_ids: np.ndarray, seq_length: int, num_samples: int,
-                 seed: int):
-        self.indexed, self.seq_length, self.num_samples = indexed, seq_length, num_samples
-        # Each document here is one sequence; Megatron's doc index maps documents to sequences.
-        sequences = np.concatenate([np.arange(indexed.doc_index[d], indexed.doc_index[d + 1]) for d in doc_ids]) \
-            if len(doc_ids) else np.zeros(0, np.int64)
-        tokens_per_epoch = int(indexed.lengths[sequences].astype(np.int64).sum()) if len(sequences) else 0
-        if tokens_per_epoch < seq_length + 1:
-            raise DataError(f"the split holds {tokens_per_epoch} tokens in {len(sequences)} sequences, fewer than "
-                            f"one sample of seq_length+1={seq_length + 1}")
-        needed = num_samples * seq_length + 1
-        num_epochs = -(-needed // tokens_per_epoch)
-        rng = np.random.RandomState(seed % 2**32)
-        self.order = np.concatenate([rng.permutation(sequences) for _ in range(num_epochs)])
-        lengths = indexed.lengths[self.order].astype(np.int64)
-        self.ends = np.cumsum(lengths)
-        total_samples = (int(self.ends[-1]) - 1) // seq_length
-        self.shuffle = rng.permutation(total_samples)[:num_samples]  # enough epochs were made above
+    def epoch(self, e: int) -> Epoch:
+        """Epoch e's arrays: from memory, else the cache folder, else computed (and stored if worth it)."""
+        if e in self._epochs:
+            self._epochs.move_to_end(e)
+            return self._epochs[e]
+        arrays = self._load(e) if self.cached else None
+        if arrays is None:
+            rng = epoch_rng(self.seed, self.stream, e)
+            order = self.first_sequence + rng.permutation(self.num_sequences)
+            ends = np.cumsum(self.indexed.lengths[order], dtype=np.int64)
+            arrays = Epoch(order, ends, rng.permutation(self.samples_per_epoch))
+            if self.cached:
+                self._store(e, arrays)
+        self._epochs[e] = arrays
+        while len(self._epochs) > _EPOCHS_IN_MEMORY:
+            self._epochs.popitem(last=False)
+        return arrays
 
-    def __len__(self) -> int:
-        return self.num_samples
+    def cache_paths(self, e: int) -> dict[str, Path]:
+        return {name: self.cache_dir / f"{self.key}_e{e}_{name}.npy" for name in Epoch._fields}
+
+    def _load(self, e: int) -> Epoch | None:
+        sizes = {"order": self.num_sequences, "ends": self.num_sequences, "shuffle": self.samples_per_epoch}
+        try:
+            arrays = {name: np.load(path, mmap_mode="r") for name, path in self.cache_paths(e).items()}
+        except (OSError, ValueError, EOFError):
+            return None
+        if any(a.shape != (sizes[n],) or a.dtype != np.int64 for n, a in arrays.items()):
+            return None
+        return Epoch(**arrays)
+
+    def _store(self, e: int, arrays: Epoch) -> None:
+        for name, path in self.cache_paths(e).items():
+            array = np.ascontiguousarray(getattr(arrays, name), dtype=np.int64)
+            if not atomic_write(path, lambda f, a=array: np.save(f, a)):
+                return  # read-only or full: the arrays stay in memory only
+
+    def windows(self, e: int, positions: np.ndarray) -> np.ndarray:
+        """Samples at `positions` of epoch e: int32 [len(positions), seq_length + 1].
+
+        Each window is cut into pieces, one per sequence it touches (two binary searches per window), and
+        the token offsets of every piece are laid out with one repeat + arange, so the cost follows the batch,
+        not the corpus."""
+        s, arrays = self.seq_length, self.epoch(e)
+        start = arrays.shuffle[positions].astype(np.int64) * s  # [n] first token of each window
+        stop = start + s + 1
+        first = np.searchsorted(arrays.ends, start, side="right")  # index in `order` of the sequence holding it
+        last = np.searchsorted(arrays.ends, stop - 1, side="right")
+        count = last - first + 1  # [n] pieces per window
+        owner = np.repeat(np.arange(len(positions)), count)  # [P] window of each piece
+        before = np.cumsum(count) - count
+        piece = first[owner] + np.arange(int(count.sum())) - before[owner]  # [P] index in `order`
+        seq = arrays.order[piece]
+        seq_end = arrays.ends[piece]
+        seq_start = seq_end - self.indexed.lengths[seq]
+        lo, hi = np.maximum(start[owner], seq_start), np.minimum(stop[owner], seq_end)
+        take = hi - lo  # [P] tokens of each piece; sums to n·(s + 1)
+        source = self.indexed.pointers[seq] // self.indexed.dtype.itemsize + (lo - seq_start)
+        offsets = np.repeat(source - (np.cumsum(take) - take), take) + np.arange(int(take.sum()))
+        return self.indexed.gather(offsets).astype(np.int32).reshape(len(positions), s + 1)
+
+    def batch(self, first: int, size: int) -> np.ndarray:
+        """Samples [first, first + size): int32 [size, seq_length + 1] (they may span several epochs)."""
+        if first < 0 or size < 0:
+            raise DataError(f"samples [{first}, {first + size}) are not a range of non-negative indices")
+        out = np.empty((size, self.seq_length + 1), np.int32)
+        n = self.samples_per_epoch
+        for e in range(first // n, (first + size - 1) // n + 1 if size else first // n):
+            lo, hi = max(first, e * n), min(first + size, (e + 1) * n)
+            out[lo - first:hi - first] = self.windows(e, np.arange(lo - e * n, hi - e * n))
+        return out
 
     def __getitem__(self, index: int) -> np.ndarray:
         """Sample `index`: int32 tokens [seq_length + 1]."""
-        start = int(self.shuffle[index]) * self.seq_length
-        stop = start + self.seq_length + 1
-        pieces = []
-        doc = int(np.searchsorted(self.ends, start, side="right"))
-        while start < stop:
-            doc_start = int(self.ends[doc - 1]) if doc else 0
-            take = min(stop, int(self.ends[doc])) - start
-            pieces.append(self.indexed.get(int(self.order[doc]), start - doc_start, take))
-            start += take
-            doc += 1
-        return np.concatenate(pieces).astype(np.int32)
-
-    def batch(self, first: int, size: int) -> np.ndarray:
-        return np.stack([self[i] for i in range(first, first + size)])
+        return self.batch(int(index), 1)[0]
 
 
 @dataclass
@@ -106,11 +218,14 @@ def split_global_batch(array: np.ndarray, num_microbatches: int, data_parallel_s
 
 
 class GPTData:
-    """The train/validation datasets of one run; `train_batch(i)` is global batch i, `valid_batches()` fixed."""
+    """The train and validation streams of one dataset. `train_batch(i)` is global batch i (samples
+    [i·B, (i+1)·B) of the training stream), `train_samples(first, count)` any range of it, and
+    `valid_batches()` the same `eval_iters` batches of the validation stream at every evaluation. Nothing depends
+    on the number of iterations; `data_config()` names what the stream does depend on."""
 
-    def __init__(self, prefix, *, seq_length: int, global_batch_size: int, train_iters: int, eval_iters: int,
-                 seed: int, split: str = "969,30,1", vocab_size: int | None = None):
-        self.indexed = IndexedDataset(prefix)
+    def __init__(self, prefix, *, seq_length: int, global_batch_size: int, eval_iters: int, seed: int,
+                 split: str = "969,30,1", vocab_size: int | None = None, cache_dir=None):
+        self.indexed = IndexedDataset(prefix, cache_dir=cache_dir)
         num_docs = len(self.indexed.doc_index) - 1
         if num_docs <= 0 or self.indexed.num_tokens == 0:
             raise DataError(f"the dataset at {prefix!r} is empty ({num_docs} documents, "
@@ -121,21 +236,31 @@ class GPTData:
                 raise DataError(f"the dataset at {prefix!r} holds token id {largest} but vocab_size={vocab_size} "
                                 f"(pass --vocab-size for data made with another tokenizer)")
         train_docs, valid_docs, _ = split_documents(num_docs, split)
-        self.global_batch_size = global_batch_size
-        self.train = GPTDataset(self.indexed, train_docs, seq_length, train_iters * global_batch_size, seed)
+        self.prefix, self.num_documents, self.split, self.seed = os.path.abspath(prefix), num_docs, split, seed
+        self.seq_length, self.global_batch_size, self.eval_iters = seq_length, global_batch_size, eval_iters
+        self.train = GPTDataset(self.indexed, train_docs, seq_length, seed, TRAIN_STREAM)
         self.valid = None
         if eval_iters > 0 and len(valid_docs) > 0:
-            self.valid = GPTDataset(self.indexed, valid_docs, seq_length, eval_iters * global_batch_size, seed + 1)
-        self.eval_iters = eval_iters
+            self.valid = GPTDataset(self.indexed, valid_docs, seq_length, seed, VALID_STREAM)
+
+    def train_samples(self, first: int, count: int) -> Batch:
+        """Samples [first, first + count) of the training stream (`first` = samples consumed so far)."""
+        return make_batch(self.train.batch(first, count))
 
     def train_batch(self, iteration: int) -> Batch:
-        return make_batch(self.train.batch(iteration * self.global_batch_size, self.global_batch_size))
+        return self.train_samples(iteration * self.global_batch_size, self.global_batch_size)
 
     def valid_batches(self):
         if self.valid is None:
             return
         for i in range(self.eval_iters):
             yield make_batch(self.valid.batch(i * self.global_batch_size, self.global_batch_size))
+
+    def data_config(self) -> dict:
+        """What the streams depend on (JSON-able), for a checkpoint to compare on resume."""
+        return {"data_path": self.prefix, "seed": self.seed, "global_batch_size": self.global_batch_size,
+                "seq_length": self.seq_length, "split": self.split, "num_documents": self.num_documents,
+                "num_tokens": self.indexed.num_tokens, "bin_bytes": self.indexed.bin_bytes}
 
 
 def microbatches(batch: Batch, parallel):

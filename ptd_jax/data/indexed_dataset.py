@@ -12,12 +12,22 @@
     doc index  int64[D] sequence index where each document starts, then N
 
 Files are written to temporary names and renamed, so a failed write leaves nothing half-written.
+
+Derived files live in a cache folder, by default `cache/ptd_jax_indices/` beside the data (Megatron's
+`--data-cache-path` defaults to a `cache/` folder there too); any other folder can be given. Beside the index
+files of `gpt_dataset`, it holds `<name>.stats.json` per dataset: the largest token id and the token count, with
+the .bin's size and mtime_ns and the .idx's size, so that a rewritten .bin is noticed and rescanned. The writer
+stores it at `finalize` (freshly preprocessed data is never scanned); a dataset without it is scanned once, in
+chunks, and the result stored where that is allowed. Nothing in the cache is needed: a read-only or missing
+folder only costs the scan again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +64,97 @@ def bin_path(prefix) -> Path:
     return Path(f"{prefix}.bin")
 
 
-class IndexedDatasetWriter:
-    """Streams documents into PREFIX.bin/.idx (under temporary names until `finalize`)."""
+def default_cache_dir(prefix) -> Path:
+    """`cache/ptd_jax_indices` in the folder of the data, as Megatron's default `cache/` beside it."""
+    return Path(prefix).parent / "cache" / "ptd_jax_indices"
 
-    def __init__(self, prefix, dtype=np.uint16):
+
+STATS_VERSION = 1
+_SCAN_CHUNK = 1 << 24  # tokens per chunk of the max-token scan (32 MiB of uint16)
+
+
+def atomic_write(path: Path, write) -> bool:
+    """`write(file)` into a temporary file in path's folder, then rename it to `path`. Best effort: returns False
+    (leaving nothing behind) when the folder cannot be created or written."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+        tmp = None
+        return True
+    except OSError:
+        return False
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def file_key(prefix) -> dict:
+    """What identifies one version of a .bin/.idx pair for the stats file: sizes and the .bin's mtime_ns."""
+    bstat = bin_path(prefix).stat()
+    return {"bin_bytes": bstat.st_size, "bin_mtime_ns": bstat.st_mtime_ns,
+            "idx_bytes": idx_path(prefix).stat().st_size}
+
+
+def stats_path(cache_dir, prefix) -> Path:
+    return Path(cache_dir) / f"{Path(prefix).name}.stats.json"
+
+
+def write_stats(prefix, cache_dir, *, max_token: int, num_tokens: int) -> bool:
+    """Store the stats JSON of the pair at `prefix` in `cache_dir` (best effort)."""
+    try:
+        key = file_key(prefix)
+    except OSError:
+        return False
+    stats = {"version": STATS_VERSION, **key, "max_token": int(max_token), "num_tokens": int(num_tokens)}
+    return atomic_write(stats_path(cache_dir, prefix), lambda f: f.write(json.dumps(stats).encode()))
+
+
+def read_stats(prefix, cache_dir) -> dict | None:
+    """The stats JSON in `cache_dir` if it describes the pair as it is now on disk, else None."""
+    try:
+        stats = json.loads(stats_path(cache_dir, prefix).read_text())
+        key = file_key(prefix)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stats, dict) or stats.get("version") != STATS_VERSION:
+        return None
+    if any(stats.get(name) != value for name, value in key.items()):
+        return None
+    return stats
+
+
+def write_index(prefix, dtype, lengths, doc_index, suffix: str = "") -> Path:
+    """PREFIX.idx (+ suffix) for sequences of `lengths` tokens of `dtype` grouped by `doc_index`."""
+    dtype = np.dtype(dtype)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * dtype.itemsize
+    doc_index = np.asarray(doc_index, dtype=np.int64)
+    path = Path(f"{idx_path(prefix)}{suffix}")
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", CODE_OF_DTYPE[dtype]))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(doc_index)))
+        f.write(lengths.tobytes())
+        f.write(pointers.tobytes())
+        f.write(doc_index.tobytes())
+    return path
+
+
+class IndexedDatasetWriter:
+    """Streams documents into PREFIX.bin/.idx (under temporary names until `finalize`), tracking the largest
+    token id so that `finalize` can store the stats file in `cache_dir` (default: `default_cache_dir`)."""
+
+    def __init__(self, prefix, dtype=np.uint16, cache_dir=None):
         self.prefix = str(prefix)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise IndexedDatasetError(f"dtype={self.dtype} has no indexed-dataset code ({list(CODE_OF_DTYPE)})")
@@ -67,6 +163,7 @@ class IndexedDatasetWriter:
         self._bin = open(self._tmp_bin, "wb")
         self.lengths: list[int] = []
         self.doc_index: list[int] = [0]
+        self.max_token = -1
 
     def add_document(self, tokens) -> None:
         """One document made of one sequence (the GPT case)."""
@@ -79,6 +176,9 @@ class IndexedDatasetWriter:
             info, lo, hi = np.iinfo(self.dtype), int(array.min()), int(array.max())
             if lo < info.min or hi > info.max:
                 raise IndexedDatasetError(f"token ids in [{lo}, {hi}] do not fit dtype={self.dtype}")
+            self.max_token = max(self.max_token, hi)
+        elif array.size:
+            self.max_token = max(self.max_token, int(array.astype(self.dtype).max()))
         self._bin.write(array.astype(self.dtype).tobytes(order="C"))
         self.lengths.append(int(array.size))
 
@@ -87,23 +187,10 @@ class IndexedDatasetWriter:
 
     def finalize(self) -> None:
         self._bin.close()
-        lengths = np.asarray(self.lengths, dtype=np.int32)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        if len(lengths) > 1:
-            pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
-        doc_index = np.asarray(self.doc_index, dtype=np.int64)
-        tmp_idx = Path(f"{self.prefix}.idx.tmp{os.getpid()}")
-        with open(tmp_idx, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
-            f.write(struct.pack("<Q", len(lengths)))
-            f.write(struct.pack("<Q", len(doc_index)))
-            f.write(lengths.tobytes())
-            f.write(pointers.tobytes())
-            f.write(doc_index.tobytes())
+        tmp_idx = write_index(self.prefix, self.dtype, self.lengths, self.doc_index, suffix=f".tmp{os.getpid()}")
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(tmp_idx, idx_path(self.prefix))
+        write_stats(self.prefix, self.cache_dir, max_token=self.max_token, num_tokens=int(sum(self.lengths)))
 
     def abort(self) -> None:
         self._bin.close()
@@ -120,10 +207,12 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Memory-mapped reader; validates the header and that .idx and .bin agree before any access."""
+    """Memory-mapped reader; validates the header and that .idx and .bin agree before any access. `cache_dir`
+    (default: `default_cache_dir`) is where `max_token` looks for and stores the stats file."""
 
-    def __init__(self, prefix):
+    def __init__(self, prefix, cache_dir=None):
         self.prefix = str(prefix)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(prefix)
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for path in (ipath, bpath):
             if not path.is_file():
@@ -154,6 +243,7 @@ class IndexedDataset:
         offset += 8 * num_seq
         self.doc_index = np.frombuffer(index, dtype=np.int64, count=num_docs, offset=offset)
         bin_size = bpath.stat().st_size
+        self.bin_bytes, self.idx_bytes = bin_size, idx_size
         total_tokens = int(self.lengths.astype(np.int64).sum())
         if bin_size != total_tokens * self.dtype.itemsize:
             raise IndexedDatasetError(
@@ -167,6 +257,7 @@ class IndexedDataset:
                          or np.any(np.diff(self.doc_index) < 0)):
             raise IndexedDatasetError(
                 f"{ipath} has a document index that does not run from 0 to sequences={num_seq}")
+        self._num_tokens = total_tokens
         self._bin = np.memmap(bpath, mode="r", dtype=self.dtype) if total_tokens else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
@@ -174,11 +265,20 @@ class IndexedDataset:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lengths.astype(np.int64).sum())
+        return self._num_tokens
 
     def max_token(self) -> int:
-        """Largest token id in .bin (one pass over the memory map)."""
-        return int(self._bin.max()) if self._bin.size else -1
+        """Largest token id in .bin (-1 when empty): from the stats file in `cache_dir` (or the default cache,
+        where the writer puts it) if it matches the files; else one chunked scan, then stored (best effort)."""
+        for directory in dict.fromkeys([self.cache_dir, default_cache_dir(self.prefix)]):
+            stats = read_stats(self.prefix, directory)
+            if stats is not None and stats.get("num_tokens") == self.num_tokens:
+                return int(stats["max_token"])
+        largest = -1
+        for start in range(0, self._bin.size, _SCAN_CHUNK):
+            largest = max(largest, int(self._bin[start:start + _SCAN_CHUNK].max()))
+        write_stats(self.prefix, self.cache_dir, max_token=largest, num_tokens=self.num_tokens)
+        return largest
 
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset+length) of sequence `index`."""
@@ -188,3 +288,7 @@ class IndexedDataset:
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)
+
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        """Tokens at `positions`, token (not byte) offsets into .bin, any shape."""
+        return np.asarray(self._bin[positions])

@@ -1,9 +1,12 @@
+import json
+import os
 import struct
 
 import numpy as np
 import pytest
 
-from ptd_jax.data.indexed_dataset import (IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype)
+from ptd_jax.data.indexed_dataset import (IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype,
+                                          default_cache_dir)
 
 
 def write(prefix, docs, dtype=np.uint16):
@@ -104,3 +107,53 @@ def test_failed_write_leaves_nothing(tmp_path):
             writer.add_document([1, 2])
             writer.add_document([300])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_writer_stores_the_stats_and_max_token_reads_them(tmp_path):
+    """With the stats file in place max_token() does not read the .bin: a byte changed behind its back (size
+    and mtime restored) goes unnoticed; a .bin changed in the normal way (new mtime) is scanned again."""
+    write(tmp_path / "ds", DOCS)
+    stats = json.loads((default_cache_dir(tmp_path / "ds") / "ds.stats.json").read_text())
+    assert stats["max_token"] == 256 and stats["num_tokens"] == 11
+    assert stats["bin_bytes"] == 22 and stats["idx_bytes"] == (tmp_path / "ds.idx").stat().st_size
+    bin_file = tmp_path / "ds.bin"
+    before = bin_file.stat()
+    raw = bytearray(bin_file.read_bytes())
+    raw[0:2] = struct.pack("<H", 999)
+    bin_file.write_bytes(bytes(raw))
+    os.utime(bin_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert IndexedDataset(tmp_path / "ds").max_token() == 256  # from the stats file, not the bytes
+    os.utime(bin_file, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert IndexedDataset(tmp_path / "ds").max_token() == 999  # stale stats: scanned again, then stored
+    assert json.loads((default_cache_dir(tmp_path / "ds") / "ds.stats.json").read_text())["max_token"] == 999
+
+
+def test_data_without_stats_is_scanned_once(tmp_path):
+    tokens = np.arange(3 * 7, dtype="<u2")[::-1].copy()
+    (tmp_path / "m.bin").write_bytes(tokens.tobytes())
+    (tmp_path / "m.idx").write_bytes(
+        b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 4) + struct.pack("<3i", 7, 7, 7)
+        + struct.pack("<3q", 0, 14, 28) + struct.pack("<4q", 0, 1, 2, 3))
+    stats_file = default_cache_dir(tmp_path / "m") / "m.stats.json"
+    assert not stats_file.exists()
+    assert IndexedDataset(tmp_path / "m").max_token() == 20
+    assert json.loads(stats_file.read_text())["max_token"] == 20
+
+
+def test_stats_in_another_cache_folder_and_an_unwritable_one(tmp_path):
+    write(tmp_path / "ds", DOCS)
+    other = tmp_path / "elsewhere"
+    assert IndexedDataset(tmp_path / "ds", cache_dir=other).max_token() == 256  # the writer's copy is found
+    (default_cache_dir(tmp_path / "ds") / "ds.stats.json").unlink()
+    assert IndexedDataset(tmp_path / "ds", cache_dir=other).max_token() == 256  # scanned, stored in `other`
+    assert json.loads((other / "ds.stats.json").read_text())["max_token"] == 256
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert IndexedDataset(tmp_path / "ds", cache_dir=blocker / "c").max_token() == 256
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_megatron_bytes_do_not_change_with_the_stats(tmp_path):
+    """The stats go to the cache folder; the pair itself is what Megatron writes (see the hand-made bytes above)."""
+    write(tmp_path / "ds", DOCS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "ds.bin", "ds.idx"]
