@@ -161,9 +161,9 @@ class GPTDataset:
     def windows(self, e: int, positions: np.ndarray) -> np.ndarray:
         """Samples at `positions` of epoch e: int32 [len(positions), seq_length + 1].
 
-        Each window is cut into pieces, one per sequence it touches (two binary searches per window), and
-        the token offsets of every piece are laid out with one repeat + arange, so the cost follows the batch,
-        not the corpus."""
+        Each window is cut into pieces, one per sequence it touches (two binary searches per window, then
+        array arithmetic), and the pieces are read from .bin back to back: the cost follows the batch, not the
+        corpus."""
         s, arrays = self.seq_length, self.epoch(e)
         start = arrays.shuffle[positions].astype(np.int64) * s  # [n] first token of each window
         stop = start + s + 1
@@ -179,8 +179,7 @@ class GPTDataset:
         lo, hi = np.maximum(start[owner], seq_start), np.minimum(stop[owner], seq_end)
         take = hi - lo  # [P] tokens of each piece; sums to n·(s + 1)
         source = self.indexed.pointers[seq] // self.indexed.dtype.itemsize + (lo - seq_start)
-        offsets = np.repeat(source - (np.cumsum(take) - take), take) + np.arange(int(take.sum()))
-        return self.indexed.gather(offsets).astype(np.int32).reshape(len(positions), s + 1)
+        return self.indexed.read_pieces(source, take).astype(np.int32).reshape(len(positions), s + 1)
 
     def batch(self, first: int, size: int) -> np.ndarray:
         """Samples [first, first + size): int32 [size, seq_length + 1] (they may span several epochs)."""

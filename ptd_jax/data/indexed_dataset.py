@@ -289,6 +289,21 @@ class IndexedDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)
 
-    def gather(self, positions: np.ndarray) -> np.ndarray:
-        """Tokens at `positions`, token (not byte) offsets into .bin, any shape."""
-        return np.asarray(self._bin[positions])
+    def read_pieces(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Tokens [starts[j], starts[j] + counts[j]) of .bin (token offsets) for every j, back to back.
+
+        One positioned read per piece into the output, not page faults on the memory map: with a cold page cache
+        each fault reads the device's whole read-ahead window (8 MiB on the development machine), and a batch of
+        512 windows of 2049 tokens took 1.7 s through the map against 0.15 s this way (0.004 s and 0.008 s when
+        the pages are cached)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        out = np.empty(int(counts.sum()), self.dtype)
+        if not hasattr(os, "preadv"):  # no positioned vector reads on this platform: go through the map
+            return self._bin[np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(len(out))]
+        buffer, done, size = memoryview(out).cast("B"), 0, self.dtype.itemsize
+        with open(bin_path(self.prefix), "rb", buffering=0) as f:
+            for start, count in zip((np.asarray(starts) * size).tolist(), (counts * size).tolist()):
+                if count and os.preadv(f.fileno(), [buffer[done:done + count]], start) != count:
+                    raise IndexedDatasetError(f"{bin_path(self.prefix)} is shorter than {start + count} bytes")
+                done += count
+        return out

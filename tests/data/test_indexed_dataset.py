@@ -157,3 +157,19 @@ def test_megatron_bytes_do_not_change_with_the_stats(tmp_path):
     """The stats go to the cache folder; the pair itself is what Megatron writes (see the hand-made bytes above)."""
     write(tmp_path / "ds", DOCS)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "ds.bin", "ds.idx"]
+
+
+@pytest.mark.parametrize("positioned_reads", [True, False])
+def test_read_pieces(tmp_path, monkeypatch, positioned_reads):
+    write(tmp_path / "ds", DOCS)
+    if not positioned_reads:
+        monkeypatch.delattr(os, "preadv")  # the memory-map fallback
+    ds = IndexedDataset(tmp_path / "ds")
+    tokens = np.asarray(sum(DOCS, []))
+    starts, counts = np.array([9, 0, 4, 10, 3]), np.array([2, 3, 0, 1, 6])
+    expected = np.concatenate([tokens[a:a + n] for a, n in zip(starts, counts)])
+    got = ds.read_pieces(starts, counts)
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(got, expected)
+    with pytest.raises((IndexedDatasetError, IndexError)):
+        ds.read_pieces(np.array([10]), np.array([5]))  # beyond the end of .bin
