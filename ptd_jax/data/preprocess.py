@@ -3,7 +3,8 @@
 Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]`.
 Like Megatron's tools/preprocess_data.py, the pair is written as PREFIX_<key>_document.{bin,idx}. A plain file is
 one document; a .jsonl/.json file gives one document per line (the values of --json-keys); a folder is walked
-recursively for files with the given --extensions.
+recursively for files with the given --extensions. The writer also stores the largest token id in the stats
+file of the cache folder beside the output (`indexed_dataset`), so training never scans freshly made data.
 """
 
 from __future__ import annotations
