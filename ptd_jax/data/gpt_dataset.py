@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +121,15 @@ class GPTDataset:
                seed, stream]
         self.key = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
         self._epochs: OrderedDict[int, Epoch] = OrderedDict()
+        self._lock = threading.Lock()
 
     def epoch(self, e: int) -> Epoch:
-        """Epoch e's arrays: from memory, else the cache folder, else computed (and stored if worth it)."""
+        """Epoch e's arrays: from memory, else the cache folder, else computed (and stored if worth it). Safe to
+        call from a prefetching thread and the main thread at once."""
+        with self._lock:
+            return self._epoch(e)
+
+    def _epoch(self, e: int) -> Epoch:
         if e in self._epochs:
             self._epochs.move_to_end(e)
             return self._epochs[e]

@@ -64,3 +64,14 @@ def test_empty_indices_and_bad_depth():
     assert list(prefetch(lambda i: i, [])) == []
     with pytest.raises(ValueError, match="depth=0 must be >= 1"):
         list(prefetch(lambda i: i, range(3), depth=0))
+
+
+def test_prefetched_batches_equal_direct_ones(small_corpus):
+    """The loop's use: GPTData batches built on the prefetch thread while the main thread reads others."""
+    from ptd_jax.data import GPTData
+
+    data = GPTData(small_corpus, seq_length=32, global_batch_size=8, eval_iters=0, seed=1)
+    direct = GPTData(small_corpus, seq_length=32, global_batch_size=8, eval_iters=0, seed=1)
+    for i, batch in enumerate(prefetch(data.train_batch, range(0, 3000, 97), depth=3)):
+        data.train_batch(i)  # the main thread uses the same dataset meanwhile
+        assert (batch.tokens == direct.train_batch(i * 97).tokens).all()
