@@ -84,9 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data, checkpoints, logging")
     g.add_argument("--data-path", help="prefix of a .bin/.idx pair (default: the embedded stdlib corpus)")
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--save")
-    g.add_argument("--load")
+    g.add_argument("--data-cache-path", help="where the data's index arrays are cached (default: a cache/ folder "
+                   "beside the data)")
+    g.add_argument("--save", help="checkpoint folder (the canonical format: loads under any layout)")
+    g.add_argument("--load", help="resume from the newest complete step of this folder; --save D --load D on an "
+                   "empty D starts fresh (auto-resume)")
     g.add_argument("--save-interval", type=int)
+    g.add_argument("--keep-checkpoints", type=int, help="keep the newest K steps in --save (default: all)")
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
+                   help="write checkpoints in the background (training waits only for the device-to-host copy)")
+    g.add_argument("--no-load-optim", action="store_true", help="load the parameters only; fresh optimizer state")
+    g.add_argument("--finetune", action="store_true", help="load the parameters only and start at iteration 0 "
+                   "(fresh optimizer, data stream and dropout key)")
+    g.add_argument("--override-data-config", action="store_true",
+                   help="resume even if seed, batch size, sequence length, split or data changed")
+    g.add_argument("--exit-interval", type=int, help="stop when the iteration is a multiple of N, after saving "
+                   "a checkpoint if --save is given")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=100)
     g.add_argument("--eval-iters", type=int, default=4)
@@ -204,6 +217,7 @@ def train_config_from_args(args) -> TrainConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         seed=args.seed, recompute_granularity=args.recompute_granularity, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save_interval=args.save_interval,
+        exit_interval=args.exit_interval,
     )
 
 
@@ -254,6 +268,11 @@ def check_outputs(args) -> None:
 
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ConfigError(f"peak_tflops={args.peak_tflops} must be positive")
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
+        raise ConfigError(f"keep_checkpoints={args.keep_checkpoints} must be at least 1")
+    if (args.finetune or args.no_load_optim or args.override_data_config) and not args.load:
+        flag = "finetune" if args.finetune else "no_load_optim" if args.no_load_optim else "override_data_config"
+        raise ConfigError(f"{flag}=True needs --load")
     if args.metrics_file and Path(args.metrics_file).is_dir():
         raise ConfigError(f"metrics_file={args.metrics_file!r} is a folder")
     for name in ("plot_dir", "save"):
@@ -286,7 +305,10 @@ def run(argv=None) -> dict:
               file=sys.stderr)
     options = RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
                          metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
+                         load_optim=not args.no_load_optim, finetune=args.finetune,
+                         override_data_config=args.override_data_config, data_cache_path=args.data_cache_path,
+                         async_save=args.async_save)
     return train(model_cfg, parallel, train_cfg, options)
 
 

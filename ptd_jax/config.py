@@ -275,6 +275,8 @@ class TrainConfig:
     eval_interval: int = 100
     eval_iters: int = 10
     save_interval: int | None = None
+    exit_interval: int | None = None
+    """Stop when the iteration is a multiple of this, after saving a checkpoint (Megatron's --exit-interval)."""
 
     def __post_init__(self):
         _check(self.train_iters > 0, f"train_iters={self.train_iters} must be positive")
@@ -292,8 +294,9 @@ class TrainConfig:
         for name in ("log_interval", "eval_interval"):
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
         _check(self.eval_iters >= 0, f"eval_iters={self.eval_iters} must be >= 0")
-        _check(self.save_interval is None or self.save_interval > 0,
-               f"save_interval={self.save_interval} must be positive")
+        for name in ("save_interval", "exit_interval"):
+            _check(getattr(self, name) is None or getattr(self, name) > 0,
+                   f"{name}={getattr(self, name)} must be positive")
 
     @property
     def decay_iters(self) -> int:

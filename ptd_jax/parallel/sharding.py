@@ -8,6 +8,8 @@ pipeline's stacked-layer layout [v, p, k, ...] with its conversions (no other mo
   first and last virtual stages, their gradients summed: Megatron's tied-embedding all-reduce).
 - "data": nothing is split (replicated weights, data-parallel gradients reduced once per step); batches
   [M, d·b, S] are split over "data" on dim 1 (each data rank takes its b rows of every microbatch).
+- Checkpoints hold the canonical form, which no layout leaks into: layers [L, ...] in model order and the word
+  embedding with the unpadded V rows; optimizer moments the same way (`to_canonical`, `from_canonical`).
 """
 
 from __future__ import annotations
@@ -127,3 +129,65 @@ def global_norm(grads, specs):
         groups[axes] = groups.get(axes, 0.0) + square
     total = sum(jax.lax.psum(value, axes) if axes else value for axes, value in sorted(groups.items()))
     return jnp.sqrt(total)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The canonical form (checkpoints): layers [L, ...] in model order, the word embedding [V, D] unpadded
+# ---------------------------------------------------------------------------------------------------------------
+
+def _canonical_leaf(names, x, vocab_size: int, pipelined: bool):
+    if pipelined and names[0] == "layers":
+        return x.reshape(-1, *x.shape[3:])  # [v, p, k, ...] -> [L, ...] (`unstage_layers`)
+    if names == ("embed", "word"):
+        return x[:vocab_size]
+    return x
+
+
+def _layout_leaf(names, x, padded_vocab_size: int, p: int, v: int):
+    if p > 1 and names[0] == "layers":
+        return x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:])  # `stage_layers`
+    if names == ("embed", "word"):
+        # The padded rows are zero and get zero gradients (they never enter the loss), so their parameters and
+        # Adam moments stay zero: padding with zeros restores exactly the state a run at this t would have.
+        return jnp.pad(x, ((0, padded_vocab_size - x.shape[0]), (0, 0)))
+    return x
+
+
+def _canonical_spec(names, leaf, p: int) -> P:
+    dims: list = [None] * leaf.ndim
+    if names == ("embed", "word"):
+        return P(*dims)  # V need not divide by t: replicated
+    if p > 1 and names[0] == "layers":
+        dims[0] = PIPE  # L / p contiguous layers per pipe rank (the rank's own at v = 1)
+    dim = TENSOR_SPLIT_DIM.get(names)
+    if dim is not None:
+        dims[dim] = TENSOR
+    return P(*dims)
+
+
+def _map_state(optimizer, state, leaf_fn, non_params=lambda x: x):
+    """Apply leaf_fn(names, x) to every parameter-shaped leaf of {"params", "opt_state"} (moments included) and
+    `non_params` to the optimizer's other leaves (counters). Without "opt_state", the params alone."""
+    names = jax.tree_util.tree_map_with_path(lambda path, _: _path_names(path), state["params"])
+    # A names tuple sits where params has a leaf, so tree.map hands it over whole.
+    out = {"params": jax.tree.map(lambda x, n: leaf_fn(n, x), state["params"], names)}
+    if "opt_state" in state:
+        out["opt_state"] = optax.tree_map_params(optimizer, lambda x, n: leaf_fn(n, x), state["opt_state"], names,
+                                                 transform_non_params=non_params)
+    return out
+
+
+def to_canonical(optimizer, state, vocab_size: int, pipelined: bool):
+    """The run's {"params", "opt_state"} -> the canonical form (a free reshape and a slice)."""
+    return _map_state(optimizer, state, lambda n, x: _canonical_leaf(n, x, vocab_size, pipelined))
+
+
+def from_canonical(optimizer, canonical, padded_vocab_size: int, p: int, v: int):
+    """The canonical form -> the layout of a run at pipeline size p with v chunks and this padded vocabulary."""
+    return _map_state(optimizer, canonical, lambda n, x: _layout_leaf(n, x, padded_vocab_size, p, v))
+
+
+def canonical_specs(optimizer, canonical, p: int):
+    """How the canonical form lies on the mesh while it is saved or restored: tensor-split dims stay split,
+    layers are split over "pipe" on their L dim, everything else is replicated (written once by orbax)."""
+    return _map_state(optimizer, canonical, lambda n, x: _canonical_spec(n, x, p), non_params=lambda _: P())

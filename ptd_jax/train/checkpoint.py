@@ -1,69 +1,178 @@
-"""Orbax checkpoints of the training state (`--save DIR`, `--load DIR`, `--save-interval N`).
+"""Orbax checkpoints in a canonical form that no layout leaks into (`--save`, `--load`, `--keep-checkpoints`).
 
-A checkpoint is one orbax step folder holding the state pytree (params, optimizer state, step) and the run's
-configs as JSON. Orbax writes to a temporary folder and renames it when complete, so an interrupted save leaves no
-half-written step. Data order depends on the iteration only, so resuming at step k replays exactly the batches
-an uninterrupted run would see.
+A checkpoint is one orbax step folder with three items:
+- "params" and "opt_state": the state in the canonical form of `parallel/sharding.py` (layers [L, ...] in model
+  order, the unpadded vocabulary, Adam moments alike), so a step written under any (d, p, t, v) loads under any
+  other;
+- "meta" (JSON): iteration, consumed samples, the dropout key, the data configuration and the run's configs.
+
+Saving is asynchronous: `Checkpointer.save` blocks only for the device-to-host copy, and orbax writes the step under
+a temporary name that it renames when complete, so a crash (SIGKILL included) mid-save leaves the previous step
+loadable and `latest_step` never sees the partial one. The last K steps are kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from functools import partial
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import PartitionSpec as P
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.parallel import sharding
 
-_ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                        "ffn_hidden_size", "max_position_embeddings", "make_vocab_size_divisible_by")
+FORMAT_VERSION = 1
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
+                       "max_position_embeddings")
+"""Fields that fix the canonical shapes; everything else (padding, dtype, dropout, layout) may change on load."""
 
 
-def _manager(directory, create: bool) -> ocp.CheckpointManager:
+def _manager(directory, *, create: bool, keep: int | None = None, async_save: bool = False):
     return ocp.CheckpointManager(
         Path(directory).absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=create, enable_async_checkpointing=False),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, cleanup_tmp_directories=create,
+                                             enable_async_checkpointing=async_save, read_only=not create),
     )
 
 
-def save(directory, step: int, state, model_cfg: ModelConfig, parallel: ParallelConfig,
-         train_cfg: TrainConfig) -> None:
-    configs = {"model": dataclasses.asdict(model_cfg), "parallel": dataclasses.asdict(parallel),
-               "train": dataclasses.asdict(train_cfg)}
-    with _manager(directory, create=True) as manager:
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                   configs=ocp.args.JsonSave(configs)))
-        manager.wait_until_finished()
-
-
 def latest_step(directory) -> int | None:
+    """The newest complete step in `directory` (None when it holds none, or does not exist)."""
+    return max(all_steps(directory), default=None)
+
+
+def all_steps(directory) -> list[int]:
     if not Path(directory).is_dir():
-        return None
+        return []
     with _manager(directory, create=False) as manager:
-        return manager.latest_step()
+        return sorted(manager.all_steps())
 
 
-def restore(directory, like_state, model_cfg: ModelConfig, parallel: ParallelConfig | None = None):
-    """Restore the latest step into the structure (and shardings) of `like_state`; returns (state, step)."""
-    step = latest_step(directory)
-    if step is None:
-        raise ConfigError(f"--load {directory} holds no checkpoint")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
-    with _manager(directory, create=False) as manager:
-        configs = manager.restore(step, args=ocp.args.Composite(configs=ocp.args.JsonRestore()))["configs"]
-        saved = configs["model"]
-        mismatched = {k: (saved.get(k), getattr(model_cfg, k)) for k in _ARCHITECTURE_FIELDS
-                      if saved.get(k) != getattr(model_cfg, k)}
-        if mismatched:
-            raise ConfigError(f"--load {directory} step {step} has a different architecture (saved, requested): "
-                              f"{mismatched}")
-        if parallel is not None:
-            layout = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_stages")
-            saved_layout = {k: configs["parallel"].get(k) for k in layout}
-            wanted = {k: getattr(parallel, k) for k in layout}
-            if saved_layout != wanted:
-                raise ConfigError(f"--load {directory} step {step} was saved with {saved_layout}, this run uses "
-                                  f"{wanted}; resuming on another t/p/v layout is not supported yet")
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    return restored["state"], step
+def _pipelined(parallel: ParallelConfig) -> bool:
+    return parallel.pipeline_model_parallel_size > 1
+
+
+def _canonical_shardings(mesh, optimizer, canonical_abstract, parallel: ParallelConfig):
+    specs = sharding.canonical_specs(optimizer, canonical_abstract, parallel.pipeline_model_parallel_size)
+    return sharding.named(mesh, specs)
+
+
+class Checkpointer:
+    """Saves a run's state every `save` call, asynchronously, keeping the newest `keep` steps (None: all)."""
+
+    def __init__(self, directory, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig, mesh,
+                 keep: int | None = None, async_save: bool = True):
+        self.directory = Path(directory)
+        self._manager = _manager(directory, create=True, keep=keep, async_save=async_save)
+        self._optimizer, self._model_cfg, self._parallel, self._mesh = optimizer, model_cfg, parallel, mesh
+        self._convert = None
+
+    def _converter(self, state):
+        canonical = partial(sharding.to_canonical, self._optimizer, vocab_size=self._model_cfg.vocab_size,
+                            pipelined=_pipelined(self._parallel))
+        body = {"params": state["params"], "opt_state": state["opt_state"]}
+        out = _canonical_shardings(self._mesh, self._optimizer, jax.eval_shape(canonical, body), self._parallel)
+        return jax.jit(canonical, out_shardings=out)
+
+    def save(self, iteration: int, state, meta: dict) -> None:
+        """Write `state` as step `iteration` (returns once the arrays are copied to the host)."""
+        if self._convert is None:
+            self._convert = self._converter(state)
+        canonical = self._convert({"params": state["params"], "opt_state": state["opt_state"]})
+        meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta}
+        self._manager.save(iteration, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(canonical["params"]),
+            opt_state=ocp.args.StandardSave(canonical["opt_state"]),
+            meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_meta(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig, *, consumed_samples: int,
+             rng_key, data_config: dict) -> dict:
+    """The "meta" item of a step (JSON): what a resume needs besides the arrays."""
+    return {"consumed_samples": consumed_samples,
+            "rng_key": [int(x) for x in jax.device_get(jax.random.key_data(rng_key)).ravel()],
+            "data": data_config,
+            "model": dataclasses.asdict(model_cfg), "parallel": dataclasses.asdict(parallel),
+            "train": dataclasses.asdict(train_cfg)}
+
+
+def read_meta(directory, step: int) -> dict:
+    path = Path(directory).absolute()
+    try:
+        with _manager(path, create=False) as manager:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--load {directory} step {step} has no readable metadata ({type(err).__name__}: "
+                          f"{err})".splitlines()[0]) from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise ConfigError(f"--load {directory} step {step} has format_version={version}, this ptd_jax reads "
+                          f"{FORMAT_VERSION}")
+    return meta
+
+
+def check_architecture(directory, step: int, meta: dict, model_cfg: ModelConfig) -> None:
+    saved = meta["model"]
+    mismatched = {k: (saved.get(k), getattr(model_cfg, k)) for k in ARCHITECTURE_FIELDS
+                  if saved.get(k) != getattr(model_cfg, k)}
+    if mismatched:
+        raise ConfigError(f"--load {directory} step {step} has a different architecture (saved, requested): "
+                          f"{mismatched}")
+
+
+def data_config_changes(saved: dict, current: dict) -> dict:
+    """{key: (saved, current)} for every data setting that differs."""
+    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)}
+
+
+def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig,
+            mesh, load_optim: bool = True):
+    """{"params", "opt_state"} of step `step` of `directory`, in the layout (and shardings) of `like_state`.
+    Without `load_optim` the optimizer state of `like_state` is kept (Megatron's --no-load-optim)."""
+    pipelined = _pipelined(parallel)
+    p, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages
+    body = {"params": like_state["params"]}
+    if load_optim:
+        body["opt_state"] = like_state["opt_state"]
+    canonical = jax.eval_shape(partial(sharding.to_canonical, optimizer, vocab_size=model_cfg.vocab_size,
+                                       pipelined=pipelined), body)
+    shardings = _canonical_shardings(mesh, optimizer, canonical, parallel)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), canonical, shardings)
+    items = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}
+    try:
+        with _manager(directory, create=False) as manager:
+            restored = manager.restore(step, args=ocp.args.Composite(**items))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"--load {directory} step {step} cannot be restored into this model "
+                          f"({type(err).__name__}: {err})".splitlines()[0]) from None
+    restored = {name: restored[name] for name in abstract}
+    to_layout = partial(sharding.from_canonical, optimizer,
+                        padded_vocab_size=model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size), p=p, v=v)
+    out_shardings = jax.tree.map(lambda x: x.sharding, body)
+    state = jax.jit(to_layout, out_shardings=out_shardings)(restored)
+    if not load_optim:
+        state["opt_state"] = like_state["opt_state"]
+    return state
+
+
+def set_step(state, iteration: int, mesh):
+    """state["step"] = iteration (the learning-rate schedule's position), replicated."""
+    return {**state, "step": jax.device_put(jnp.asarray(iteration, jnp.int32), jax.sharding.NamedSharding(mesh, P()))}

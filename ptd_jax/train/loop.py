@@ -1,8 +1,12 @@
 """The training loop, `train()`: data -> the parallel step on the mesh -> metrics -> checkpoints.
 
-Each iteration takes global batch i (a function of the iteration alone), cuts it into the layout's microbatches,
-runs the jit(shard_map) train step of `parallel/step.py` (or, for comparisons on one device, the reference step),
-logs loss, grad norm, throughput, TFLOP/s (paper eq. 3) and MFU, evaluates, and saves orbax checkpoints.
+Each iteration takes the next B samples of the data stream (sample k is a function of the seed and k alone, so
+`--train-iters` never moves it), cuts them into the layout's microbatches on a prefetching thread, runs the
+jit(shard_map) train step of `parallel/step.py` (or, for comparisons on one device, the reference step), logs loss,
+grad norm, throughput, TFLOP/s (paper eq. 3) and MFU, evaluates, and saves orbax checkpoints asynchronously.
+
+Resume (Megatron's): `--load D` continues from D's newest complete step, in any layout, with the iteration, the
+consumed samples and the dropout key it saved; `--save D --load D` on an empty D starts fresh (auto-resume).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,6 +24,7 @@ from ptd_jax import model as gpt
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.data import GPTData, microbatches
 from ptd_jax.data.corpus import default_corpus
+from ptd_jax.data.loader import prefetch
 from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import param_specs
@@ -45,6 +51,17 @@ class RunOptions:
     progress: bool = True
     reference_step: bool = False
     """Run the single-device reference step instead of the shard_map step (one device only; for comparisons)."""
+    keep_checkpoints: int | None = None
+    """Keep the newest K steps in `save` (None: all)."""
+    load_optim: bool = True
+    """False: load the parameters only and start the optimizer afresh (Megatron's --no-load-optim)."""
+    finetune: bool = False
+    """Load the parameters only and start at iteration 0 with a fresh optimizer and data stream (--finetune)."""
+    override_data_config: bool = False
+    """Resume even though the data configuration changed (and say what changed)."""
+    data_cache_path: str | None = None
+    """Where the data's index arrays are cached (default: a cache/ folder beside the data)."""
+    async_save: bool = True
 
 
 def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops, num_devices):
@@ -73,12 +90,13 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     parallel.check_model(model_cfg)
     data_path = options.data_path or default_corpus(progress=options.progress)
     data = GPTData(data_path, seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
-                   train_iters=train_cfg.train_iters, eval_iters=train_cfg.eval_iters, seed=train_cfg.seed,
-                   split=options.split, vocab_size=model_cfg.vocab_size)
+                   eval_iters=train_cfg.eval_iters, seed=train_cfg.seed, split=options.split,
+                   vocab_size=model_cfg.vocab_size, cache_dir=options.data_cache_path)
 
+    messages: list[str] = []
+    resume = _resume_point(options, model_cfg, train_cfg, data, messages)  # checked before anything is allocated
     optimizer = make_optimizer(train_cfg)
-    key = jax.random.key(train_cfg.seed)
-    init_key, dropout_key = jax.random.split(key)
+    init_key, dropout_key = jax.random.split(jax.random.key(train_cfg.seed))
     mesh = make_mesh(parallel)
     if options.reference_step:
         if parallel.num_devices != 1:
@@ -86,9 +104,19 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         state = init_state(init_key, model_cfg, optimizer)
     else:
         state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel)
-    start = 0
-    if options.load:
-        state, start = checkpoint.restore(options.load, state, model_cfg, parallel)
+    start, consumed = 0, 0
+    if resume is not None:
+        load_step, meta = resume
+        if not options.finetune:
+            start, consumed = meta["iteration"], meta["consumed_samples"]
+            dropout_key = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
+        load_optim = options.load_optim and not options.finetune
+        state = checkpoint.set_step(
+            checkpoint.restore(options.load, load_step, state, optimizer=optimizer, model_cfg=model_cfg,
+                               parallel=parallel, mesh=mesh, load_optim=load_optim), start, mesh)
+        messages.append(f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
+                        f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
+                        f"{'' if load_optim else '; optimizer state not loaded'})")
     num_params = gpt.count_params(state["params"])
 
     if options.reference_step:
@@ -111,6 +139,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
 
     logger = MetricsLogger(train_cfg.train_iters, start_iter=start, metrics_file=options.metrics_file,
                            progress=options.progress)
+    for text in messages:
+        logger.message(text)
     logger.message(f"ptd_jax: {num_params / 1e6:.2f}M parameters, layout d={parallel.data_parallel_size} "
                    f"p={parallel.pipeline_model_parallel_size} t={parallel.tensor_model_parallel_size}, "
                    f"B={parallel.global_batch_size} b={parallel.micro_batch_size} m={parallel.num_microbatches}, "
@@ -123,14 +153,27 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
                        f"bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = {sched.formula_bubble():.3f}), "
                        f"peak stash per rank {sched.peak_stash}")
+    B = parallel.global_batch_size
+
+    def batch_of(iteration):  # the next B samples of the stream, whatever the run's length
+        return microbatches(data.train_samples(consumed + (iteration - start) * B, B), parallel)
+
+    def save(done):
+        meta = checkpoint.run_meta(model_cfg, parallel, train_cfg, consumed_samples=consumed + (done - start) * B,
+                                   rng_key=dropout_key, data_config=data.data_config())
+        saver.save(done, state, meta)
+
+    saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,
+                                     mesh=mesh, keep=options.keep_checkpoints, async_save=options.async_save)
+             if options.save else None)
     wall_start = time.perf_counter()
     records, compile_time = [], None
     window_start, window_iters = time.perf_counter(), 0
-    first_loss = None
+    first_loss, done, exit_reason = None, start, None
+    batches = prefetch(batch_of, range(start, train_cfg.train_iters))
     try:
-        for iteration in range(start, train_cfg.train_iters):
-            batch = data.train_batch(iteration)
-            state, metrics = train_step(state, *microbatches(batch, parallel), dropout_key)
+        for iteration, batch in zip(range(start, train_cfg.train_iters), batches):
+            state, metrics = train_step(state, *batch, dropout_key)
             window_iters += 1
             if compile_time is None:  # the first step includes compilation: time it apart
                 jax.block_until_ready(metrics)
@@ -152,17 +195,28 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 valid = evaluate(state["params"])
                 logger.log_eval({"kind": "valid", "iteration": done, "valid_lm_loss": valid,
                                  "valid_ppl": math.exp(min(valid, 50))})
-            if options.save and ((train_cfg.save_interval and done % train_cfg.save_interval == 0)
-                                 or done == train_cfg.train_iters):
-                checkpoint.save(options.save, done, state, model_cfg, parallel, train_cfg)
+            exiting = bool(train_cfg.exit_interval) and done % train_cfg.exit_interval == 0
+            if saver and ((train_cfg.save_interval and done % train_cfg.save_interval == 0)
+                          or done == train_cfg.train_iters or exiting):
+                save(done)
+            if exiting and done < train_cfg.train_iters:  # Megatron's --exit-interval
+                exit_reason = f"exit_interval={train_cfg.exit_interval}"
+                logger.message(f"ptd_jax: exiting at iteration {done} ({exit_reason})")
+                break
             if window_iters == 0:  # eval and save are not training time: restart the window after them
                 window_start = time.perf_counter()
     finally:
+        batches.close()
+        if saver:
+            saver.close()  # waits for the last asynchronous write
         logger.close()
 
     timed = [r for r in records if not r["includes_compile"]]
     summary = {
-        "iterations": train_cfg.train_iters - start,
+        "iterations": done - start,
+        "start_iteration": start,
+        "last_iteration": done,
+        "exit_reason": exit_reason,
         "num_params": num_params,
         "wall_time_s": time.perf_counter() - wall_start,
         "compile_time_s": compile_time,
@@ -182,3 +236,53 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     if options.plot_dir:
         summary["plot"] = logger.plot(options.plot_dir)
     return summary
+
+
+def _same_folder(a, b) -> bool:
+    return Path(a).absolute().resolve() == Path(b).absolute().resolve()
+
+
+def _resume_point(options: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, data: GPTData,
+                  messages: list[str]):
+    """(step, meta) that `--load` resumes from — the newest complete step — or None; refuses a checkpoint that
+    does not fit this run, and a --save folder that holds another run's steps, with one line each."""
+    step = None
+    if options.load:
+        step = checkpoint.latest_step(options.load)
+        if step is None:
+            if not (options.save and _same_folder(options.save, options.load)):
+                raise ConfigError(f"--load {options.load} holds no checkpoint")
+            messages.append(f"ptd_jax: --load {options.load} holds no checkpoint yet: starting from scratch")
+    _check_save_dir(options, step)
+    if step is None:
+        return None
+    meta = checkpoint.read_meta(options.load, step)
+    checkpoint.check_architecture(options.load, step, meta, model_cfg)
+    if not options.finetune:
+        if meta["iteration"] > train_cfg.train_iters:
+            raise ConfigError(f"--load {options.load} is at iteration {meta['iteration']}, past "
+                              f"train_iters={train_cfg.train_iters}")
+        _check_data_config(options, step, meta["data"], data.data_config(), messages)
+    return step, meta
+
+
+def _check_save_dir(options: RunOptions, load_step: int | None) -> None:
+    """Refuse, before training, a --save folder holding steps that this run did not resume from (orbax would skip
+    an existing step silently, and --keep-checkpoints would delete another run's steps)."""
+    if not options.save:
+        return
+    steps = checkpoint.all_steps(options.save)
+    resuming_here = options.load and _same_folder(options.save, options.load) and not options.finetune
+    if steps and not (resuming_here and load_step == steps[-1]):
+        raise ConfigError(f"--save {options.save} already holds checkpoints of another run (steps {steps}); "
+                          f"resume it with --load {options.save}, or save elsewhere")
+
+
+def _check_data_config(options: RunOptions, step: int, saved: dict, current: dict, messages: list[str]) -> None:
+    changes = checkpoint.data_config_changes(saved, current)
+    if not changes:
+        return
+    if not options.override_data_config:
+        raise ConfigError(f"--load {options.load} step {step} was trained with another data configuration "
+                          f"(saved, now): {changes}; pass --override-data-config to accept the change")
+    messages.append(f"ptd_jax: --override-data-config: the data configuration changes (saved, now): {changes}")

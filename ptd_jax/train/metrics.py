@@ -14,6 +14,22 @@ from pathlib import Path
 from tqdm import tqdm
 
 
+def _records_up_to(path, iteration: int) -> list[str]:
+    """The JSONL lines of `path` whose iteration is at most `iteration` (unparsable lines are dropped)."""
+    if not Path(path).is_file():
+        return []
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("iteration", 0) <= iteration:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
 class MetricsLogger:
     def __init__(self, total_iters: int, *, start_iter: int = 0, metrics_file: str | None = None,
                  progress: bool = True):
@@ -22,7 +38,9 @@ class MetricsLogger:
         self._file = None
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(metrics_file, "a" if start_iter else "w")
+            kept = _records_up_to(metrics_file, start_iter) if start_iter else []
+            self._file = open(metrics_file, "w")
+            self._file.writelines(kept)  # a resumed run cuts the file back to its resume step: no iteration twice
         self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it", file=sys.stderr,
                          disable=not progress, dynamic_ncols=True)
 

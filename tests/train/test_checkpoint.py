@@ -1,0 +1,244 @@
+"""Checkpoints (`ptd_jax/train/checkpoint.py`, `parallel/sharding.py`'s canonical form): any layout in, any layout
+out; resume is exact; a killed save leaves the previous step loadable; auto-resume and its refusals."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.optimizer import make_optimizer
+from ptd_jax.parallel import sharding
+from ptd_jax.parallel.mesh import make_mesh
+from ptd_jax.parallel.step import init_sharded_state
+from ptd_jax.train import RunOptions, checkpoint, train
+
+MODEL = ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=257)
+SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--global-batch-size", "8", "--no-progress", "--lr", "1e-3", "--lr-warmup-iters", "2", "--eval-iters", "0",
+         "--log-interval", "1"]
+
+
+def layout(d, p, t, v, B=8):
+    return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
+                          virtual_pipeline_stages=v, pipeline_schedule="interleaved" if v > 1 else "1f1b",
+                          micro_batch_size=1, global_batch_size=B)
+
+
+def random_state(parallel, optimizer, seed=0):
+    """A state whose every leaf (moments included) holds distinct values; padded vocabulary rows stay zero."""
+    mesh = make_mesh(parallel)
+    state = init_sharded_state(jax.random.key(seed), MODEL, optimizer, mesh, parallel)
+    canonical = sharding.to_canonical(optimizer, state, MODEL.vocab_size, parallel.pipeline_model_parallel_size > 1)
+    leaves, tree = jax.tree.flatten(canonical)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noisy = [x + jax.random.normal(k, x.shape, x.dtype) if x.ndim else x for x, k in zip(leaves, keys)]
+    noisy = jax.tree.unflatten(tree, noisy)
+    padded = MODEL.padded_vocab_size(parallel.tensor_model_parallel_size)
+    back = sharding.from_canonical(optimizer, noisy, padded, parallel.pipeline_model_parallel_size,
+                                   parallel.virtual_pipeline_stages)
+    shardings = jax.tree.map(lambda x: x.sharding, {"params": state["params"], "opt_state": state["opt_state"]})
+    back = jax.device_put(back, shardings)
+    return {**back, "step": state["step"]}, mesh
+
+
+@pytest.mark.parametrize("target", [(1, 4, 2, 2), (8, 1, 1, 1), (1, 2, 4, 1)])
+def test_a_checkpoint_of_one_layout_restores_exactly_into_another(tmp_path, target):
+    """Saved at (d,p,t,v) = (2,2,2,1), restored at `target`: the canonical state (params and Adam moments) is
+    bitwise the saved one, and the padded vocabulary rows are zero."""
+    optimizer = make_optimizer(TrainConfig())
+    source = layout(2, 2, 2, 1)
+    state, mesh = random_state(source, optimizer)
+    with checkpoint.Checkpointer(tmp_path, optimizer=optimizer, model_cfg=MODEL, parallel=source, mesh=mesh) as c:
+        c.save(3, state, {"note": "test"})
+    assert checkpoint.latest_step(tmp_path) == 3
+    dest = layout(*target)
+    dest_mesh = make_mesh(dest)
+    like = init_sharded_state(jax.random.key(9), MODEL, optimizer, dest_mesh, dest)
+    restored = checkpoint.restore(tmp_path, 3, like, optimizer=optimizer, model_cfg=MODEL, parallel=dest,
+                                  mesh=dest_mesh)
+    for name in ("params", "opt_state"):
+        got = jax.tree.map(lambda x: x.sharding, restored[name])
+        assert jax.tree.leaves(got) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, like[name]))
+    want = sharding.to_canonical(optimizer, state, MODEL.vocab_size, True)
+    have = sharding.to_canonical(optimizer, restored, MODEL.vocab_size, dest.pipeline_model_parallel_size > 1)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), want, have)
+    word = np.asarray(restored["params"]["embed"]["word"])
+    assert word.shape[0] == MODEL.padded_vocab_size(target[2]) and not word[MODEL.vocab_size:].any()
+    mu_word = np.asarray(restored["opt_state"][0].mu["embed"]["word"])
+    assert not mu_word[MODEL.vocab_size:].any()
+
+
+def test_the_canonical_form_is_model_order_whatever_the_layout():
+    """[v, p, k] staging and the canonical [L] agree with the reference's layer order: layer l of the canonical
+    form is layer l of `model.init_params` for every (p, v), and the word embedding has the V real rows."""
+    from ptd_jax import model as gpt
+
+    optimizer = make_optimizer(TrainConfig())
+    reference = gpt.init_params(jax.random.key(0), MODEL)
+    for d, p, t, v in [(1, 4, 2, 2), (2, 2, 2, 1), (1, 2, 1, 4)]:
+        parallel = layout(d, p, t, v)
+        state = init_sharded_state(jax.random.key(0), MODEL, optimizer, make_mesh(parallel), parallel)
+        canonical = sharding.to_canonical(optimizer, {"params": state["params"]}, MODEL.vocab_size, p > 1)
+        # 1-ulp differences between the jitted, sharded init and the eager one; another layer would differ by 100%
+        np.testing.assert_allclose(np.asarray(canonical["params"]["layers"]["mlp"]["fc1_kernel"]),
+                                   np.asarray(reference["layers"]["mlp"]["fc1_kernel"]), rtol=1e-6, atol=0)
+        np.testing.assert_allclose(np.asarray(canonical["params"]["embed"]["word"]),
+                                   np.asarray(reference["embed"]["word"][:MODEL.vocab_size]), rtol=1e-6, atol=0)
+
+
+def _losses(path):
+    return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in map(json.loads, open(path))
+            if r.get("kind") == "train"}
+
+
+LAYOUTS = {"1x1x1": ["--fake-devices", "1", "--micro-batch-size", "8"],
+           "3d-interleaved": ["--fake-devices", "8", "--tensor-model-parallel-size", "2",
+                              "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                              "--pipeline-schedule", "interleaved", "--micro-batch-size", "2"]}
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "ptd_jax.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("name", [pytest.param("1x1x1"), pytest.param("3d-interleaved", marks=pytest.mark.slow)])
+def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, tmp_path, name):
+    """20 iterations straight == 10 + save + a new process that loads and runs 10 more, bitwise (float32),
+    though the second process asks for 40 iterations (stopped at 20 by --exit-interval; --lr-decay-iters fixed)."""
+    common = [*SMALL, *LAYOUTS[name], "--data-path", small_corpus, "--lr-decay-iters", "40"]
+    ckpt = str(tmp_path / "ckpt")
+    a = run_cli(*common, "--train-iters", "20", "--metrics-file", str(tmp_path / "a.jsonl"))
+    assert a.returncode == 0, a.stderr
+    b1 = run_cli(*common, "--train-iters", "10", "--save", ckpt, "--load", ckpt)
+    assert b1.returncode == 0, b1.stderr
+    assert "holds no checkpoint yet: starting from scratch" in b1.stderr
+    b2 = run_cli(*common, "--train-iters", "40", "--exit-interval", "20", "--save", ckpt, "--load", ckpt,
+                 "--metrics-file", str(tmp_path / "b.jsonl"))
+    assert b2.returncode == 0, b2.stderr
+    assert "resuming from iteration 10" in b2.stderr
+    summary = json.loads(b2.stdout.splitlines()[-1])
+    assert summary["iterations"] == 10 and summary["last_iteration"] == 20
+    straight, resumed = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    assert sorted(resumed) == list(range(11, 21))
+    assert {i: straight[i] for i in resumed} == resumed  # bitwise: the floats compare equal
+    assert checkpoint.all_steps(ckpt) == [10, 20]
+
+
+def test_resharded_training_continues_as_if_the_layout_never_changed(small_corpus, tmp_path):
+    """Train 6 iterations at (2,2,2,1) saving at 3; load step 3 at (1,4,2,2) and train 3 more: the losses equal
+    the unchanged run's (rtol 1e-5) — parameters and optimizer state were carried over."""
+    model = MODEL.replace(seq_length=32)
+    train_cfg = TrainConfig(train_iters=6, lr=1e-3, lr_warmup_iters=2, log_interval=1, eval_iters=0,
+                            save_interval=3)
+    ckpt = tmp_path / "ckpt"
+    straight = train(model, layout(2, 2, 2, 1), train_cfg,
+                     RunOptions(data_path=small_corpus, progress=False, save=str(ckpt),
+                                metrics_file=str(tmp_path / "a.jsonl"), async_save=False))
+    assert straight["iterations"] == 6 and checkpoint.all_steps(ckpt) == [3, 6]
+    shutil.rmtree(ckpt / "6")  # load step 3
+    train(model, layout(1, 4, 2, 2), train_cfg.replace(save_interval=None),
+          RunOptions(data_path=small_corpus, progress=False, load=str(ckpt), metrics_file=str(tmp_path / "b.jsonl")))
+    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    assert sorted(b) == [4, 5, 6]
+    for i in b:
+        np.testing.assert_allclose(b[i], a[i], rtol=1e-5)
+
+
+def test_sigkill_during_an_asynchronous_save_leaves_the_last_complete_step(small_corpus, tmp_path):
+    """SIGKILL while orbax writes a step (its temporary folder exists): the step is not listed, the previous one
+    loads, and the resumed run cleans the partial folder up."""
+    ckpt = tmp_path / "ckpt"
+    args = [*SMALL, "--fake-devices", "1", "--micro-batch-size", "8", "--data-path", small_corpus,
+            "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli", *args, "--train-iters", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = None
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            writing = [p.name for p in ckpt.glob("*.orbax-checkpoint-tmp*")] if ckpt.is_dir() else []
+            if writing and len(checkpoint.all_steps(ckpt)) >= 2:
+                os.kill(proc.pid, signal.SIGKILL)
+                partial = writing[0]
+                break
+            time.sleep(0.001)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert partial, "the run was never caught mid-save"
+    steps = checkpoint.all_steps(ckpt)
+    assert int(partial.split(".")[0]) not in steps and len(steps) >= 2
+    last = steps[-1]
+    resumed = run_cli(*args, "--train-iters", str(last + 2))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from iteration {last}" in resumed.stderr
+    assert json.loads(resumed.stdout.splitlines()[-1])["iterations"] == 2
+    assert not list(ckpt.glob("*.orbax-checkpoint-tmp*"))  # the partial step was cleaned up
+
+
+def _main(*args):
+    """ptd-train in this process: (exit code, stderr, summary or None)."""
+    import contextlib
+    import io
+
+    from ptd_jax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    lines = out.getvalue().splitlines()
+    return code, err.getvalue(), json.loads(lines[-1]) if code == 0 and lines else None
+
+
+def test_refusals_and_options_of_resume(small_corpus, tmp_path):
+    """One checkpoint, many cases, in this process (8 devices, d = 8): each refusal is one line and exit 2;
+    --no-load-optim, --override-data-config and --finetune do what they say."""
+    ckpt, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    base = [*SMALL, "--micro-batch-size", "1", "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "1", "--data-path", small_corpus, "--lr-decay-iters", "6"]
+    code, err, _ = _main(*base, "--train-iters", "2", "--save", ckpt, "--keep-checkpoints", "1",
+                         "--save-interval", "1", "--metrics-file", str(tmp_path / "m.jsonl"))
+    assert code == 0, err
+    assert checkpoint.all_steps(ckpt) == [2]  # --keep-checkpoints 1 dropped step 1
+    cases = [
+        (["--train-iters", "1", "--load", ckpt], f"--load {ckpt} is at iteration 2, past train_iters=1"),
+        (["--train-iters", "4", "--save", ckpt], f"--save {ckpt} already holds checkpoints of another run "
+                                                 f"(steps [2])"),
+        (["--train-iters", "4", "--load", other], f"--load {other} holds no checkpoint"),
+        (["--train-iters", "4", "--load", ckpt, "--seed", "7"], "'seed': (1234, 7)"),
+        (["--train-iters", "4", "--load", ckpt, "--global-batch-size", "16"], "'global_batch_size': (8, 16)"),
+        (["--train-iters", "4", "--load", ckpt, "--hidden-size", "64"], "'hidden_size': (32, 64)"),
+        (["--train-iters", "4", "--no-load-optim"], "no_load_optim=True needs --load"),
+    ]
+    for args, message in cases:
+        code, err, _ = _main(*base, *args)
+        assert code == 2 and err.count("\n") == 1 and message in err, (args, err)
+    assert checkpoint.all_steps(ckpt) == [2] and not os.path.exists(other)
+
+    # The continuation with the optimizer state, without it, and with a changed seed accepted.
+    runs = {}
+    for name, extra in {"resume": [], "no-optim": ["--no-load-optim"],
+                        "override": ["--seed", "7", "--override-data-config"]}.items():
+        metrics = str(tmp_path / f"{name}.jsonl")
+        code, err, summary = _main(*base, "--train-iters", "4", "--load", ckpt, "--metrics-file", metrics, *extra)
+        assert code == 0 and summary["start_iteration"] == 2 and summary["iterations"] == 2, err
+        runs[name] = (_losses(metrics), err)
+    resume, no_optim, override = (runs[k][0] for k in ("resume", "no-optim", "override"))
+    assert resume[3][0] == no_optim[3][0]  # the same parameters and batch: the same loss at iteration 3 ...
+    assert resume[4][0] != no_optim[4][0]  # ... but a fresh Adam moves them differently
+    assert "optimizer state not loaded" in runs["no-optim"][1]
+    assert "the data configuration changes (saved, now): {'seed': (1234, 7)}" in runs["override"][1]
+    assert override[3][0] != resume[3][0]  # another seed: other samples at iteration 3
+
+    code, err, summary = _main(*base, "--train-iters", "3", "--load", ckpt, "--finetune", "--hidden-dropout", "0.0")
+    assert code == 0 and summary["start_iteration"] == 0 and summary["iterations"] == 3, err
+    assert "fine-tuning from iteration 2" in err
