@@ -99,7 +99,7 @@ def _losses(path):
             if r.get("kind") == "train"}
 
 
-LAYOUTS = {"1x1x1": ["--fake-devices", "1", "--micro-batch-size", "8"],
+LAYOUTS = {"1x1x1": ["--fake-devices", "1", "--micro-batch-size", "8", "--hidden-dropout", "0.1"],  # + the RNG
            "3d-interleaved": ["--fake-devices", "8", "--tensor-model-parallel-size", "2",
                               "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                               "--pipeline-schedule", "interleaved", "--micro-batch-size", "2"]}
@@ -133,22 +133,33 @@ def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, t
     assert checkpoint.all_steps(ckpt) == [10, 20]
 
 
-def test_resharded_training_continues_as_if_the_layout_never_changed(small_corpus, tmp_path):
-    """Train 6 iterations at (2,2,2,1) saving at 3; load step 3 at (1,4,2,2) and train 3 more: the losses equal
-    the unchanged run's (rtol 1e-5) — parameters and optimizer state were carried over."""
-    model = MODEL.replace(seq_length=32)
-    train_cfg = TrainConfig(train_iters=6, lr=1e-3, lr_warmup_iters=2, log_interval=1, eval_iters=0,
-                            save_interval=3)
+@pytest.fixture(scope="module")
+def straight_run(small_corpus, tmp_path_factory):
+    """8 iterations at (d,p,t,v) = (2,2,2,1), saving at 3 (and 8): the run that never changes layout."""
+    root = tmp_path_factory.mktemp("straight")
+    summary = train(MODEL.replace(seq_length=32), layout(2, 2, 2, 1), RESHARD_TRAIN.replace(save_interval=3),
+                    RunOptions(data_path=small_corpus, progress=False, save=str(root / "ckpt"),
+                               metrics_file=str(root / "a.jsonl")))
+    assert summary["iterations"] == 8 and checkpoint.all_steps(root / "ckpt") == [3, 6, 8]
+    return root
+
+
+RESHARD_TRAIN = TrainConfig(train_iters=8, lr=1e-3, lr_warmup_iters=2, log_interval=1, eval_iters=0)
+
+
+@pytest.mark.parametrize("target", [(1, 4, 2, 2), pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
+                                    pytest.param((1, 2, 4, 1), marks=pytest.mark.slow)])
+def test_resharded_training_continues_as_if_the_layout_never_changed(small_corpus, straight_run, tmp_path, target):
+    """Load step 3 of the (2,2,2,1) run at `target` and train 5 more: the losses equal the unchanged run's
+    (rtol 1e-5) — parameters and optimizer state were carried over."""
     ckpt = tmp_path / "ckpt"
-    straight = train(model, layout(2, 2, 2, 1), train_cfg,
-                     RunOptions(data_path=small_corpus, progress=False, save=str(ckpt),
-                                metrics_file=str(tmp_path / "a.jsonl"), async_save=False))
-    assert straight["iterations"] == 6 and checkpoint.all_steps(ckpt) == [3, 6]
-    shutil.rmtree(ckpt / "6")  # load step 3
-    train(model, layout(1, 4, 2, 2), train_cfg.replace(save_interval=None),
+    shutil.copytree(straight_run / "ckpt", ckpt)
+    for step in (6, 8):
+        shutil.rmtree(ckpt / str(step))  # --load takes the newest: make it step 3
+    train(MODEL.replace(seq_length=32), layout(*target), RESHARD_TRAIN,
           RunOptions(data_path=small_corpus, progress=False, load=str(ckpt), metrics_file=str(tmp_path / "b.jsonl")))
-    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
-    assert sorted(b) == [4, 5, 6]
+    a, b = _losses(straight_run / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    assert sorted(b) == [4, 5, 6, 7, 8]
     for i in b:
         np.testing.assert_allclose(b[i], a[i], rtol=1e-5)
 
