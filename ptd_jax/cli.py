@@ -290,9 +290,13 @@ def run(argv=None) -> dict:
         from ptd_jax.parallel.mesh import set_fake_devices
 
         set_fake_devices(args.fake_devices)
+    import logging
+
     import jax
 
     from ptd_jax.train import RunOptions, train
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's info/warnings; our own lines say what happened
 
     model_cfg = check_default_kernels(model_config_from_args(args), args)
     train_cfg = train_config_from_args(args)

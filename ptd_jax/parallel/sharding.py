@@ -156,7 +156,7 @@ def _layout_leaf(names, x, padded_vocab_size: int, p: int, v: int):
 def _canonical_spec(names, leaf, p: int) -> P:
     dims: list = [None] * leaf.ndim
     if names == ("embed", "word"):
-        return P(*dims)  # V need not divide by t: replicated
+        return P(None, TENSOR)  # V need not divide by t, but D does (t divides the heads): split D
     if p > 1 and names[0] == "layers":
         dims[0] = PIPE  # L / p contiguous layers per pipe rank (the rank's own at v = 1)
     dim = TENSOR_SPLIT_DIM.get(names)

@@ -36,7 +36,7 @@ def _manager(directory, *, create: bool, keep: int | None = None, async_save: bo
     return ocp.CheckpointManager(
         Path(directory).absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, cleanup_tmp_directories=create,
-                                             enable_async_checkpointing=async_save, read_only=not create),
+                                             enable_async_checkpointing=async_save),
     )
 
 
@@ -69,20 +69,15 @@ class Checkpointer:
         self.directory = Path(directory)
         self._manager = _manager(directory, create=True, keep=keep, async_save=async_save)
         self._optimizer, self._model_cfg, self._parallel, self._mesh = optimizer, model_cfg, parallel, mesh
-        self._convert = None
-
-    def _converter(self, state):
-        canonical = partial(sharding.to_canonical, self._optimizer, vocab_size=self._model_cfg.vocab_size,
-                            pipelined=_pipelined(self._parallel))
-        body = {"params": state["params"], "opt_state": state["opt_state"]}
-        out = _canonical_shardings(self._mesh, self._optimizer, jax.eval_shape(canonical, body), self._parallel)
-        return jax.jit(canonical, out_shardings=out)
 
     def save(self, iteration: int, state, meta: dict) -> None:
         """Write `state` as step `iteration` (returns once the arrays are copied to the host)."""
-        if self._convert is None:
-            self._convert = self._converter(state)
-        canonical = self._convert({"params": state["params"], "opt_state": state["opt_state"]})
+        body = {"params": state["params"], "opt_state": state["opt_state"]}
+        # The one blocking part: copy the state to the host as it lies. The canonical form is then numpy views of
+        # that copy (a reshape and a slice), so it costs no device memory and no device time; orbax writes it in
+        # the background. (One process sees every shard; several processes will each write their own, #12.)
+        canonical = sharding.to_canonical(self._optimizer, jax.device_get(body),
+                                          vocab_size=self._model_cfg.vocab_size, pipelined=_pipelined(self._parallel))
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta}
         self._manager.save(iteration, args=ocp.args.Composite(
             params=ocp.args.StandardSave(canonical["params"]),

@@ -83,7 +83,7 @@ def test_the_canonical_form_is_model_order_whatever_the_layout():
 
     optimizer = make_optimizer(TrainConfig())
     reference = gpt.init_params(jax.random.key(0), MODEL)
-    for d, p, t, v in [(1, 4, 2, 2), (2, 2, 2, 1), (1, 2, 1, 4)]:
+    for d, p, t, v in [(1, 4, 2, 2)]:  # p = 4, v = 2: a wrong staging order shows (layout (2,2,2,1) above)
         parallel = layout(d, p, t, v)
         state = init_sharded_state(jax.random.key(0), MODEL, optimizer, make_mesh(parallel), parallel)
         canonical = sharding.to_canonical(optimizer, {"params": state["params"]}, MODEL.vocab_size, p > 1)
