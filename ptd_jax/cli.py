@@ -8,21 +8,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS, PIPELINE_SCHEDULES,
                             RECOMPUTE_GRANULARITIES,
                             ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
-from ptd_jax.data import DataError
+from ptd_jax.data import DataError, IndexedDataset, parse_split
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer
 
 DEMO_PRESET = "tiny"
+MAX_FAKE_DEVICES = 256
+"""Simulated devices share this machine's cores; at 1024 XLA:CPU's all-reduce stalls (measured)."""
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag gets one line (`ptd-train: error: ...`) and exit 2, without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ptd-train", description="Train a GPT with PTD-P parallelism on JAX.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="ptd-train", description="Train a GPT with PTD-P parallelism on JAX.",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model (unset flags come from --model-preset)")
     g.add_argument("--model-preset", default=DEMO_PRESET, choices=sorted(MODEL_PRESETS))
     g.add_argument("--num-layers", type=int)
@@ -34,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, help="V of data made with another tokenizer (default: the byte "
                    "tokenizer's 257)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--hidden-dropout", type=finite_float, default=0.0)
+    g.add_argument("--attention-dropout", type=finite_float, default=0.0)
+    g.add_argument("--init-method-std", type=finite_float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=finite_float, default=1e-5)
     g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="GeLU form: tanh approximation or exact")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
     g.add_argument("--attention-backend", choices=["xla", "pallas", "cudnn"],
@@ -66,18 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=300)
-    g.add_argument("--lr", type=float, default=2e-3)
-    g.add_argument("--min-lr", type=float, default=2e-4)
+    g.add_argument("--lr", type=finite_float, default=2e-3)
+    g.add_argument("--min-lr", type=finite_float, default=2e-4)
     g.add_argument("--lr-warmup-iters", type=int, help="default: --lr-warmup-fraction of --lr-decay-iters")
-    g.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of the decay iterations "
+    g.add_argument("--lr-warmup-fraction", type=finite_float, help="warm-up as a fraction of the decay iterations "
                    "(default 0.1 when --lr-warmup-iters is not given)")
     g.add_argument("--lr-decay-iters", type=int)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=finite_float, default=0.01)
+    g.add_argument("--adam-beta1", type=finite_float, default=0.9)
+    g.add_argument("--adam-beta2", type=finite_float, default=0.999)
+    g.add_argument("--adam-eps", type=finite_float, default=1e-8)
+    g.add_argument("--clip-grad", type=finite_float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default="none")
 
@@ -105,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=4)
     g.add_argument("--metrics-file", help="JSONL, one object per logged iteration")
     g.add_argument("--plot-dir", help="write loss_curve.png here")
-    g.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: datasheet or measured)")
+    g.add_argument("--peak-tflops", type=finite_float, help="device peak for MFU (default: datasheet or measured)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -182,8 +203,10 @@ def _tpu_only() -> bool:
 def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) -> ParallelConfig:
     p = args.pipeline_model_parallel_size
     virtual = 1
-    if args.num_layers_per_virtual_pipeline_stage:
+    if args.num_layers_per_virtual_pipeline_stage is not None:
         k = args.num_layers_per_virtual_pipeline_stage
+        if k < 1:
+            raise ConfigError(f"num_layers_per_virtual_pipeline_stage={k} must be positive")
         if model_cfg.num_layers % (k * p):
             raise ConfigError(f"num_layers={model_cfg.num_layers} is not divisible by "
                               f"num_layers_per_virtual_pipeline_stage={k} x pipeline_model_parallel_size={p}")
@@ -194,7 +217,8 @@ def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) ->
         virtual_pipeline_stages=virtual, pipeline_schedule=args.pipeline_schedule,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
-        sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        use_distributed_optimizer=args.use_distributed_optimizer,
         scatter_gather=not args.no_scatter_gather_tensors_in_pipeline, pipeline_branching=args.pipeline_branching,
     )
     parallel.check_model(model_cfg)
@@ -262,10 +286,27 @@ def check_implemented(parallel: ParallelConfig) -> None:
             raise ConfigError(f"{name}={value} needs {feature}, which is not implemented yet")
 
 
-def check_outputs(args) -> None:
-    """Fail before training, not after, on output paths that cannot be written."""
-    from pathlib import Path
+def _check_path(flag: str, value: str, kind: str) -> None:
+    """`value` can become a `kind` ("file" or "folder"): it is not the other kind, no parent is a regular file,
+    and the nearest existing parent is writable."""
+    import os
 
+    path = Path(value)
+    if kind == "folder" and path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag}={value!r} exists and is not a folder")
+    if kind == "file" and path.is_dir():
+        raise ConfigError(f"{flag}={value!r} is a folder")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag}={value!r} cannot be created: {parent} is a file, not a folder")
+            if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"{flag}={value!r} cannot be created: {parent} is not writable")
+            return
+
+
+def check_outputs(args) -> None:
+    """Fail before training, not after, on values and output paths that cannot work."""
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ConfigError(f"peak_tflops={args.peak_tflops} must be positive")
     if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
@@ -273,12 +314,24 @@ def check_outputs(args) -> None:
     if (args.finetune or args.no_load_optim or args.override_data_config) and not args.load:
         flag = "finetune" if args.finetune else "no_load_optim" if args.no_load_optim else "override_data_config"
         raise ConfigError(f"{flag}=True needs --load")
-    if args.metrics_file and Path(args.metrics_file).is_dir():
-        raise ConfigError(f"metrics_file={args.metrics_file!r} is a folder")
-    for name in ("plot_dir", "save"):
-        value = getattr(args, name)
-        if value and Path(value).exists() and not Path(value).is_dir():
-            raise ConfigError(f"{name}={value!r} exists and is not a folder")
+    parse_split(args.split)
+    if args.data_path:
+        IndexedDataset(args.data_path)  # the header and sizes, checked before anything else starts
+    if args.metrics_file:
+        _check_path("metrics_file", args.metrics_file, "file")
+    for name in ("plot_dir", "save", "data_cache_path"):
+        if getattr(args, name):
+            _check_path(name, getattr(args, name), "folder")
+    if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
+        raise ConfigError(f"load={args.load!r} exists and is not a folder")
+
+
+def check_backend(model_cfg: ModelConfig) -> None:
+    import jax
+
+    if model_cfg.attention_backend == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"attention_backend='cudnn' needs a GPU; this JAX backend is "
+                          f"{jax.default_backend()!r} (use xla or pallas)")
 
 
 def run(argv=None) -> dict:
@@ -287,6 +340,9 @@ def run(argv=None) -> dict:
     demo = apply_demo_layout(args)
     fill_defaults(args)
     if args.fake_devices is not None:
+        if not 1 <= args.fake_devices <= MAX_FAKE_DEVICES:
+            raise ConfigError(f"fake_devices={args.fake_devices} must be in [1, {MAX_FAKE_DEVICES}] (simulated "
+                              f"devices share this machine's CPU cores)")
         from ptd_jax.parallel.mesh import set_fake_devices
 
         set_fake_devices(args.fake_devices)
@@ -301,8 +357,16 @@ def run(argv=None) -> dict:
     model_cfg = check_default_kernels(model_config_from_args(args), args)
     train_cfg = train_config_from_args(args)
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
+    if args.sequence_parallel and not parallel.sequence_parallel:
+        print("ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
+              "running without it (as Megatron does)", file=sys.stderr)
     check_implemented(parallel)
+    check_backend(model_cfg)
     check_outputs(args)
+    from ptd_jax.train.memory import check_fits
+
+    check_fits(model_cfg, parallel, train_cfg)
+
     if demo:
         print("ptd-train: no accelerator found and no layout given: running the 3-D demo layout d=2 p=2 t=2 "
               "(interleaved 1F1B, v=2) on 8 simulated CPU devices (--fake-devices 1 for a single device)",
@@ -322,8 +386,20 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-train: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(summary))
+    except KeyboardInterrupt as stop:  # the loop re-raises it saying where it stopped
+        print(f"ptd-train: interrupted (Ctrl-C) {stop or 'before training started'}", file=sys.stderr)
+        return 130
+    print(json.dumps(_strict(summary)))
     return 0
+
+
+def _strict(value):
+    """The summary as strict JSON: a non-finite float (a diverged loss) becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return value
 
 
 if __name__ == "__main__":

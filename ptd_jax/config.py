@@ -115,6 +115,9 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, f"{name}={value} must be in [0, 1)")
+        for name in ("init_method_std", "layernorm_epsilon"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value > 0, f"{name}={value} must be a positive finite number")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
         _check(self.attention_backend == "xla" or self.attention_dropout == 0.0,
@@ -196,6 +199,9 @@ class ParallelConfig:
             _check(self.pipeline_schedule == "interleaved",
                    f"virtual_pipeline_stages={self.virtual_pipeline_stages} needs pipeline_schedule='interleaved', "
                    f"got {self.pipeline_schedule!r}")
+        _check(self.microbatch_group_size is None or self.pipeline_schedule == "interleaved",
+               f"microbatch_group_size={self.microbatch_group_size} applies to pipeline_schedule='interleaved' "
+               f"only, got {self.pipeline_schedule!r}")
         if self.pipeline_schedule == "interleaved":
             _check(self.pipeline_model_parallel_size >= 2,
                    f"the interleaved schedule needs pipeline_model_parallel_size >= 2, got "
@@ -287,8 +293,13 @@ class TrainConfig:
                f"lr_decay_style={self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
         _check(self.decay_iters >= self.lr_warmup_iters,
                f"lr_decay_iters={self.decay_iters} is smaller than lr_warmup_iters={self.lr_warmup_iters}")
+        for name in ("lr", "min_lr", "clip_grad", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"):
+            _check(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)} must be finite")
         _check(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
         _check(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _check(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
+        _check(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
         _check(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
                f"recompute_granularity={self.recompute_granularity!r} is not one of {RECOMPUTE_GRANULARITIES}")
         for name in ("log_interval", "eval_interval"):

@@ -80,6 +80,18 @@ def clip_by_global_norm(grads, max_norm: float, norm=None):
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
 
+def at_schedule_step(opt_state, step: int):
+    """`opt_state` with the learning-rate schedule's counter at `step` (Adam's own counter, for its bias
+    correction, untouched): a fresh optimizer state for a run that resumes at `step` (--no-load-optim)."""
+
+    def set_count(x):
+        if isinstance(x, optax.ScaleByScheduleState):
+            return x._replace(count=jnp.full_like(x.count, step))
+        return x
+
+    return jax.tree.map(set_count, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+
+
 def new_state(params, optimizer: optax.GradientTransformation) -> State:
     return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 

@@ -41,55 +41,7 @@ def test_console_scripts_are_installed():
         assert proc.returncode == 0 and "--" in proc.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--hidden-size", "100", "--num-attention-heads", "3"],
-     "hidden_size=100 is not divisible by num_attention_heads=3"),
-    (["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"],
-     "num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
-    (["--global-batch-size", "10", "--micro-batch-size", "4", "--fake-devices", "8"],
-     "global_batch_size=10 is not divisible by micro_batch_size=4 x data_parallel_size=8"),
-    (["--global-batch-size", "10"],  # the demo layout: d = 8 / (t=2 · p=2) = 2, b = 2
-     "global_batch_size=10 is not divisible by micro_batch_size=2 x data_parallel_size=2"),
-    (["--tensor-model-parallel-size", "16"], "needs 16 devices but only num_devices=8 exist"),
-    (["--tensor-model-parallel-size", "3"], "does not divide num_devices=8"),
-    (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
-     "num_layers=4 is not divisible by num_layers_per_virtual_pipeline_stage=3"),
-    (["--lr", "0.1", "--min-lr", "1.0"], "min_lr=1.0 is larger than lr=0.1"),
-    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "64", "--num-layers-per-virtual-pipeline-stage",
-      "1", "--pipeline-schedule", "1f1b"], "virtual_pipeline_stages=2 needs pipeline_schedule='interleaved'"),
-    (["--pipeline-model-parallel-size", "4", "--global-batch-size", "6", "--micro-batch-size", "1",
-      "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "interleaved"],
-     "p <= G <= m (Megatron's rule), got p=4, G=4, m=3"),
-    (["--use-distributed-optimizer", "--global-batch-size", "32"], "use_distributed_optimizer=True needs the "
-                                                                   "distributed optimizer"),
-    (["--tensor-model-parallel-size", "8", "--num-attention-heads", "4"],
-     "num_attention_heads=4 is not divisible by tensor_model_parallel_size=8"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33", "--global-batch-size", "32"],
-     "seq_length=33 is not divisible by tensor_model_parallel_size=2"),
-])
-def test_bad_configuration_exits_2_with_one_line(args, message, capsys, tmp_path):
-    """In-process (8 simulated devices): one line on stderr naming the values, nothing written."""
-    assert main([*args, "--save", str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / "m.jsonl")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("ptd-train: error: ") and err.count("\n") == 1 and message in err
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_missing_and_corrupt_data_exit_2(small_corpus, tmp_path):
-    proc = run_cli(*SMALL, "--fake-devices", "1", "--data-path", str(tmp_path / "nothing"))
-    assert proc.returncode == 2 and "missing file" in proc.stderr and proc.stderr.count("\n") == 1
-    corrupt = tmp_path / "corrupt"
-    (tmp_path / "corrupt.bin").write_bytes(Path(small_corpus + ".bin").read_bytes()[:100])
-    (tmp_path / "corrupt.idx").write_bytes(Path(small_corpus + ".idx").read_bytes())
-    proc = run_cli(*SMALL, "--fake-devices", "1", "--data-path", str(corrupt),
-                   "--metrics-file", str(tmp_path / "m.jsonl"))
-    assert proc.returncode == 2 and "has 100 bytes but" in proc.stderr and proc.stderr.count("\n") == 1
-    assert not (tmp_path / "m.jsonl").exists()
-
-
-def test_unknown_flag_is_argparse_exit_2():
-    proc = run_cli("--no-such-flag")
-    assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
+# Bad input (one line, exit 2, nothing written): tests/test_bad_input_train.py.
 
 
 def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):

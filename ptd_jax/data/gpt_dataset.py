@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -57,6 +58,8 @@ def parse_split(split: str) -> tuple[float, float, float]:
         parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
     except ValueError:
         raise DataError(f"split={split!r} is not a comma-separated list of numbers") from None
+    if len(parts) > 3 or not all(math.isfinite(x) for x in parts):
+        raise DataError(f"split={split!r} needs at most three finite weights (train, valid, test)")
     parts = (parts + [0.0, 0.0, 0.0])[:3]
     if any(x < 0 for x in parts) or sum(parts) <= 0:
         raise DataError(f"split={split!r} needs non-negative weights with a positive sum")

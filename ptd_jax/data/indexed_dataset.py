@@ -15,11 +15,14 @@ Files are written to temporary names and renamed, so a failed write leaves nothi
 
 Derived files live in a cache folder, by default `cache/ptd_jax_indices/` beside the data (Megatron's
 `--data-cache-path` defaults to a `cache/` folder there too); any other folder can be given. Beside the index
-files of `gpt_dataset`, it holds `<name>.stats.json` per dataset: the largest token id and the token count, with
-the .bin's size and mtime_ns and the .idx's size, so that a rewritten .bin is noticed and rescanned. The writer
-stores it at `finalize` (freshly preprocessed data is never scanned); a dataset without it is scanned once, in
-chunks, and the result stored where that is allowed. Nothing in the cache is needed: a read-only or missing
-folder only costs the scan again.
+files of `gpt_dataset`, it holds `<name>.stats.json` per dataset: the smallest and largest token id and the token
+count, with the .bin's size and mtime_ns and the .idx's size, so that a rewritten .bin is noticed and rescanned.
+The writer stores it at `finalize` (freshly preprocessed data is never scanned); a dataset without it is scanned
+once, in chunks, and the result stored where that is allowed. Nothing in the cache is needed: a read-only or
+missing folder only costs the scan again.
+
+Token ids are integers >= 0: the reader refuses the format's floating-point dtype codes when it opens a pair, and
+negative ids (which a signed dtype can hold) when `max_token` reads the stats or scans.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ DTYPE_CODES = {
     1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+TOKEN_DTYPES = [np.dtype(v) for v in DTYPE_CODES.values() if np.dtype(v).kind in "iu"]
 _HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 
 
@@ -69,8 +73,8 @@ def default_cache_dir(prefix) -> Path:
     return Path(prefix).parent / "cache" / "ptd_jax_indices"
 
 
-STATS_VERSION = 1
-_SCAN_CHUNK = 1 << 24  # tokens per chunk of the max-token scan (32 MiB of uint16)
+STATS_VERSION = 2  # 2 added min_token; older stats files are rescanned once
+_SCAN_CHUNK = 1 << 24  # tokens per chunk of the token-range scan (32 MiB of uint16)
 
 
 def atomic_write(path: Path, write) -> bool:
@@ -92,6 +96,27 @@ def atomic_write(path: Path, write) -> bool:
             Path(tmp).unlink(missing_ok=True)
 
 
+def make_folders(folder: Path) -> list[Path]:
+    """Create `folder` and its missing ancestors; returns those created, outermost first (for undoing). A file in
+    the way is an IndexedDatasetError naming it."""
+    missing = []
+    while not folder.is_dir():
+        if folder.exists() or folder.is_symlink():
+            raise IndexedDatasetError(f"{folder} is not a folder: cannot write the dataset under it")
+        missing.append(folder)
+        folder = folder.parent
+    created = []
+    try:
+        for path in reversed(missing):
+            path.mkdir()
+            created.append(path)
+    except BaseException:
+        for path in reversed(created):
+            path.rmdir()
+        raise
+    return created
+
+
 def file_key(prefix) -> dict:
     """What identifies one version of a .bin/.idx pair for the stats file: sizes and the .bin's mtime_ns."""
     bstat = bin_path(prefix).stat()
@@ -103,13 +128,14 @@ def stats_path(cache_dir, prefix) -> Path:
     return Path(cache_dir) / f"{Path(prefix).name}.stats.json"
 
 
-def write_stats(prefix, cache_dir, *, max_token: int, num_tokens: int) -> bool:
+def write_stats(prefix, cache_dir, *, min_token: int, max_token: int, num_tokens: int) -> bool:
     """Store the stats JSON of the pair at `prefix` in `cache_dir` (best effort)."""
     try:
         key = file_key(prefix)
     except OSError:
         return False
-    stats = {"version": STATS_VERSION, **key, "max_token": int(max_token), "num_tokens": int(num_tokens)}
+    stats = {"version": STATS_VERSION, **key, "min_token": int(min_token), "max_token": int(max_token),
+             "num_tokens": int(num_tokens)}
     return atomic_write(stats_path(cache_dir, prefix), lambda f: f.write(json.dumps(stats).encode()))
 
 
@@ -127,15 +153,15 @@ def read_stats(prefix, cache_dir) -> dict | None:
     return stats
 
 
-def write_index(prefix, dtype, lengths, doc_index, suffix: str = "") -> Path:
-    """PREFIX.idx (+ suffix) for sequences of `lengths` tokens of `dtype` grouped by `doc_index`."""
+def write_index(prefix, dtype, lengths, doc_index, path=None) -> Path:
+    """PREFIX.idx (or `path`) for sequences of `lengths` tokens of `dtype` grouped by `doc_index`."""
     dtype = np.dtype(dtype)
     lengths = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     if len(lengths) > 1:
         pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * dtype.itemsize
     doc_index = np.asarray(doc_index, dtype=np.int64)
-    path = Path(f"{idx_path(prefix)}{suffix}")
+    path = idx_path(prefix) if path is None else Path(path)
     with open(path, "wb") as f:
         f.write(MAGIC)
         f.write(struct.pack("<Q", VERSION))
@@ -149,21 +175,31 @@ def write_index(prefix, dtype, lengths, doc_index, suffix: str = "") -> Path:
 
 
 class IndexedDatasetWriter:
-    """Streams documents into PREFIX.bin/.idx (under temporary names until `finalize`), tracking the largest
-    token id so that `finalize` can store the stats file in `cache_dir` (default: `default_cache_dir`)."""
+    """Streams documents into PREFIX.bin/.idx, tracking the smallest and largest token id so that `finalize` can
+    store the stats file in `cache_dir` (default: `default_cache_dir`).
+
+    Both files are written under temporary names and renamed only once both are complete; the .bin's rename is
+    undone when the .idx's fails. On any failure, a KeyboardInterrupt included, the temporaries and the folders
+    the writer created are removed: a failed write leaves the disk as it was."""
 
     def __init__(self, prefix, dtype=np.uint16, cache_dir=None):
         self.prefix = str(prefix)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(prefix)
         self.dtype = np.dtype(dtype)
-        if self.dtype not in CODE_OF_DTYPE:
-            raise IndexedDatasetError(f"dtype={self.dtype} has no indexed-dataset code ({list(CODE_OF_DTYPE)})")
-        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        if self.dtype not in TOKEN_DTYPES:
+            raise IndexedDatasetError(f"dtype={self.dtype} is not an integer dtype of the format "
+                                      f"({[str(d) for d in TOKEN_DTYPES]}): token ids are integers")
+        self._created = make_folders(Path(self.prefix).parent)
         self._tmp_bin = Path(f"{self.prefix}.bin.tmp{os.getpid()}")
-        self._bin = open(self._tmp_bin, "wb")
+        self._tmp_idx = Path(f"{self.prefix}.idx.tmp{os.getpid()}")
+        try:
+            self._bin = open(self._tmp_bin, "wb")
+        except BaseException:
+            self.abort()
+            raise
         self.lengths: list[int] = []
         self.doc_index: list[int] = [0]
-        self.max_token = -1
+        self.min_token, self.max_token = None, -1
 
     def add_document(self, tokens) -> None:
         """One document made of one sequence (the GPT case)."""
@@ -172,13 +208,18 @@ class IndexedDatasetWriter:
 
     def add_sequence(self, tokens) -> None:
         array = np.asarray(tokens)
-        if self.dtype.kind in "iu" and array.size:
+        if array.size > np.iinfo(np.int32).max:
+            raise IndexedDatasetError(f"a sequence of {array.size} tokens is longer than the format's int32 "
+                                      f"lengths allow ({np.iinfo(np.int32).max})")
+        if array.size:
+            if array.dtype.kind not in "iu":
+                raise IndexedDatasetError(f"token ids of dtype={array.dtype} are not integers")
             info, lo, hi = np.iinfo(self.dtype), int(array.min()), int(array.max())
-            if lo < info.min or hi > info.max:
-                raise IndexedDatasetError(f"token ids in [{lo}, {hi}] do not fit dtype={self.dtype}")
+            if lo < 0 or hi > info.max:
+                raise IndexedDatasetError(f"token ids in [{lo}, {hi}] do not fit dtype={self.dtype} (token ids "
+                                          f"are in [0, {info.max}])")
+            self.min_token = lo if self.min_token is None else min(self.min_token, lo)
             self.max_token = max(self.max_token, hi)
-        elif array.size:
-            self.max_token = max(self.max_token, int(array.astype(self.dtype).max()))
         self._bin.write(array.astype(self.dtype).tobytes(order="C"))
         self.lengths.append(int(array.size))
 
@@ -186,15 +227,53 @@ class IndexedDatasetWriter:
         self.doc_index.append(len(self.lengths))
 
     def finalize(self) -> None:
-        self._bin.close()
-        tmp_idx = write_index(self.prefix, self.dtype, self.lengths, self.doc_index, suffix=f".tmp{os.getpid()}")
-        os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(tmp_idx, idx_path(self.prefix))
-        write_stats(self.prefix, self.cache_dir, max_token=self.max_token, num_tokens=int(sum(self.lengths)))
+        try:
+            self._bin.close()
+            write_index(self.prefix, self.dtype, self.lengths, self.doc_index, path=self._tmp_idx)
+            self._rename_both()
+        except BaseException:
+            self.abort()
+            raise
+        write_stats(self.prefix, self.cache_dir, min_token=0 if self.min_token is None else self.min_token,
+                    max_token=self.max_token, num_tokens=int(sum(self.lengths)))
+
+    def _rename_both(self) -> None:
+        """Temporaries -> PREFIX.bin and PREFIX.idx; if the second rename fails, the first is undone (the old
+        .bin comes back from a hard link where the file system allows one, else the new one is removed)."""
+        bin_dst, idx_dst = bin_path(self.prefix), idx_path(self.prefix)
+        for dst in (bin_dst, idx_dst):
+            if dst.is_dir():
+                raise IndexedDatasetError(f"{dst} is a folder: the pair at prefix {self.prefix!r} cannot be written")
+        backup = Path(f"{self.prefix}.bin.old{os.getpid()}")
+        try:
+            os.link(bin_dst, backup, follow_symlinks=False)
+        except OSError:
+            backup = None
+        try:
+            os.replace(self._tmp_bin, bin_dst)
+            try:
+                os.replace(self._tmp_idx, idx_dst)
+            except BaseException:
+                if backup is not None:
+                    os.replace(backup, bin_dst)
+                else:
+                    bin_dst.unlink(missing_ok=True)
+                raise
+        finally:
+            if backup is not None:
+                backup.unlink(missing_ok=True)
 
     def abort(self) -> None:
-        self._bin.close()
-        self._tmp_bin.unlink(missing_ok=True)
+        """Remove the temporaries and the folders this writer created (when they are empty)."""
+        if getattr(self, "_bin", None) is not None:
+            self._bin.close()
+        for path in (self._tmp_bin, self._tmp_idx):
+            path.unlink(missing_ok=True)
+        for folder in reversed(self._created):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
     def __enter__(self):
         return self
@@ -208,7 +287,8 @@ class IndexedDatasetWriter:
 
 class IndexedDataset:
     """Memory-mapped reader; validates the header and that .idx and .bin agree before any access. `cache_dir`
-    (default: `default_cache_dir`) is where `max_token` looks for and stores the stats file."""
+    (default: `default_cache_dir`) is where `token_range` looks for and stores the stats file. Opening reads the
+    .idx only: the token ids are checked (>= 0) by `max_token`, from the stats or one scan."""
 
     def __init__(self, prefix, cache_dir=None):
         self.prefix = str(prefix)
@@ -230,6 +310,9 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise IndexedDatasetError(f"{ipath} has dtype code={code}, expected one of {sorted(DTYPE_CODES)}")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        if self.dtype not in TOKEN_DTYPES:
+            raise IndexedDatasetError(f"{ipath} has dtype code={code} ({self.dtype}): token ids must be integers, "
+                                      f"codes {sorted(CODE_OF_DTYPE[d] for d in TOKEN_DTYPES)}")
         expected = _HEADER + 4 * num_seq + 8 * num_seq + 8 * num_docs
         if idx_size < expected:
             raise IndexedDatasetError(
@@ -267,17 +350,27 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return self._num_tokens
 
-    def max_token(self) -> int:
-        """Largest token id in .bin (-1 when empty): from the stats file in `cache_dir` (or the default cache,
-        where the writer puts it) if it matches the files; else one chunked scan, then stored (best effort)."""
+    def token_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id in .bin ((0, -1) when empty): from the stats file in `cache_dir` (or the
+        default cache, where the writer puts it) if it matches the files; else one chunked scan, then stored (best
+        effort)."""
         for directory in dict.fromkeys([self.cache_dir, default_cache_dir(self.prefix)]):
             stats = read_stats(self.prefix, directory)
-            if stats is not None and stats.get("num_tokens") == self.num_tokens:
-                return int(stats["max_token"])
-        largest = -1
+            if stats is not None and stats.get("num_tokens") == self.num_tokens and "min_token" in stats:
+                return int(stats["min_token"]), int(stats["max_token"])
+        smallest, largest = (0, -1) if self._bin.size == 0 else (int(self._bin[0]), int(self._bin[0]))
         for start in range(0, self._bin.size, _SCAN_CHUNK):
-            largest = max(largest, int(self._bin[start:start + _SCAN_CHUNK].max()))
-        write_stats(self.prefix, self.cache_dir, max_token=largest, num_tokens=self.num_tokens)
+            chunk = self._bin[start:start + _SCAN_CHUNK]
+            smallest, largest = min(smallest, int(chunk.min())), max(largest, int(chunk.max()))
+        write_stats(self.prefix, self.cache_dir, min_token=smallest, max_token=largest, num_tokens=self.num_tokens)
+        return smallest, largest
+
+    def max_token(self) -> int:
+        """Largest token id in .bin (-1 when empty), as `token_range`; negative ids are an IndexedDatasetError."""
+        smallest, largest = self.token_range()
+        if smallest < 0:
+            raise IndexedDatasetError(f"{bin_path(self.prefix)} holds token id {smallest} ({self.dtype}): token ids "
+                                      f"must be >= 0")
         return largest
 
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:

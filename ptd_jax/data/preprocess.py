@@ -2,25 +2,43 @@
 
 Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]`.
 Like Megatron's tools/preprocess_data.py, the pair is written as PREFIX_<key>_document.{bin,idx}. A plain file is
-one document; a .jsonl/.json file gives one document per line (the values of --json-keys); a folder is walked
-recursively for files with the given --extensions. The writer also stores the largest token id in the stats
-file of the cache folder beside the output (`indexed_dataset`), so training never scans freshly made data.
+one document; a .jsonl/.json file gives one document per line (the values of --json-keys, which must be JSON
+strings); a folder is walked recursively for files with the given --extensions. The writer also stores the token
+range in the stats file of the cache folder beside the output (`indexed_dataset`), so training never scans
+freshly made data.
+
+Text is UTF-8. A file is refused as binary when it holds a NUL byte (executables, archives, random bytes, UTF-16
+text), and as not UTF-8 when more than 1% of its bytes are not valid UTF-8; both are checked on the first 8 KiB of
+every input before anything is written, and on the whole of each file as it is read. Below that fraction, a
+stray bad byte (a truncated character, one Latin-1 quote) becomes U+FFFD, as Python's errors="replace" would,
+and a warning line counts them. Everything is checked before the output is touched where it can be; whatever
+fails later leaves nothing behind (`IndexedDatasetWriter`).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from ptd_jax.data.indexed_dataset import DataError, IndexedDatasetError, IndexedDatasetWriter, best_dtype
+from ptd_jax.data.indexed_dataset import (DataError, IndexedDatasetError, IndexedDatasetWriter, best_dtype,
+                                          bin_path, idx_path)
 from ptd_jax.data.tokenizer import ByteTokenizer
 
 DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
+JSON_SUFFIXES = (".jsonl", ".json")
+SNIFF_BYTES = 8192          # the prefix of every input checked before writing starts (git's binary test uses 8000)
+MAX_INVALID_FRACTION = 0.01  # of a file's bytes that may be invalid UTF-8 (replaced by U+FFFD)
+_INVALID = re.compile("[\ud800-\udfff]")  # what errors="surrogateescape" makes of bad bytes, and lone surrogates
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+               list: "an array", dict: "an object"}
 
 
 def collect_files(inputs: list[str], extensions=DEFAULT_EXTENSIONS) -> list[Path]:
@@ -36,39 +54,94 @@ def collect_files(inputs: list[str], extensions=DEFAULT_EXTENSIONS) -> list[Path
     return files
 
 
-def iter_documents(path: Path, json_keys: list[str]):
-    """Yield the texts of one input file."""
-    if path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{line_no} is not valid JSON ({err.msg})") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{path}:{line_no} is a JSON {type(record).__name__}, expected an object")
-                for key in json_keys:
-                    if key not in record:
-                        raise DataError(f"{path}:{line_no} has no key {key!r} (keys: {sorted(record)})")
-                    yield str(record[key])
-    else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+def refuse_nul(data: bytes, where) -> None:
+    if b"\x00" in data:
+        raise DataError(f"{where} holds NUL bytes: a binary file (or UTF-16 text), not UTF-8 text")
+
+
+def replace_invalid(text: str) -> tuple[str, int]:
+    """`text` (decoded with errors="surrogateescape") with each bad byte and lone surrogate replaced by U+FFFD,
+    and their count."""
+    return (text, 0) if text.isascii() else _INVALID.subn("\ufffd", text)
+
+
+def check_fraction(invalid: int, total: int, where) -> None:
+    if invalid > MAX_INVALID_FRACTION * total:
+        raise DataError(f"{where} is not UTF-8 text: {invalid} of {total} bytes are not valid UTF-8 (more than "
+                        f"{MAX_INVALID_FRACTION:.0%}); binary files and other encodings are refused")
+
+
+def sniff(path: Path) -> None:
+    """Refuse a binary or non-UTF-8 file from its first SNIFF_BYTES, before any output is written."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    refuse_nul(head, path)
+    text = codecs.getincrementaldecoder("utf-8")("surrogateescape").decode(head, final=False)  # a cut tail is fine
+    check_fraction(len(_INVALID.findall(text)), len(head), path)
+
+
+def json_text(value, key: str, where: str) -> str:
+    """The text under `key`: only a JSON string is text (Megatron would turn null into "None")."""
+    if isinstance(value, str):
+        return value
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    what = "null" if value is None else f"{_JSON_TYPES[type(value)]} ({shown})"
+    raise DataError(f"{where}: key {key!r} holds {what}, expected a string")
+
+
+def iter_documents(path: Path, json_keys: list[str], invalid: dict):
+    """Yield the texts of one input file; the count of bytes replaced by U+FFFD goes to `invalid[str(path)]`."""
+    if path.suffix not in JSON_SUFFIXES:
+        data = path.read_bytes()
+        refuse_nul(data, path)
+        text, count = replace_invalid(data.decode("utf-8", "surrogateescape"))
+        check_fraction(count, len(data), path)
+        if count:
+            invalid[str(path)] = count
+        yield text
+        return
+    count = total = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            total += len(raw)
+            refuse_nul(raw, f"{path}:{line_no}")
+            line = raw.decode("utf-8", "surrogateescape")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{line_no} is not valid JSON ({err.msg}); expected one JSON object per "
+                                f"line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{line_no} is {_JSON_TYPES[type(record)]}, expected a JSON object")
+            for key in json_keys:
+                if key not in record:
+                    raise DataError(f"{path}:{line_no} has no key {key!r} (keys: {sorted(record)})")
+                text, bad = replace_invalid(json_text(record[key], key, f"{path}:{line_no}"))
+                count += bad
+                yield text
+    check_fraction(count, total, path)
+    if count:
+        invalid[str(path)] = count
 
 
 def build_indexed_dataset(inputs: list[str], output_prefix: str, *, json_keys=("text",), append_eod: bool = True,
                           extensions=DEFAULT_EXTENSIONS, progress: bool = True, desc: str = "preprocess") -> dict:
-    """Tokenize every document of `inputs` into output_prefix.{bin,idx}; returns counts. Nothing is left on disk
-    when it fails (the writer renames temporary files only at the end)."""
+    """Tokenize every document of `inputs` into output_prefix.{bin,idx}; returns counts. The inputs are found and
+    sniffed before the output is opened; nothing is left on disk when it fails (`IndexedDatasetWriter`)."""
     tokenizer = ByteTokenizer()
     files = collect_files(inputs, extensions)
     if not files:
         raise DataError(f"no input files found in {inputs} (extensions {list(extensions)})")
+    for path in files:
+        sniff(path)
     docs = tokens = 0
+    invalid: dict[str, int] = {}
     with IndexedDatasetWriter(output_prefix, dtype=best_dtype(tokenizer.vocab_size)) as writer:
         for path in tqdm(files, desc=desc, unit="file", disable=not progress, file=sys.stderr):
-            for text in iter_documents(path, list(json_keys)):
+            for text in iter_documents(path, list(json_keys), invalid):
                 ids = tokenizer.encode(text)
                 if len(ids) == 0:
                     continue
@@ -79,28 +152,70 @@ def build_indexed_dataset(inputs: list[str], output_prefix: str, *, json_keys=("
                 tokens += len(ids)
         if docs == 0:
             raise DataError(f"the corpus {inputs} is empty: {len(files)} file(s) hold no text")
-    return {"documents": docs, "tokens": tokens, "files": len(files), "prefix": output_prefix}
+    stats = {"documents": docs, "tokens": tokens, "files": len(files), "prefix": output_prefix}
+    if invalid:
+        stats.update(replaced_bytes=sum(invalid.values()), replaced_in=sorted(invalid)[:10])
+    return stats
+
+
+def check_output_prefix(output_prefix: str, prefix: str) -> None:
+    """Refuse, naming --output-prefix, an output that cannot be written: an empty prefix or one that ends in a
+    folder, a .bin/.idx destination that is a folder, a file where a folder must be, an unwritable folder."""
+    flag = f"--output-prefix {output_prefix!r}"
+    if not output_prefix.strip():
+        raise DataError("--output-prefix is empty: give a path prefix such as data/my-corpus")
+    if output_prefix.endswith(("/", os.sep)) or Path(output_prefix).name in ("", ".", ".."):
+        raise DataError(f"{flag} names a folder, not a file prefix: give one such as "
+                        f"{os.path.join(output_prefix, 'my-corpus')!r}")
+    try:
+        for dst in (bin_path(prefix), idx_path(prefix)):
+            if dst.is_dir():
+                raise DataError(f"{flag}: the output {dst} is a folder")
+        folder = Path(prefix).parent
+        while not folder.exists() and not folder.is_symlink():
+            folder = folder.parent
+    except OSError as err:  # e.g. a name too long
+        raise DataError(f"{flag}: {err.strerror}") from None
+    if not folder.is_dir():
+        raise DataError(f"{flag}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DataError(f"{flag}: the folder {folder} is not writable")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag gets one line (`ptd-preprocess: error: ...`) and exit 2, without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ptd-preprocess", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="ptd-preprocess", description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="text/JSONL files or folders")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--extensions", nargs="+", default=list(DEFAULT_EXTENSIONS),
-                        help="file suffixes taken from folders")
+                        help="file suffixes taken from folders (the dot is optional)")
     parser.add_argument("--tokenizer-type", default="byte", choices=["byte"])
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     key = "_".join(args.json_keys)
     prefix = f"{args.output_prefix}_{key}_document"
+    extensions = tuple(e if e.startswith(".") else f".{e}" for e in args.extensions)
     try:
+        check_output_prefix(args.output_prefix, prefix)
         stats = build_indexed_dataset(args.input, prefix, json_keys=args.json_keys, append_eod=args.append_eod,
-                                      extensions=tuple(args.extensions), progress=not args.no_progress)
+                                      extensions=extensions, progress=not args.no_progress)
     except (DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-preprocess: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("ptd-preprocess: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    if "replaced_bytes" in stats:
+        print(f"ptd-preprocess: warning: {stats['replaced_bytes']} invalid UTF-8 byte(s) replaced by U+FFFD, "
+              f"e.g. in {stats['replaced_in'][0]}", file=sys.stderr)
     print(json.dumps(stats))
     print(f"train with: ptd-train --data-path {prefix}", file=sys.stderr)
     return 0

@@ -33,9 +33,11 @@ from ptd_jax.parallel.vma import mark_like, mark_tree, mark_varying
 DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
 
 
-def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None):
+def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None, *,
+                       shapes_only: bool = False):
     """The serial initial state, laid out on the mesh (TP-sharded init equals the serial init). With p > 1 the
-    layers are stored in the pipeline layout (`sharding.stage_layers`)."""
+    layers are stored in the pipeline layout (`sharding.stage_layers`). `shapes_only`: its ShapeDtypeStructs with
+    their shardings, computing nothing (what a restore needs)."""
     p = mesh.shape[PIPE]
     v = parallel.virtual_pipeline_stages if parallel is not None else 1
 
@@ -46,8 +48,10 @@ def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: P
         return new_state(params, optimizer)
 
     abstract = jax.eval_shape(init, key)
-    specs = sharding.state_specs(optimizer, abstract, pipelined=p > 1)
-    return jax.jit(init, out_shardings=sharding.named(mesh, specs))(key)
+    shardings = sharding.named(mesh, sharding.state_specs(optimizer, abstract, pipelined=p > 1))
+    if shapes_only:
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    return jax.jit(init, out_shardings=shardings)(key)
 
 
 def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, key):

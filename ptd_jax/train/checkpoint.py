@@ -24,6 +24,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.data import DataError, parse_split
+from ptd_jax.optimizer import at_schedule_step
 from ptd_jax.parallel import sharding
 
 FORMAT_VERSION = 1
@@ -123,25 +125,46 @@ def read_meta(directory, step: int) -> dict:
     return meta
 
 
+def _shape_fields(model: dict) -> dict:
+    """The fields that fix the canonical shapes, defaults resolved (ffn 4h, positions = seq_length)."""
+    fields = {k: model.get(k) for k in ARCHITECTURE_FIELDS}
+    fields["ffn_hidden_size"] = fields["ffn_hidden_size"] or 4 * model["hidden_size"]
+    fields["max_position_embeddings"] = fields["max_position_embeddings"] or model["seq_length"]
+    return fields
+
+
 def check_architecture(directory, step: int, meta: dict, model_cfg: ModelConfig) -> None:
-    saved = meta["model"]
-    mismatched = {k: (saved.get(k), getattr(model_cfg, k)) for k in ARCHITECTURE_FIELDS
-                  if saved.get(k) != getattr(model_cfg, k)}
+    saved, wanted = _shape_fields(meta["model"]), _shape_fields(dataclasses.asdict(model_cfg))
+    mismatched = {k: (saved[k], wanted[k]) for k in ARCHITECTURE_FIELDS if saved[k] != wanted[k]}
     if mismatched:
         raise ConfigError(f"--load {directory} step {step} has a different architecture (saved, requested): "
                           f"{mismatched}")
 
 
 def data_config_changes(saved: dict, current: dict) -> dict:
-    """{key: (saved, current)} for every data setting that differs."""
-    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
-            if saved.get(k) != current.get(k)}
+    """{key: (saved, current)} for every data setting that differs. The data is known by its file name and its
+    sizes, not its folder (a job may stage it elsewhere), and the split by its fractions ("969, 30, 1" is
+    "969,30,1")."""
+    def comparable(config: dict) -> dict:
+        out = {k: v for k, v in config.items() if k != "data_path"}
+        out["data_name"] = Path(config.get("data_path") or "").name
+        if "split" in out:
+            try:
+                out["split"] = tuple(round(x, 12) for x in parse_split(out["split"]))
+            except DataError:
+                pass
+        return out
+
+    a, b = comparable(saved), comparable(current)
+    return {k: (saved.get(k, a.get(k)), current.get(k, b.get(k))) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)}
 
 
 def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig,
-            mesh, load_optim: bool = True):
+            mesh, load_optim: bool = True, iteration: int = 0):
     """{"params", "opt_state"} of step `step` of `directory`, in the layout (and shardings) of `like_state`.
-    Without `load_optim` the optimizer state of `like_state` is kept (Megatron's --no-load-optim)."""
+    Without `load_optim` the optimizer state of `like_state` is kept (Megatron's --no-load-optim), its schedule
+    counter set to `iteration`."""
     pipelined = _pipelined(parallel)
     p, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages
     body = {"params": like_state["params"]}
@@ -163,8 +186,8 @@ def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConf
                         padded_vocab_size=model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size), p=p, v=v)
     out_shardings = jax.tree.map(lambda x: x.sharding, body)
     state = jax.jit(to_layout, out_shardings=out_shardings)(restored)
-    if not load_optim:
-        state["opt_state"] = like_state["opt_state"]
+    if not load_optim:  # fresh moments, but the learning rate goes on from the checkpoint's iteration
+        state["opt_state"] = at_schedule_step(like_state["opt_state"], iteration)
     return state
 
 

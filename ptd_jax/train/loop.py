@@ -32,6 +32,7 @@ from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, 
                                    pipeline_schedule)
 from ptd_jax.train import checkpoint
 from ptd_jax.train.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
+from ptd_jax.train.memory import check_fits
 from ptd_jax.train.metrics import MetricsLogger
 from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
 
@@ -88,6 +89,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line)."""
     options = options or RunOptions()
     parallel.check_model(model_cfg)
+    check_fits(model_cfg, parallel, train_cfg)
     data_path = options.data_path or default_corpus(progress=options.progress)
     data = GPTData(data_path, seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
                    eval_iters=train_cfg.eval_iters, seed=train_cfg.seed, split=options.split,
@@ -102,8 +104,9 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         if parallel.num_devices != 1:
             raise ConfigError(f"the reference step runs on one device, not num_devices={parallel.num_devices}")
         state = init_state(init_key, model_cfg, optimizer)
-    else:
-        state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel)
+    else:  # a full restore needs only the shapes and shardings: no second copy of the state on the devices
+        restoring_all = resume is not None and options.load_optim and not options.finetune
+        state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel, shapes_only=restoring_all)
     start, consumed = 0, 0
     if resume is not None:
         load_step, meta = resume
@@ -113,7 +116,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         load_optim = options.load_optim and not options.finetune
         state = checkpoint.set_step(
             checkpoint.restore(options.load, load_step, state, optimizer=optimizer, model_cfg=model_cfg,
-                               parallel=parallel, mesh=mesh, load_optim=load_optim), start, mesh)
+                               parallel=parallel, mesh=mesh, load_optim=load_optim, iteration=start), start, mesh)
         messages.append(f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
                         f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
                         f"{'' if load_optim else '; optimizer state not loaded'})")
@@ -205,11 +208,23 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 break
             if window_iters == 0:  # eval and save are not training time: restart the window after them
                 window_start = time.perf_counter()
+    except KeyboardInterrupt:
+        interrupted = True
+    else:
+        interrupted = False
     finally:
-        batches.close()
-        if saver:
-            saver.close()  # waits for the last asynchronous write
-        logger.close()
+        try:
+            batches.close()
+        finally:
+            try:
+                if saver:
+                    saver.close()  # waits for the last asynchronous write: every step listed is complete
+            finally:
+                logger.close()
+    if interrupted:
+        newest = checkpoint.latest_step(options.save) if options.save else None
+        kept = f"newest checkpoint: step {newest} in {options.save}" if newest is not None else "no checkpoint"
+        raise KeyboardInterrupt(f"after iteration {done}; {kept}")
 
     timed = [r for r in records if not r["includes_compile"]]
     summary = {
@@ -263,6 +278,12 @@ def _resume_point(options: RunOptions, model_cfg: ModelConfig, train_cfg: TrainC
             raise ConfigError(f"--load {options.load} is at iteration {meta['iteration']}, past "
                               f"train_iters={train_cfg.train_iters}")
         _check_data_config(options, step, meta["data"], data.data_config(), messages)
+        saved = meta["train"]
+        was = (saved.get("lr_decay_iters") or saved.get("train_iters"), saved.get("lr_warmup_iters"))
+        if was != (train_cfg.decay_iters, train_cfg.lr_warmup_iters):
+            messages.append(f"ptd_jax: note: the learning-rate schedule changes on resume: decay over "
+                            f"{train_cfg.decay_iters} iterations with {train_cfg.lr_warmup_iters} of warm-up, was "
+                            f"{was[0]} and {was[1]} (fix --lr-decay-iters to keep it)")
     return step, meta
 
 
@@ -280,9 +301,13 @@ def _check_save_dir(options: RunOptions, load_step: int | None) -> None:
 
 def _check_data_config(options: RunOptions, step: int, saved: dict, current: dict, messages: list[str]) -> None:
     changes = checkpoint.data_config_changes(saved, current)
+    if saved.get("data_path") != current.get("data_path") and "data_name" not in changes:
+        messages.append(f"ptd_jax: the data moved: {saved.get('data_path')} -> {current.get('data_path')} "
+                        f"(same name and sizes)")
     if not changes:
         return
     if not options.override_data_config:
         raise ConfigError(f"--load {options.load} step {step} was trained with another data configuration "
                           f"(saved, now): {changes}; pass --override-data-config to accept the change")
     messages.append(f"ptd_jax: --override-data-config: the data configuration changes (saved, now): {changes}")
+

@@ -38,9 +38,11 @@ class MetricsLogger:
         self._file = None
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            kept = _records_up_to(metrics_file, start_iter) if start_iter else []
-            self._file = open(metrics_file, "w")
-            self._file.writelines(kept)  # a resumed run cuts the file back to its resume step: no iteration twice
+            if start_iter:  # a resumed run cuts the file back to its resume step: no iteration twice
+                tmp = Path(f"{metrics_file}.tmp{os.getpid()}")
+                tmp.write_text("".join(_records_up_to(metrics_file, start_iter)))
+                os.replace(tmp, metrics_file)  # atomically: a crash now keeps the history
+            self._file = open(metrics_file, "a" if start_iter else "w")
         self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it", file=sys.stderr,
                          disable=not progress, dynamic_ncols=True)
 

@@ -1,39 +1,131 @@
-"""`ptd-schedule`: build, check and show a pipeline schedule (table, JSON, PNG timeline).
+"""`ptd-schedule`: build, check and show a pipeline schedule (table, JSON, PNG/PDF/SVG timeline).
 
     ptd-schedule --schedule interleaved --pipeline-model-parallel-size 4 --virtual-stages 2 --num-microbatches 8
                  [--microbatch-group-size G] [--json] [--plot FILE.png] [--backward-ratio 2]
+
+Every flag is checked before anything is built: sizes are positive integers, the backward ratio a positive finite
+number, and the --plot file a .png/.pdf/.svg name in an existing folder. The plot is drawn into a temporary file
+beside it and renamed, so a failure leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+from pathlib import Path
 
 from ptd_jax.parallel.pipeline import SCHEDULES, ScheduleError, build, plot, validate
 
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+MAX_ACTIONS = 200_000
+"""Most forwards and backwards (2·p·v·m) one table may hold: about 10 s to build and check on one core."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag gets one line (`ptd-schedule: error: ...`) and exit 2, without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
+    return value
+
+
+def plot_problem(name: str) -> str | None:
+    """Why the timeline cannot be written to the file `name`, or None."""
+    path = Path(name)
+    if not name.strip():
+        return "the file name is empty"
+    try:
+        path.is_dir()
+    except OSError as err:  # e.g. a name too long
+        return f"{name[:60]!r}...: {err.strerror}" if len(name) > 60 else f"{name!r}: {err.strerror}"
+    if path.is_dir():
+        return f"{name!r} is a folder: name a file in it, e.g. {str(path / 'schedule.png')!r}"
+    if path.suffix.lower() not in PLOT_FORMATS:
+        return f"{name!r} has no image extension: name a {', '.join(PLOT_FORMATS)} file"
+    folder = path.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        return f"the folder {str(folder)!r} of {name!r} {what}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {str(folder)!r} of {name!r} is not writable"
+    return None
+
+
+def write_plot(sched, path: Path, backward_ratio: float) -> None:
+    """Draw into a temporary file beside `path` (same extension: matplotlib reads the format from it), then
+    rename it to `path`; the temporary is removed on any failure."""
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        plot(sched, str(tmp), backward_ratio)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ptd-schedule", description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
-    parser.add_argument("--pipeline-model-parallel-size", "-p", type=int, default=4)
-    parser.add_argument("--virtual-stages", "-v", type=int)
-    parser.add_argument("--num-microbatches", "-m", type=int, default=8)
-    parser.add_argument("--microbatch-group-size", type=int)
-    parser.add_argument("--backward-ratio", type=float, default=2.0, help="backward time / forward time")
-    parser.add_argument("--json", action="store_true", help="print the schedule as JSON")
-    parser.add_argument("--plot", help="write a PNG timeline (paper Figure 4 style)")
-    args = parser.parse_args(argv)
-    v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
     try:
-        sched = build(args.schedule, args.pipeline_model_parallel_size, v, args.num_microbatches,
-                      args.microbatch_group_size)
+        return run(argv)
+    except KeyboardInterrupt:
+        print("ptd-schedule: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def run(argv) -> int:
+    parser = OneLineParser(prog="ptd-schedule", description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
+    parser.add_argument("--pipeline-model-parallel-size", "-p", type=positive_int, default=4)
+    parser.add_argument("--virtual-stages", "-v", type=positive_int,
+                        help="model chunks per rank (default: 2 for interleaved, else 1)")
+    parser.add_argument("--num-microbatches", "-m", type=positive_int, default=8)
+    parser.add_argument("--microbatch-group-size", type=positive_int, help="interleaved only (default: p)")
+    parser.add_argument("--backward-ratio", type=positive_float, default=2.0, help="backward time / forward time")
+    parser.add_argument("--json", action="store_true", help="print the schedule as JSON")
+    parser.add_argument("--plot", help=f"write a timeline (paper Figure 4 style); {'/'.join(PLOT_FORMATS)}")
+    args = parser.parse_args(argv)
+    p, m = args.pipeline_model_parallel_size, args.num_microbatches
+    v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule == "interleaved" else 1)
+    if args.microbatch_group_size is not None and args.schedule != "interleaved":
+        parser.error(f"argument --microbatch-group-size: G={args.microbatch_group_size} needs --schedule "
+                     f"interleaved (schedule={args.schedule!r} has no groups)")
+    if 2 * p * v * m > MAX_ACTIONS:
+        parser.error(f"p={p}, v={v}, m={m} make 2·p·v·m = {2 * p * v * m} actions, more than this tool builds "
+                     f"({MAX_ACTIONS})")
+    if args.plot is not None and (problem := plot_problem(args.plot)):
+        parser.error(f"argument --plot: {problem}")
+    try:
+        sched = build(args.schedule, p, v, m, args.microbatch_group_size)
         validate(sched)
     except ScheduleError as err:
         print(f"ptd-schedule: error: {err}", file=sys.stderr)
         return 2
-    if args.plot:
-        plot(sched, args.plot, args.backward_ratio)
+    if args.plot is not None:
+        try:
+            write_plot(sched, Path(args.plot), args.backward_ratio)
+        except (OSError, ValueError) as err:  # the file system's and matplotlib's
+            print(f"ptd-schedule: error: cannot write --plot {args.plot!r}: {err}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(sched.to_json(args.backward_ratio)))
     else:
