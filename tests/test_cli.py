@@ -3,9 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-from ptd_jax.cli import main
 
 REQUIRED_KEYS = {"iteration", "lm_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
