@@ -188,6 +188,6 @@ def from_canonical(optimizer, canonical, padded_vocab_size: int, p: int, v: int)
 
 
 def canonical_specs(optimizer, canonical, p: int):
-    """How the canonical form lies on the mesh while it is saved or restored: tensor-split dims stay split,
-    layers are split over "pipe" on their L dim, everything else is replicated (written once by orbax)."""
+    """How the canonical form lies on the mesh while it is restored: tensor-split dims stay split (the word
+    embedding on D), layers are split over "pipe" on their L dim, everything else is replicated."""
     return _map_state(optimizer, canonical, lambda n, x: _canonical_spec(n, x, p), non_params=lambda _: P())
