@@ -239,6 +239,12 @@ def forward(params, tokens_BxS, cfg: ModelConfig, *, key=None, recompute: str = 
     return output_logits(params, x_BxSxD, cfg)
 
 
+def logits(cfg: ModelConfig, params: Params, tokens_BxS):
+    """Token ids [B, S] -> float32 logits [B, S, V] over the real vocabulary, on one device, deterministic.
+    `params` may hold the padded or the unpadded (canonical, e.g. `interop.from_hf`) word embedding."""
+    return forward(params, jnp.asarray(tokens_BxS), cfg)[..., :cfg.vocab_size]
+
+
 def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int, fused: bool = False):
     """Per-token -log softmax(logits)[label] in float32 (or float64); padded vocabulary entries (>= vocab_size)
     are excluded from the normaliser, so padding never changes the loss. `fused`: the Pallas kernel."""

@@ -194,3 +194,31 @@ def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConf
 def set_step(state, iteration: int, mesh):
     """state["step"] = iteration (the learning-rate schedule's position), replicated."""
     return {**state, "step": jax.device_put(jnp.asarray(iteration, jnp.int32), jax.sharding.NamedSharding(mesh, P()))}
+
+
+def save_params(directory, model_cfg: ModelConfig, params, step: int = 0) -> None:
+    """A parameters-only checkpoint of canonical `params` (what `ptd-convert from-hf` writes); it loads with
+    `--load D --finetune` under any layout."""
+    meta = {"format_version": FORMAT_VERSION, "iteration": step, "consumed_samples": 0, "rng_key": None,
+            "data": {}, "model": dataclasses.asdict(model_cfg), "parallel": {}, "train": {}}
+    with _manager(directory, create=True) as manager:
+        manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                   meta=ocp.args.JsonSave(meta)), force=True)
+        manager.wait_until_finished()
+
+
+def read_params(directory, step: int | None = None):
+    """(ModelConfig, canonical params as numpy) of `step` (default: the newest) — on the host, no mesh needed."""
+    import numpy as np
+
+    step = latest_step(directory) if step is None else step
+    if step is None:
+        raise ConfigError(f"{directory} holds no checkpoint")
+    meta = read_meta(directory, step)
+    try:
+        with _manager(directory, create=False) as manager:
+            params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{directory} step {step} has no readable parameters ({type(err).__name__}: "
+                          f"{err})".splitlines()[0]) from None
+    return ModelConfig(**meta["model"]), jax.tree.map(np.asarray, params)

@@ -240,7 +240,8 @@ def test_resume_options_no_load_optim_override_data_config_and_finetune(small_co
     runs = {}
     for name, extra in {"resume": [], "no-optim": ["--no-load-optim", "--save", str(tmp_path / "no-optim"),
                                                    "--save-interval", "1"],
-                        "override": ["--seed", "7", "--override-data-config"]}.items():
+                        "override": ["--seed", "7", "--override-data-config", "--save", str(tmp_path / "override")]
+                        }.items():
         metrics = str(tmp_path / f"{name}.jsonl")
         code, err, summary = _main(*base, "--train-iters", "4", "--load", ckpt, "--metrics-file", metrics, *extra)
         assert code == 0 and summary["start_iteration"] == 2 and summary["iterations"] == 2, err
@@ -256,6 +257,9 @@ def test_resume_options_no_load_optim_override_data_config_and_finetune(small_co
     assert np.median(moved) == pytest.approx(1e-3, rel=0.02)
     assert "the data configuration changes (saved, now): {'seed': (1234, 7)}" in runs["override"][1]
     assert override[3][0] != resume[3][0]  # another seed: other samples at iteration 3
+    # ... but the dropout key (the RNG state) goes on from the checkpoint, not from the new seed
+    assert checkpoint.read_meta(tmp_path / "override", 4)["rng_key"] == checkpoint.read_meta(ckpt, 2)["rng_key"]
+    assert checkpoint.read_meta(tmp_path / "override", 4)["data"]["seed"] == 7
 
     code, err, summary = _main(*base, "--train-iters", "3", "--load", ckpt, "--finetune")
     assert code == 0 and summary["start_iteration"] == 0 and summary["iterations"] == 3, err

@@ -1,0 +1,53 @@
+"""`ptd-convert`: Hugging Face GPT-2 <-> ptd_jax checkpoints (`ptd_jax/interop.py` does the mapping).
+
+    ptd-convert from-hf --input HF_DIR --output CKPT_DIR   # then: ptd-train --load CKPT_DIR --finetune ...
+    ptd-convert to-hf --input CKPT_DIR --output HF_DIR     # the newest step of any layout; params only
+
+Checkpoints hold the canonical form, so a converted checkpoint loads under any (d, p, t, v). Bad input gets one
+line and exit 2; nothing is written then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ptd_jax.config import ConfigError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ptd-convert", description=__doc__.splitlines()[0])
+    parser.add_argument("direction", choices=["from-hf", "to-hf"])
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    try:
+        out = Path(args.output)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"output={args.output!r} exists and is not an empty folder")
+        if args.direction == "from-hf":
+            from ptd_jax.interop import from_hf
+            from ptd_jax.train import checkpoint
+
+            cfg, params = from_hf(args.input)
+            checkpoint.save_params(out, cfg, params)
+        else:
+            from ptd_jax.interop import to_hf
+            from ptd_jax.train import checkpoint
+
+            if not Path(args.input).is_dir():
+                raise ConfigError(f"input={args.input!r} is not a checkpoint folder")
+            cfg, params = checkpoint.read_params(args.input)
+            to_hf(cfg, params, out)
+    except (ConfigError, OSError) as err:
+        print(f"ptd-convert: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"direction": args.direction, "output": str(out), "num_layers": cfg.num_layers,
+                      "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

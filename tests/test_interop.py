@@ -1,0 +1,145 @@
+"""The reference model against an implementation someone else wrote: Hugging Face's GPT2LMHeadModel (logits and the
+gradients of the loss), through `ptd_jax.interop` and `ptd-convert` (issue #13). transformers and torch come with
+the test extra (`pip install -e '.[test]'`)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from ptd_jax import model as gpt  # noqa: E402
+from ptd_jax.config import ConfigError  # noqa: E402
+from ptd_jax.interop import from_hf, to_hf  # noqa: E402
+
+V, S = 101, 16
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random GPT-2 (every tensor perturbed, biases and LayerNorms included), saved as safetensors."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=S, vocab_size=V, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _tokens(batch=3):
+    return np.random.RandomState(0).randint(0, V, size=(batch, S))
+
+
+def _hf(path):
+    return transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+
+
+def test_logits_equal_transformers_gpt2(hf_dir):
+    cfg, params = from_hf(hf_dir)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.max_positions) == (2, 32, V, S)
+    tokens = _tokens()
+    with torch.no_grad():
+        theirs = _hf(hf_dir)(torch.tensor(tokens)).logits.numpy()
+    ours = np.asarray(gpt.logits(cfg, jax.tree.map(jnp.asarray, params), tokens))
+    assert ours.shape == (3, S, V)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5 * np.abs(theirs).max())
+
+
+def test_loss_gradients_equal_transformers_gpt2(hf_dir, tmp_path):
+    """d(mean next-token loss)/d(every weight): ours (jax.grad, mapped to HF names by to_hf) vs torch autograd."""
+    cfg, params = from_hf(hf_dir)
+    tokens = _tokens()
+    model = _hf(hf_dir)
+    out = model(torch.tensor(tokens), labels=torch.tensor(tokens))
+    out.loss.backward()
+    theirs = {f"transformer.{k}" if not k.startswith("transformer.") else k: p.grad.numpy()
+              for k, p in model.named_parameters()}
+
+    def loss(p):
+        total = gpt.loss_sum(p, tokens[:, :-1], tokens[:, 1:], np.ones_like(tokens[:, 1:]), cfg)
+        return total / tokens[:, 1:].size
+
+    value, grads = jax.value_and_grad(loss)(jax.tree.map(jnp.asarray, params))
+    assert float(value) == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    # the loss sees positions < S - 1 only: the last position's embedding gradient is zero on both sides
+    to_hf(cfg, jax.tree.map(np.asarray, grads), tmp_path / "grads")
+    from safetensors.numpy import load_file
+
+    ours = load_file(str(tmp_path / "grads" / "model.safetensors"))
+    assert set(ours) == set(theirs)  # lm_head is wte (tied): torch lists the shared parameter once
+    for name, g in ours.items():
+        scale = np.abs(theirs[name]).max()
+        assert np.abs(g - theirs[name]).max() <= 1e-4 * scale + 1e-9, name
+
+
+def test_to_hf_round_trips_bitwise_and_loads_in_transformers(hf_dir, tmp_path):
+    cfg, params = from_hf(hf_dir)
+    to_hf(cfg, params, tmp_path / "back")
+    original, back = _hf(hf_dir).state_dict(), _hf(tmp_path / "back").state_dict()
+    assert set(original) == set(back)
+    for name in original:
+        assert torch.equal(original[name], back[name]), name
+
+
+def test_ptd_convert_from_hf_then_finetune_then_to_hf(hf_dir, tmp_path):
+    """from-hf writes a checkpoint that ptd-train loads with --finetune at a 2-D layout; to-hf reads it back."""
+    from ptd_jax.cli import main as train_main
+    from ptd_jax.convert import main as convert
+
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    assert convert(["from-hf", "--input", str(hf_dir), "--output", str(ckpt)]) == 0
+    assert convert(["to-hf", "--input", str(ckpt), "--output", str(back)]) == 0
+    for name, value in _hf(hf_dir).state_dict().items():
+        assert torch.equal(value, _hf(back).state_dict()[name]), name
+    # V = 101 is not the byte tokenizer's 257: train on data made for a 101-token vocabulary
+    from ptd_jax.data.indexed_dataset import IndexedDatasetWriter
+
+    prefix = tmp_path / "data" / "ids"
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        for doc in np.random.RandomState(1).randint(0, V, size=(40, 60)):
+            writer.add_document(doc)
+    code = train_main(["--vocab-size", str(V), "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                       "4", "--seq-length", str(S), "--data-path", str(prefix), "--load", str(ckpt), "--finetune",
+                       "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                       "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--eval-iters",
+                       "0", "--no-progress"])
+    assert code == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(model_type="llama", architectures=["LlamaForCausalLM"]), "only GPT-2"),
+    (lambda d: d.update(activation_function="relu"), "activation_function='relu'"),
+])
+def test_another_architecture_is_refused(hf_dir, tmp_path, change, message):
+    import shutil
+
+    shutil.copytree(hf_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    change(config)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        from_hf(tmp_path / "m")
+
+
+def test_a_missing_tensor_is_named(hf_dir, tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    from ptd_jax.convert import main as convert
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    del tensors["transformer.h.1.mlp.c_fc.bias"]
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    assert convert(["from-hf", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no tensor 'h.1.mlp.c_fc.bias'" in err
+    assert not (tmp_path / "out").exists()
