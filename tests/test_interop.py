@@ -143,3 +143,17 @@ def test_a_missing_tensor_is_named(hf_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no tensor 'h.1.mlp.c_fc.bias'" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_greedy_generation_equals_transformers_generate(hf_dir):
+    from ptd_jax.generate import generate
+
+    cfg, params = from_hf(hf_dir)
+    prompt = _tokens(batch=2)[:, :4]
+    ours = generate(cfg, params, prompt, 10)
+    model = _hf(hf_dir)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                                max_new_tokens=10, do_sample=False, num_beams=1, eos_token_id=None,
+                                pad_token_id=0).numpy()
+    np.testing.assert_array_equal(ours, theirs)
