@@ -10,7 +10,6 @@ sampled. The weights are a checkpoint's canonical parameters (`train/checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
