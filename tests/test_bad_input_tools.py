@@ -110,7 +110,7 @@ SCHEDULE_CASES = [
     (lambda: ["--plot", ""], "argument --plot: the file name is empty"),
     (lambda: ["--plot", "x" * 300 + ".png"], "argument --plot: 'xxxxxxxx"),
     (lambda: ["--plot", "x" * 300 + ".png"], "File name too long"),
-    *[(lambda r=r: ["--backward-ratio", r], f"argument --backward-ratio: '{r}' is not a positive finite number")
+    *[(lambda r=r: [f"--backward-ratio={r}"], f"argument --backward-ratio: '{r}' is not a positive finite number")
       for r in ("-1", "0", "nan", "inf", "-inf")],
     (lambda: ["--backward-ratio", "two"], "argument --backward-ratio: 'two' is not a number"),
     (lambda: ["-v", "0"], "argument --virtual-stages/-v: 0 is not a positive integer"),
@@ -123,6 +123,7 @@ SCHEDULE_CASES = [
     (lambda: ["--schedule", "gpipe", "--microbatch-group-size", "4"], "G=4 needs --schedule interleaved"),
     (lambda: ["--schedule", "zb"], "argument --schedule: invalid choice: 'zb'"),
     (lambda: ["-p", "1000", "-m", "1000"], "make 2·p·v·m = 4000000 actions, more than this tool builds"),
+    (lambda: ["-p", "16", "-m", "512", "--plot", "s.png"], "make 32768 actions, more than a timeline draws (8192)"),
     # the rules of the schedules (tests/parallel/pipeline/test_schedule.py's case among them)
     (lambda: ["--schedule", "interleaved", "-p", "4", "-m", "6"], "m % G == 0"),
     (lambda: ["--schedule", "1f1b", "-v", "2"], "has no model chunks: v=2 needs schedule='interleaved'"),
