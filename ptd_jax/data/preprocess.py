@@ -140,7 +140,8 @@ def build_indexed_dataset(inputs: list[str], output_prefix: str, *, json_keys=("
     docs = tokens = 0
     invalid: dict[str, int] = {}
     with IndexedDatasetWriter(output_prefix, dtype=best_dtype(tokenizer.vocab_size)) as writer:
-        for path in tqdm(files, desc=desc, unit="file", disable=not progress, file=sys.stderr):
+        # disable=None: the bar only on a terminal, so that logs and piped stderr hold messages alone
+        for path in tqdm(files, desc=desc, unit="file", disable=None if progress else True, file=sys.stderr):
             for text in iter_documents(path, list(json_keys), invalid):
                 ids = tokenizer.encode(text)
                 if len(ids) == 0:
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--extensions", nargs="+", default=list(DEFAULT_EXTENSIONS),
                         help="file suffixes taken from folders (the dot is optional)")
     parser.add_argument("--tokenizer-type", default="byte", choices=["byte"])
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
     args = parser.parse_args(argv)
     key = "_".join(args.json_keys)
     prefix = f"{args.output_prefix}_{key}_document"
