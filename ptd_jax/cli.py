@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+from ptd_jax.argparsing import OneLineParser, finite_float
 from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS, PIPELINE_SCHEDULES,
                             RECOMPUTE_GRANULARITIES,
                             ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
@@ -22,23 +23,6 @@ from ptd_jax.data.tokenizer import ByteTokenizer
 DEMO_PRESET = "tiny"
 MAX_FAKE_DEVICES = 256
 """Simulated devices share this machine's cores; at 1024 XLA:CPU's all-reduce stalls (measured)."""
-
-
-def finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag gets one line (`ptd-train: error: ...`) and exit 2, without the usage block."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,16 +9,16 @@ line and exit 2; nothing is written then.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from ptd_jax.argparsing import OneLineParser
 from ptd_jax.config import ConfigError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ptd-convert", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="ptd-convert", description=__doc__.splitlines()[0])
     parser.add_argument("direction", choices=["from-hf", "to-hf"])
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)

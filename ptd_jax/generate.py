@@ -109,7 +109,7 @@ def generate(cfg: ModelConfig, params, prompt_BxP, max_new_tokens: int, *, tempe
 
 
 def main(argv=None) -> int:
-    from ptd_jax.cli import OneLineParser, finite_float
+    from ptd_jax.argparsing import OneLineParser, finite_float
     from ptd_jax.data.tokenizer import ByteTokenizer
     from ptd_jax.train import checkpoint
 

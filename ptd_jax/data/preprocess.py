@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ptd_jax.argparsing import OneLineParser
 from ptd_jax.data.indexed_dataset import (DataError, IndexedDatasetError, IndexedDatasetWriter, best_dtype,
                                           bin_path, idx_path)
 from ptd_jax.data.tokenizer import ByteTokenizer
@@ -181,13 +182,6 @@ def check_output_prefix(output_prefix: str, prefix: str) -> None:
         raise DataError(f"{flag}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise DataError(f"{flag}: the folder {folder} is not writable")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag gets one line (`ptd-preprocess: error: ...`) and exit 2, without the usage block."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def main(argv=None) -> int:

@@ -10,13 +10,12 @@ beside it and renamed, so a failure leaves nothing behind.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
 
+from ptd_jax.argparsing import OneLineParser, positive_float, positive_int
 from ptd_jax.parallel.pipeline import SCHEDULES, ScheduleError, build, plot, validate
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
@@ -24,33 +23,6 @@ MAX_ACTIONS = 200_000
 """Most forwards and backwards (2·p·v·m) one table may hold: 10 s to build and check on one core (measured)."""
 MAX_PLOT_ACTIONS = 8192
 """Most actions --plot draws: one bar and one label each, 30 s for 8192 (measured)."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag gets one line (`ptd-schedule: error: ...`) and exit 2, without the usage block."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
-    return value
 
 
 def plot_problem(name: str) -> str | None:
