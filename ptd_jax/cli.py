@@ -159,7 +159,7 @@ def model_config_from_args(args) -> ModelConfig:
                   "max_position_embeddings") if getattr(args, name) is not None}
     return base.replace(
         **overrides,
-        vocab_size=args.vocab_size or ByteTokenizer.vocab_size,  # the data's tokenizer decides V, as in Megatron
+        vocab_size=ByteTokenizer.vocab_size if args.vocab_size is None else args.vocab_size,  # the data's tokenizer decides V, as in Megatron
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
@@ -189,8 +189,9 @@ def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) ->
     virtual = 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
         k = args.num_layers_per_virtual_pipeline_stage
-        if k < 1:
-            raise ConfigError(f"num_layers_per_virtual_pipeline_stage={k} must be positive")
+        if k < 1 or p < 1:
+            raise ConfigError(f"num_layers_per_virtual_pipeline_stage={k} and pipeline_model_parallel_size={p} "
+                              f"must be positive")
         if model_cfg.num_layers % (k * p):
             raise ConfigError(f"num_layers={model_cfg.num_layers} is not divisible by "
                               f"num_layers_per_virtual_pipeline_stage={k} x pipeline_model_parallel_size={p}")
@@ -278,6 +279,8 @@ def _check_path(flag: str, value: str, kind: str) -> None:
     path = Path(value)
     if kind == "folder" and path.exists() and not path.is_dir():
         raise ConfigError(f"{flag}={value!r} exists and is not a folder")
+    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+        raise ConfigError(f"{flag}={value!r} is not writable")
     if kind == "file" and path.is_dir():
         raise ConfigError(f"{flag}={value!r} is a folder")
     for parent in path.absolute().parents:
@@ -341,15 +344,15 @@ def run(argv=None) -> dict:
     model_cfg = check_default_kernels(model_config_from_args(args), args)
     train_cfg = train_config_from_args(args)
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
-    if args.sequence_parallel and not parallel.sequence_parallel:
-        print("ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
-              "running without it (as Megatron does)", file=sys.stderr)
     check_implemented(parallel)
     check_backend(model_cfg)
     check_outputs(args)
     from ptd_jax.train.memory import check_fits
 
     check_fits(model_cfg, parallel, train_cfg)
+    if args.sequence_parallel and not parallel.sequence_parallel:
+        print("ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
+              "running without it (as Megatron does)", file=sys.stderr)
 
     if demo:
         print("ptd-train: no accelerator found and no layout given: running the 3-D demo layout d=2 p=2 t=2 "
@@ -370,8 +373,14 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-train: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # XLA's out-of-memory, past the estimate of train/memory.py
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        print(f"ptd-train: error: out of device memory ({str(err).splitlines()[0][:300]}); use more devices, a "
+              f"larger t or p, a smaller micro batch, or --recompute-granularity full", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as stop:  # the loop re-raises it saying where it stopped
-        print(f"ptd-train: interrupted (Ctrl-C) {stop or 'before training started'}", file=sys.stderr)
+        print(f"ptd-train: interrupted (Ctrl-C) {str(stop) or 'before training started'}", file=sys.stderr)
         return 130
     print(json.dumps(_strict(summary)))
     return 0

@@ -295,6 +295,7 @@ class TrainConfig:
                f"lr_decay_iters={self.decay_iters} is smaller than lr_warmup_iters={self.lr_warmup_iters}")
         for name in ("lr", "min_lr", "clip_grad", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"):
             _check(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)} must be finite")
+        _check(isinstance(self.seed, int) and 0 <= self.seed < 2**32, f"seed={self.seed} must be in [0, 2**32)")
         _check(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
         _check(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):

@@ -43,7 +43,7 @@ def _cached_layer(p, x_BxTxD, cache, pos, cfg: ModelConfig):
     return x_BxTxD, (k_cache_BxPxHxK, v_cache_BxPxHxK)
 
 
-@partial(jax.jit, static_argnames="cfg")
+@partial(jax.jit, static_argnames="cfg", donate_argnames="caches")
 def _step(params, tokens_BxT, caches, pos, cfg: ModelConfig):
     """Logits [B, V] of the last of T new tokens at positions pos.., and the extended caches [L, B, P, H, K]."""
     T = tokens_BxT.shape[1]
@@ -66,8 +66,8 @@ def sample(logits_BxV, key, temperature: float, top_k: int | None, top_p: float 
         return jnp.argmax(logits_BxV, axis=-1)
     logits = logits_BxV / temperature
     if top_k:
-        kth = jnp.sort(logits, axis=-1)[:, -top_k][:, None]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)  # ties at the k-th value stay, as in HF and Megatron
     if top_p is not None and top_p < 1.0:
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)

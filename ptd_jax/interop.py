@@ -24,20 +24,33 @@ from ptd_jax.config import ConfigError, ModelConfig
 
 HF_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
+_DEFAULTS = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
+             "reorder_and_upcast_attn": False}
+"""GPT-2 options that change the computation: a config setting another value is refused."""
 
 
 def _hf_config(path: Path) -> dict:
     config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, expected an object")
     except FileNotFoundError:
         raise ConfigError(f"{path} has no config.json (expected a Hugging Face GPT-2 folder)") from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:
         raise ConfigError(f"{config_path} does not parse ({err})".splitlines()[0]) from None
     architectures = config.get("architectures") or []
     if config.get("model_type") != "gpt2" or not set(architectures) <= set(HF_ARCHITECTURES):
         raise ConfigError(f"{path} holds model_type={config.get('model_type')!r} architectures={architectures}; "
                           f"only GPT-2 ({', '.join(HF_ARCHITECTURES)}) converts")
+    missing = [k for k in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")
+               if not isinstance(config.get(k), int)]
+    if missing:
+        raise ConfigError(f"{config_path} lacks the integer fields {missing}")
+    unsupported = {k: config[k] for k, default in _DEFAULTS.items() if k in config and config[k] != default}
+    if unsupported:
+        raise ConfigError(f"{config_path} sets {unsupported}, which Megatron's GPT does not have; only the "
+                          f"defaults {_DEFAULTS} convert")
     activation = config.get("activation_function", "gelu_new")
     if activation not in _GELU:
         raise ConfigError(f"{config_path} has activation_function={activation!r}; one of {sorted(_GELU)} converts")
@@ -67,7 +80,7 @@ def from_hf(path) -> tuple[ModelConfig, dict]:
         raw = load_file(str(weights_path))
     except FileNotFoundError:
         raise ConfigError(f"{path} has no model.safetensors") from None
-    except (SafetensorError, OSError) as err:
+    except (SafetensorError, OSError, ValueError, TypeError) as err:
         raise ConfigError(f"{weights_path} does not parse ({err})".splitlines()[0]) from None
     tensors = {k.removeprefix("transformer."): v for k, v in raw.items()}
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size

@@ -45,7 +45,11 @@ CASES = [
      "num_attention_heads=4 is not divisible by tensor_model_parallel_size=8"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33", "--global-batch-size", "32"],
      "seq_length=33 is not divisible by tensor_model_parallel_size=2"),
-    (["--num-layers-per-virtual-pipeline-stage", "0"], "num_layers_per_virtual_pipeline_stage=0 must be positive"),
+    (["--num-layers-per-virtual-pipeline-stage", "0"], "num_layers_per_virtual_pipeline_stage=0 and "),
+    (["--pipeline-model-parallel-size", "0", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "pipeline_model_parallel_size=0 must be positive"),
+    (["--vocab-size", "0"], "vocab_size=0 must be a positive integer"),
+    (["--seed", "-1"], "seed=-1 must be in [0, 2**32)"),
     (["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
       "--microbatch-group-size-per-virtual-pipeline-stage", "2"],
      "microbatch_group_size=2 applies to pipeline_schedule='interleaved' only"),
@@ -146,12 +150,32 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, saved
     assert _files(tmp_path) == before and _files(saved_run) == saved_before
 
 
-def test_sequence_parallel_without_tensor_parallelism_warns_and_runs_without_it(tmp_path, capsys):
-    code = main([*TINY, *D8, "--sequence-parallel", "--seq-length", "1000000", "--max-position-embeddings",
-                 "1000000"])
+def test_sequence_parallel_without_tensor_parallelism_warns_and_runs_without_it(monkeypatch, capsys):
+    import ptd_jax.train
+
+    seen = {}
+
+    def fake_train(model_cfg, parallel, train_cfg, options):
+        seen["sequence_parallel"] = parallel.sequence_parallel
+        return {"iterations": 0}
+
+    monkeypatch.setattr(ptd_jax.train, "train", fake_train)
+    assert main([*TINY, *D8, "--sequence-parallel"]) == 0
     err = capsys.readouterr().err
-    assert code == 2 and "--sequence-parallel has no effect with tensor_model_parallel_size=1" in err
-    assert "GiB per device" in err  # it went on to the next check, without sequence parallelism
+    assert "--sequence-parallel has no effect with tensor_model_parallel_size=1" in err
+    assert seen == {"sequence_parallel": False}
+
+
+def test_ctrl_c_before_training_says_so(monkeypatch, capsys):
+    import ptd_jax.train
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ptd_jax.train, "train", interrupted)
+    assert main([*TINY, *D8]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "ptd-train: interrupted (Ctrl-C) before training started"
 
 
 def test_ctrl_c_stops_cleanly_with_exit_130_and_keeps_the_last_checkpoint(tmp_path):

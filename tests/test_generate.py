@@ -56,3 +56,22 @@ def test_ptd_generate_writes_text_from_a_checkpoint(params, tmp_path, capsys):
     assert err.count("\n") == 1 and "the prompt of 30 tokens + max_new_tokens=6 = 36 exceeds" in err
     assert main(["--load", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    """On hand-made probabilities [.5, .3, .15, .05]: which tokens can be drawn."""
+    import jax.numpy as jnp
+
+    from ptd_jax.generate import sample
+
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+
+    def support(**kw):
+        keys = jax.random.split(jax.random.key(0), 400)
+        return set(int(sample(logits, k, 1.0, kw.get("top_k"), kw.get("top_p"))[0]) for k in keys)
+
+    assert support(top_p=0.8) == {0, 1}  # .5 + .3 reaches .8
+    assert support(top_p=0.81) == {0, 1, 2}
+    assert support(top_k=2) == {0, 1}
+    assert support(top_k=1000) == {0, 1, 2, 3}  # more than V: all of them, no error
+    assert support(top_k=3, top_p=0.6) == {0, 1}

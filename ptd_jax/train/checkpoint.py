@@ -122,6 +122,9 @@ def read_meta(directory, step: int) -> dict:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise ConfigError(f"--load {directory} step {step} has format_version={version}, this ptd_jax reads "
                           f"{FORMAT_VERSION}")
+    missing = [k for k in ("iteration", "consumed_samples", "rng_key", "data", "model", "train") if k not in meta]
+    if missing or not isinstance(meta["model"], dict):
+        raise ConfigError(f"--load {directory} step {step} has incomplete metadata (missing {missing or ['model']})")
     return meta
 
 
@@ -200,7 +203,7 @@ def save_params(directory, model_cfg: ModelConfig, params, step: int = 0) -> Non
     """A parameters-only checkpoint of canonical `params` (what `ptd-convert from-hf` writes); it loads with
     `--load D --finetune` under any layout."""
     meta = {"format_version": FORMAT_VERSION, "iteration": step, "consumed_samples": 0, "rng_key": None,
-            "data": {}, "model": dataclasses.asdict(model_cfg), "parallel": {}, "train": {}}
+            "data": {}, "model": dataclasses.asdict(model_cfg), "parallel": {}, "train": {}, "params_only": True}
     with _manager(directory, create=True) as manager:
         manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                    meta=ocp.args.JsonSave(meta)), force=True)
@@ -221,4 +224,9 @@ def read_params(directory, step: int | None = None):
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{directory} step {step} has no readable parameters ({type(err).__name__}: "
                           f"{err})".splitlines()[0]) from None
-    return ModelConfig(**meta["model"]), jax.tree.map(np.asarray, params)
+    try:
+        cfg = ModelConfig(**meta["model"])
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{directory} step {step} has a model configuration this ptd_jax cannot read "
+                          f"({err})".splitlines()[0]) from None
+    return cfg, jax.tree.map(np.asarray, params)

@@ -90,13 +90,15 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     options = options or RunOptions()
     parallel.check_model(model_cfg)
     check_fits(model_cfg, parallel, train_cfg)
+    messages: list[str] = []
+    resume = _resume_point(options, model_cfg, train_cfg, messages)  # refusals first: before data or devices
     data_path = options.data_path or default_corpus(progress=options.progress)
     data = GPTData(data_path, seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
                    eval_iters=train_cfg.eval_iters, seed=train_cfg.seed, split=options.split,
                    vocab_size=model_cfg.vocab_size, cache_dir=options.data_cache_path)
 
-    messages: list[str] = []
-    resume = _resume_point(options, model_cfg, train_cfg, data, messages)  # checked before anything is allocated
+    if resume is not None and not options.finetune:
+        _check_data_config(options, resume[0], resume[1]["data"], data.data_config(), messages)
     optimizer = make_optimizer(train_cfg)
     init_key, dropout_key = jax.random.split(jax.random.key(train_cfg.seed))
     mesh = make_mesh(parallel)
@@ -174,8 +176,11 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     window_start, window_iters = time.perf_counter(), 0
     first_loss, done, exit_reason = None, start, None
     batches = prefetch(batch_of, range(start, train_cfg.train_iters))
+    ctrl_c = _CtrlC()
     try:
         for iteration, batch in zip(range(start, train_cfg.train_iters), batches):
+            if ctrl_c.requested:  # checked between steps: a checkpoint being written is finished first
+                raise KeyboardInterrupt
             state, metrics = train_step(state, *batch, dropout_key)
             window_iters += 1
             if compile_time is None:  # the first step includes compilation: time it apart
@@ -208,11 +213,14 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 break
             if window_iters == 0:  # eval and save are not training time: restart the window after them
                 window_start = time.perf_counter()
+        if ctrl_c.requested:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         interrupted = True
     else:
         interrupted = False
     finally:
+        ctrl_c.restore()
         try:
             batches.close()
         finally:
@@ -257,10 +265,10 @@ def _same_folder(a, b) -> bool:
     return Path(a).absolute().resolve() == Path(b).absolute().resolve()
 
 
-def _resume_point(options: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, data: GPTData,
-                  messages: list[str]):
+def _resume_point(options: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, messages: list[str]):
     """(step, meta) that `--load` resumes from — the newest complete step — or None; refuses a checkpoint that
-    does not fit this run, and a --save folder that holds another run's steps, with one line each."""
+    does not fit this run, and a --save folder that holds another run's steps, with one line each (the data
+    configuration is compared once the data is open, `_check_data_config`)."""
     step = None
     if options.load:
         step = checkpoint.latest_step(options.load)
@@ -273,11 +281,13 @@ def _resume_point(options: RunOptions, model_cfg: ModelConfig, train_cfg: TrainC
         return None
     meta = checkpoint.read_meta(options.load, step)
     checkpoint.check_architecture(options.load, step, meta, model_cfg)
+    if meta.get("params_only") and not options.finetune:
+        raise ConfigError(f"--load {options.load} step {step} holds parameters only (written by ptd-convert): "
+                          f"load it with --finetune")
     if not options.finetune:
         if meta["iteration"] > train_cfg.train_iters:
             raise ConfigError(f"--load {options.load} is at iteration {meta['iteration']}, past "
                               f"train_iters={train_cfg.train_iters}")
-        _check_data_config(options, step, meta["data"], data.data_config(), messages)
         saved = meta["train"]
         was = (saved.get("lr_decay_iters") or saved.get("train_iters"), saved.get("lr_warmup_iters"))
         if was != (train_cfg.decay_iters, train_cfg.lr_warmup_iters):
@@ -311,3 +321,30 @@ def _check_data_config(options: RunOptions, step: int, saved: dict, current: dic
                           f"(saved, now): {changes}; pass --override-data-config to accept the change")
     messages.append(f"ptd_jax: --override-data-config: the data configuration changes (saved, now): {changes}")
 
+
+
+class _CtrlC:
+    """While training: the first Ctrl-C (SIGINT) only asks the loop to stop after the current step (and the save
+    it may be writing); a second one interrupts at once. Only the main thread can take signals."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("ptd_jax: Ctrl-C: stopping after this step (again to stop at once)", file=sys.stderr)
+
+    def restore(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

@@ -4,8 +4,9 @@ It counts what stays resident through a step:
 - the state: float32 (or float64) master parameters, their gradient and Adam's two moments, i.e. 16 bytes per
   local parameter in float32; a device holds 1/(t·p) of the layers, 1/t of the word embedding and the positions;
 - the activations stashed for the backward: per layer and microbatch, s·b·h·(10 + 24/t) bytes at 16 bits
-  (Korthikanti et al., 2022), doubled for float32, plus the attention scores 5·a·s²·b/t when the XLA backend
-  materialises them; 1F1B keeps at most p microbatches in flight, GPipe m; full recomputation keeps only each
+  (34/t with sequence parallelism; Korthikanti et al., 2022), doubled for float32, plus the attention scores
+  2·a·s²·b/t (5·a·s²·b/t with attention dropout) when the XLA backend materialises them and selective
+  recomputation does not drop them; 1F1B keeps at most p microbatches in flight, GPipe m; full recomputation keeps only each
   layer's input, plus one layer's worth.
 
 It leaves out XLA's temporaries and fragmentation, so a run it admits may still not fit; the training loop refuses
@@ -30,9 +31,10 @@ def estimate_bytes(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: 
     state = local * master * 4  # parameters, gradients, Adam's first and second moments
 
     width = 2 if model_cfg.dtype == "bfloat16" else 4 if model_cfg.dtype == "float32" else 8
-    per_layer = s * b * h * (10 + 24 / t) * width / 2
-    if model_cfg.attention_backend == "xla":
-        per_layer += 5 * a * s * s * b / t * width / 2
+    per_layer = s * b * h * (34 / t if parallel.sequence_parallel else 10 + 24 / t) * width / 2
+    if model_cfg.attention_backend == "xla" and train_cfg.recompute_granularity != "selective":
+        scores = 5 if model_cfg.attention_dropout > 0 else 2  # softmax output (+ dropout mask and output)
+        per_layer += scores * a * s * s * b / t * width / 2
     if p == 1:
         in_flight = 1  # microbatches run one after another (a scan)
     elif parallel.pipeline_schedule == "gpipe":
