@@ -60,7 +60,8 @@ def test_float64_loss_and_gradients_equal_the_reference(d, t, sp):
         compare(d, t, sp, CFG.replace(dtype="float64", param_dtype="float64"), rtol=1e-12)
 
 
-@pytest.mark.parametrize("d, t, sp", [(2, 4, False), (1, 8, True), (4, 2, True)])
+@pytest.mark.parametrize("d, t, sp", [pytest.param(2, 4, False, marks=pytest.mark.slow),
+                                      pytest.param(1, 8, True, marks=pytest.mark.slow), (4, 2, True)])
 def test_float32_loss_and_gradients_within_roundoff(d, t, sp):
     """float32 changes only the order of sums (t partial products per all-reduce, d partial gradients): errors
     of a few ulps (1e-7) grown by sqrt of the number of terms stay below 1e-5 here; 2e-5 still catches any
