@@ -17,24 +17,22 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def finite_float(text: str) -> float:
+def _number(text: str, ok, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def finite_float(text: str) -> float:
+    return _number(text, math.isfinite, "a finite number")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
-    return value
+    return _number(text, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
 
 
 def positive_int(text: str) -> int:
