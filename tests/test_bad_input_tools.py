@@ -293,3 +293,13 @@ def test_stats_without_min_token_are_rescanned(tmp_path):
     del stats["min_token"]
     stats_file.write_text(json.dumps({**stats, "version": 1, "max_token": 5}))  # an older stats file
     assert IndexedDataset(tmp_path / "ds").token_range() == (1, 256)
+
+
+def test_ptd_schedule_into_a_closed_pipe_prints_no_traceback():
+    """`ptd-schedule | head -1`: the reader closes the pipe early; exit 0 and nothing on stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(f"{sys.executable} -m ptd_jax.parallel.pipeline.cli -p 8 -m 256 | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.count("\n") == 1 and proc.stderr == ""

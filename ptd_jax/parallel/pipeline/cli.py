@@ -103,14 +103,18 @@ def run(argv) -> int:
         except (OSError, ValueError) as err:  # the file system's and matplotlib's
             print(f"ptd-schedule: error: cannot write --plot {args.plot!r}: {err}", file=sys.stderr)
             return 2
-    if args.json:
-        print(json.dumps(sched.to_json(args.backward_ratio)))
-    else:
-        sim = sched.simulate(args.backward_ratio)
-        print(sched.table())
-        print(f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} G={sched.group}: {sched.ticks} ticks, bubble "
-              f"{sim['bubble_fraction']:.4f} (formula (p-1)/(v*m) = {sched.formula_bubble():.4f}), peak stash per "
-              f"rank {sched.peak_stash}")
+    try:
+        if args.json:
+            print(json.dumps(sched.to_json(args.backward_ratio)))
+        else:
+            sim = sched.simulate(args.backward_ratio)
+            print(sched.table())
+            print(f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} G={sched.group}: {sched.ticks} ticks, bubble "
+                  f"{sim['bubble_fraction']:.4f} (formula (p-1)/(v*m) = {sched.formula_bubble():.4f}), peak stash "
+                  f"per rank {sched.peak_stash}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `ptd-schedule | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0
 
 
