@@ -54,7 +54,7 @@ def main() -> None:
     rounds = []
     with tempfile.TemporaryDirectory() as root:
         with checkpoint.Checkpointer(Path(root) / "ckpt", optimizer=optimizer, model_cfg=model, parallel=source,
-                                     mesh=mesh, keep=1) as saver:
+                                     keep=1) as saver:
             for step in range(1, args.rounds + 1):
                 t0 = time.perf_counter()
                 saver.save(step, state, {"bench": True})

@@ -159,7 +159,8 @@ def model_config_from_args(args) -> ModelConfig:
                   "max_position_embeddings") if getattr(args, name) is not None}
     return base.replace(
         **overrides,
-        vocab_size=ByteTokenizer.vocab_size if args.vocab_size is None else args.vocab_size,  # the data's tokenizer decides V, as in Megatron
+        # the data's tokenizer decides V, as in Megatron
+        vocab_size=ByteTokenizer.vocab_size if args.vocab_size is None else args.vocab_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,

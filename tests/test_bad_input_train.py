@@ -100,8 +100,8 @@ CASES = [
     ([*MODEL, "--save", "{ckpt}", *D8], "--save {ckpt} already holds checkpoints of another run (steps [2])"),
     ([*MODEL, "--load", "{ckpt}", "--hidden-size", "64", *D8], "'hidden_size': (32, 64)"),
     ([*MODEL, "--load", "{ckpt}", "--seed", "7", *D8], "'seed': (1234, 7)"),
-    ([*MODEL, "--load", "{ckpt}", "--global-batch-size", "16", "--micro-batch-size", "2", "--tensor-model-parallel-size",
-      "1", "--pipeline-model-parallel-size", "1"], "'global_batch_size': (8, 16)"),
+    ([*MODEL, "--load", "{ckpt}", "--global-batch-size", "16", "--micro-batch-size", "2",
+      "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"], "'global_batch_size': (8, 16)"),
     ([*MODEL, "--load", "{ckpt}", "--split", "90,10,0", *D8], "'split': ('969,30,1', '90,10,0')"),
     ([*MODEL, "--load", "{ckpt}", "--data-path", "{corpus}", *D8], "'data_name': ('stdlib-"),
 ]

@@ -66,11 +66,11 @@ def _canonical_shardings(mesh, optimizer, canonical_abstract, parallel: Parallel
 class Checkpointer:
     """Saves a run's state every `save` call, asynchronously, keeping the newest `keep` steps (None: all)."""
 
-    def __init__(self, directory, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig, mesh,
+    def __init__(self, directory, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig,
                  keep: int | None = None, async_save: bool = True):
         self.directory = Path(directory)
         self._manager = _manager(directory, create=True, keep=keep, async_save=async_save)
-        self._optimizer, self._model_cfg, self._parallel, self._mesh = optimizer, model_cfg, parallel, mesh
+        self._optimizer, self._model_cfg, self._parallel = optimizer, model_cfg, parallel
 
     def save(self, iteration: int, state, meta: dict) -> None:
         """Write `state` as step `iteration` (returns once the arrays are copied to the host)."""

@@ -169,7 +169,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         saver.save(done, state, meta)
 
     saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,
-                                     mesh=mesh, keep=options.keep_checkpoints, async_save=options.async_save)
+                                     keep=options.keep_checkpoints, async_save=options.async_save)
              if options.save else None)
     wall_start = time.perf_counter()
     records, compile_time = [], None

@@ -6,8 +6,8 @@ It counts what stays resident through a step:
 - the activations stashed for the backward: per layer and microbatch, s·b·h·(10 + 24/t) bytes at 16 bits
   (34/t with sequence parallelism; Korthikanti et al., 2022), doubled for float32, plus the attention scores
   2·a·s²·b/t (5·a·s²·b/t with attention dropout) when the XLA backend materialises them and selective
-  recomputation does not drop them; 1F1B keeps at most p microbatches in flight, GPipe m; full recomputation keeps only each
-  layer's input, plus one layer's worth.
+  recomputation does not drop them; 1F1B keeps at most p microbatches in flight, GPipe m; full recomputation
+  keeps only each layer's input, plus one layer's worth.
 
 It leaves out XLA's temporaries and fragmentation, so a run it admits may still not fit; the training loop refuses
 only a run whose estimate exceeds the device's memory (`--seq-length 1000000` on the tiny model, b = 4: ~239k GiB).
