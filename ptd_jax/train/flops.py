@@ -1,12 +1,23 @@
-"""The paper's counting formulas (§5.1, Appendix) and device peaks for MFU.
+"""The paper's counting formulas (§5.1, Appendix), the FLOPs a run actually executes, and device peaks for MFU.
+
+Three figures, because they answer different questions:
+- model FLOPs (what MFU divides by the peak): the forward and backward matmuls of the model, no recomputation,
+  at the model's real MLP width F (`--ffn-hidden-size`): per layer and token 2(4h² + 2hF) + 4sh forward (QKV,
+  out, fc1, fc2; scores and context), backward twice that; the logit layer 2hV forward. With F = 4h this is
+  72 B s l h² (1 + s/(6h)) + 6 B s h V.
+- hardware FLOPs: what was executed — model FLOPs plus recomputation (`--recompute-granularity`: selective
+  recomputes the attention core 4sh per layer and token, full the layer's forward) and, on a pipeline, what the
+  lockstep table runs beyond that: every backward recomputes its chunk's forward (the stash holds chunk inputs,
+  `parallel/pipeline/executor.py`), and under "uniform" branching idle cells compute on a dummy and the output
+  layer runs on every rank of the ticks that need it (counted from the table, `experiments/pipeline_flops.py`
+  checks the same counts on the traced program).
+- eq. (3), the paper's "achieved teraFLOP/s" numerator, as published (full recomputation, F = 4h assumed):
+      F = 96 B s l h² (1 + s/(6h) + V/(16 l h))
 
 - eq. (2) parameters:  P = 12 l h² (1 + 13/(12h) + (V+s)/(12 l h))
-- eq. (3) FLOPs per iteration with full activation recomputation (one extra forward):
-      F = 96 B s l h² (1 + s/(6h) + V/(16 l h))
-- model FLOPs (no recomputation counted, what MFU divides by peak): 72 B s l h² (1 + s/(6h)) + 6 B s h V
 - eq. (4) training time ≈ 8 T P / (n X)
 
-V is the padded vocabulary (the compute actually done); the formulas assume the MLP width is 4h.
+V is the padded vocabulary (the compute actually done).
 """
 
 from __future__ import annotations
@@ -14,7 +25,6 @@ from __future__ import annotations
 import time
 
 from ptd_jax.config import ModelConfig
-
 
 def num_params(cfg: ModelConfig, vocab_size: int | None = None) -> float:
     """eq. (2); excludes the final LayerNorm's 2h, as the paper does."""
@@ -24,17 +34,71 @@ def num_params(cfg: ModelConfig, vocab_size: int | None = None) -> float:
 
 
 def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None) -> float:
-    """eq. (3): FLOPs of one iteration with full recomputation (the paper's 'achieved teraFLOP/s' numerator)."""
+    """eq. (3) as published: FLOPs of one iteration with full recomputation and an MLP of 4h, whatever the run's
+    recompute flag and MLP width (the paper's 'achieved teraFLOP/s' numerator, for comparison with its tables)."""
     l, h, s, B = cfg.num_layers, cfg.hidden_size, cfg.seq_length, global_batch_size
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
     return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
 
 
+def layer_forward_flops(cfg: ModelConfig, tokens: float) -> float:
+    """Matmul FLOPs of one transformer layer's forward over `tokens` tokens (sequences of cfg.seq_length)."""
+    h, f = cfg.hidden_size, cfg.ffn_size
+    return 2 * tokens * (4 * h * h + 2 * h * f) + attention_core_flops(cfg, tokens)
+
+
+def attention_core_flops(cfg: ModelConfig, tokens: float) -> float:
+    """Q·Kᵀ and scores·V of one layer's forward (what selective recomputation runs again): 4 s h per token."""
+    return 4 * tokens * cfg.seq_length * cfg.hidden_size
+
+
+def head_forward_flops(cfg: ModelConfig, tokens: float, vocab_size: int) -> float:
+    return 2 * tokens * cfg.hidden_size * vocab_size
+
+
 def model_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None) -> float:
-    """Model FLOPs without recomputation: 3/4 of eq. (3)'s layer terms plus the logit layer (MFU numerator)."""
-    l, h, s, B = cfg.num_layers, cfg.hidden_size, cfg.seq_length, global_batch_size
+    """Model FLOPs without recomputation (MFU numerator): forward + backward (2×) of the layers and the logit layer,
+    at the real MLP width; equals 72 B s l h² (1 + s/(6h)) + 6 B s h V when F = 4h."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
-    return 72 * B * s * l * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * V
+    tokens = global_batch_size * cfg.seq_length
+    return 3 * (cfg.num_layers * layer_forward_flops(cfg, tokens) + head_forward_flops(cfg, tokens, V))
+
+
+def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recompute: str) -> float:
+    """The extra forward work of `--recompute-granularity` (paper §3.5) without pipelining."""
+    tokens = global_batch_size * cfg.seq_length
+    per_layer = {"none": 0.0, "selective": attention_core_flops(cfg, tokens),
+                 "full": layer_forward_flops(cfg, tokens)}[recompute]
+    return cfg.num_layers * per_layer
+
+
+def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None,
+                                 recompute: str = "none", sched=None, branching: str = "uniform") -> float:
+    """FLOPs executed by all devices in one iteration. Without a pipeline schedule (p = 1): model FLOPs plus the
+    recomputation. With one (a `parallel.pipeline.Schedule`): summed over its ticks as the lockstep executor runs
+    them — a forward cell runs its chunk; a backward cell recomputes the chunk's forward and runs the backward
+    (2×), plus the attention core again under "selective", plus the output layer (3× its forward) on the last
+    virtual stage; under "uniform" every rank runs its tick's branch, idle ones on a dummy."""
+    V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
+    if sched is None:
+        return model_flops_per_iteration(cfg, global_batch_size, V) + recompute_flops_per_iteration(
+            cfg, global_batch_size, recompute)
+    tokens = global_batch_size * cfg.seq_length / sched.m  # one microbatch, over all data-parallel replicas
+    layers = cfg.num_layers / (sched.p * sched.v)
+    chunk_f = layers * layer_forward_flops(cfg, tokens)
+    chunk_b = 3 * chunk_f + (layers * attention_core_flops(cfg, tokens) if recompute == "selective" else 0.0)
+    head_b = 3 * head_forward_flops(cfg, tokens, V)
+    last = sched.p * sched.v - 1
+    total = 0.0
+    for kind, row in zip(sched.kinds, sched.cells):
+        busy = [(r, c.action) for r, c in enumerate(row) if c.action is not None]
+        heads = sum(1 for r, a in busy if kind == "B" and a.chunk * sched.p + r == last)
+        cell = chunk_f if kind == "F" else chunk_b
+        if branching == "uniform":
+            total += sched.p * (cell + (head_b if heads else 0.0))
+        else:
+            total += len(busy) * cell + heads * head_b
+    return total
 
 
 def training_days(tokens: float, params: float, num_devices: int, tflops_per_device: float) -> float:
@@ -42,19 +106,43 @@ def training_days(tokens: float, params: float, num_devices: int, tflops_per_dev
     return 8 * tokens * params / (num_devices * tflops_per_device * 1e12) / 86400
 
 
-# Dense peak TFLOP/s per device: (16-bit, float32 as XLA runs it by default: TF32 on Ampere and later).
-PEAK_TFLOPS: dict[str, tuple[float, float]] = {
-    "H200": (989.0, 494.0),
-    "H100": (989.0, 494.0),
-    "A100": (312.0, 156.0),
-    "V100": (125.0, 15.7),
-    "L4": (121.0, 60.0),
-    "A10G": (70.0, 35.0),
-    "TPU v4": (275.0, 275.0),
-    "TPU v5 lite": (197.0, 197.0),
-    "TPU v5p": (459.0, 459.0),
-    "TPU v6 lite": (918.0, 918.0),
-}
+# Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets: (16-bit, float32 as XLA runs it by
+# default: TF32 on Ampere and later). A device kind matches the first row whose words all occur in it, so the
+# form-factor rows (PCIe, NVL) come before the plain name: an "H100 PCIe" gets 756, not the SXM part's 989.
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H100 PCIe", 756.0, 378.0),
+    ("H100 NVL", 835.0, 418.0),
+    ("H100", 989.0, 494.0),         # SXM5 (JAX reports "NVIDIA H100 80GB HBM3")
+    ("H200 NVL", 835.0, 418.0),
+    ("H200", 989.0, 494.0),         # SXM
+    ("GH200", 989.0, 494.0),
+    ("H800 PCIe", 756.0, 378.0),
+    ("H800", 989.0, 494.0),
+    ("B200", 2250.0, 1100.0),
+    ("A100", 312.0, 156.0),         # SXM4 and PCIe alike
+    ("A800", 312.0, 156.0),
+    ("L40S", 362.0, 183.0),
+    ("L4", 121.0, 60.0),
+    ("A10G", 70.0, 35.0),
+    ("V100", 125.0, 15.7),
+    ("TPU v4", 275.0, 275.0),
+    ("TPU v5 lite", 197.0, 197.0),
+    ("TPU v5p", 459.0, 459.0),
+    ("TPU v6 lite", 918.0, 918.0),
+)
+
+
+def _words(text: str) -> list[str]:
+    return text.lower().replace("-", " ").replace("_", " ").split()
+
+
+def datasheet_peak(device_kind: str) -> tuple[str, float, float] | None:
+    """The PEAK_TFLOPS row for a JAX device kind ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"), or None."""
+    words = _words(device_kind)
+    for row in PEAK_TFLOPS:
+        if all(w in words for w in _words(row[0])):
+            return row
+    return None
 
 
 def measure_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
@@ -79,10 +167,10 @@ def device_peak_tflops(device_kind: str, bf16: bool, override: float | None = No
     among the simulated devices of the host."""
     if override is not None:
         return override, "--peak-tflops"
-    words = device_kind.lower().replace("-", " ").split()
-    for name, (half, single) in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
-        if name.lower() in device_kind.lower() and (" " in name or name.lower() in words):
-            return (half if bf16 else single), f"{name} datasheet ({'bf16' if bf16 else 'fp32/tf32'} dense)"
+    row = datasheet_peak(device_kind)
+    if row is not None:
+        name, half, single = row
+        return (half if bf16 else single), f"{name} datasheet ({'bf16' if bf16 else 'fp32/tf32'} dense)"
     measured = measure_matmul_tflops() / max(num_local_devices, 1)
     return measured, (f"measured 1024^3 fp32 matmul on {device_kind} / {num_local_devices} device(s) "
                       f"(override with --peak-tflops)")

@@ -3,7 +3,7 @@
 Each iteration takes the next B samples of the data stream (sample k is a function of the seed and k alone, so
 `--train-iters` never moves it), cuts them into the layout's microbatches on a prefetching thread, runs the
 jit(shard_map) train step of `parallel/step.py` (or, for comparisons on one device, the reference step), logs loss,
-grad norm, throughput, TFLOP/s (paper eq. 3) and MFU, evaluates, and saves orbax checkpoints asynchronously.
+grad norm, throughput, TFLOP/s (model, hardware and the paper's eq. 3) and MFU, evaluates, and saves orbax checkpoints asynchronously.
 
 Resume (Megatron's): `--load D` continues from D's newest complete step, in any layout, with the iteration, the
 consumed samples and the dropout key it saved; `--save D --load D` on an empty D starts fresh (auto-resume).
@@ -31,7 +31,8 @@ from ptd_jax.parallel.sharding import param_specs
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_train_step,
                                    pipeline_schedule)
 from ptd_jax.train import checkpoint
-from ptd_jax.train.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
+from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
+                                 model_flops_per_iteration)
 from ptd_jax.train.memory import check_fits
 from ptd_jax.train.metrics import MetricsLogger
 from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
@@ -65,12 +66,20 @@ class RunOptions:
     async_save: bool = True
 
 
-def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops, num_devices):
-    B, s = parallel.global_batch_size, model_cfg.seq_length
+def iteration_flops(model_cfg, parallel, train_cfg, sched=None) -> dict[str, float]:
+    """FLOPs of one iteration, all devices: model (no recomputation: TFLOP/s and MFU), hardware (what runs:
+    recomputation and the pipeline table's extra work) and the paper's eq. (3) (train/flops.py)."""
+    B = parallel.global_batch_size
     vocab = model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size)  # the logits actually computed
-    flops = flops_per_iteration(model_cfg, B, vocab)
-    tflops = flops / step_time / num_devices / 1e12
-    mfu = model_flops_per_iteration(model_cfg, B, vocab) / step_time / num_devices / (peak_tflops * 1e12)
+    return {"model": model_flops_per_iteration(model_cfg, B, vocab),
+            "hardware": hardware_flops_per_iteration(model_cfg, B, vocab, train_cfg.recompute_granularity, sched,
+                                                     parallel.pipeline_branching),
+            "eq3": flops_per_iteration(model_cfg, B, vocab)}
+
+
+def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops, num_devices, flops):
+    B, s = parallel.global_batch_size, model_cfg.seq_length
+    per_device = {k: f / step_time / num_devices / 1e12 for k, f in flops.items()}
     return {
         "kind": "train",
         "iteration": iteration,
@@ -79,8 +88,10 @@ def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops,
         "lr": float(metrics["lr"]),
         "step_time_s": step_time,
         "tokens_per_s": B * s / step_time,
-        "tflops_per_device": tflops,
-        "mfu": mfu,
+        "tflops_per_device": per_device["model"],  # model FLOPs, no recomputation (as MFU)
+        "mfu": per_device["model"] / peak_tflops,
+        "hardware_tflops_per_device": per_device["hardware"],
+        "eq3_tflops_per_device": per_device["eq3"],
     }
 
 
@@ -152,12 +163,18 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                    f"{model_cfg.dtype}, attention {model_cfg.attention_backend}, fused LayerNorm/loss kernels "
                    f"{'on' if model_cfg.fused_kernels else 'off'}, peak {peak:.3g} TFLOP/s/device ({peak_source}), "
                    f"data {data_path}")
-    if parallel.pipeline_model_parallel_size > 1:
-        sched = pipeline_schedule(parallel)
+    sched = pipeline_schedule(parallel) if parallel.pipeline_model_parallel_size > 1 else None
+    if sched is not None:
         sim = sched.simulate()
         logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
-                       f"bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = {sched.formula_bubble():.3f}), "
-                       f"peak stash per rank {sched.peak_stash}")
+                       f"simulated bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = "
+                       f"{sched.formula_bubble():.3f}), peak stash per rank {sched.peak_stash}; measured bubble: "
+                       f"not available (all ticks run inside one XLA program, no per-tick clock)")
+    flops = iteration_flops(model_cfg, parallel, train_cfg, sched)
+    logger.message(f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
+                   f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="
+                   f"{train_cfg.recompute_granularity}{', the pipeline table' if sched else ''}), paper eq. (3) "
+                   f"{flops['eq3']:.3g}")
     B = parallel.global_batch_size
 
     def batch_of(iteration):  # the next B samples of the stream, whatever the run's length
@@ -194,7 +211,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 jax.block_until_ready(metrics)
                 now = time.perf_counter()
                 step_time = (now - window_start) / window_iters if window_iters else compile_time
-                record = _log_record(done, metrics, step_time, model_cfg, parallel, peak, num_devices)
+                record = _log_record(done, metrics, step_time, model_cfg, parallel, peak, num_devices, flops)
                 record["includes_compile"] = not window_iters
                 records.append(record)
                 logger.log_train(record)
@@ -249,6 +266,10 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         "tokens_per_s": float(np.median([r["tokens_per_s"] for r in timed])) if timed else None,
         "tflops_per_device": float(np.median([r["tflops_per_device"] for r in timed])) if timed else None,
         "mfu": float(np.median([r["mfu"] for r in timed])) if timed else None,
+        "hardware_tflops_per_device": (float(np.median([r["hardware_tflops_per_device"] for r in timed]))
+                                       if timed else None),
+        "eq3_tflops_per_device": float(np.median([r["eq3_tflops_per_device"] for r in timed])) if timed else None,
+        "hardware_over_model_flops": flops["hardware"] / flops["model"],
         "peak_tflops": peak,
         "peak_source": peak_source,
         "device": device.device_kind,

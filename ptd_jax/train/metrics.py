@@ -1,7 +1,10 @@
 """Training metrics: a progress bar on the terminal, JSONL records, a final summary and a loss-curve PNG.
 
 One record per logged iteration carries at least iteration, lm_loss, grad_norm, lr, step_time_s, tokens_per_s,
-tflops_per_device (eq. 3) and mfu (docs/architecture.md, "Interfaces") — later tools parse these names.
+tflops_per_device and mfu (docs/architecture.md, "Interfaces") — later tools parse these names. Throughput comes
+three ways (train/flops.py): `tflops_per_device` and `mfu` count model FLOPs (no recomputation) and MFU divides
+them by the device's dense peak; `hardware_tflops_per_device` counts what was executed (recomputation, the
+pipeline's extra work); `eq3_tflops_per_device` is the paper's eq. (3), comparable with its tables.
 """
 
 from __future__ import annotations
@@ -58,7 +61,11 @@ class MetricsLogger:
         self.records.append(record)
         self._write(record)
         self._bar.set_postfix(loss=f"{record['lm_loss']:.4f}", lr=f"{record['lr']:.2e}",
-                              tok_s=f"{record['tokens_per_s']:.0f}")
+                              tok_s=f"{record['tokens_per_s']:.0f}",
+                              TFLOPs=f"model {record['tflops_per_device']:.3g} hw "
+                                     f"{record['hardware_tflops_per_device']:.3g} eq3 "
+                                     f"{record['eq3_tflops_per_device']:.3g}",
+                              MFU=f"{record['mfu']:.1%}")
 
     def log_eval(self, record: dict) -> None:
         self.eval_records.append(record)

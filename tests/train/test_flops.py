@@ -1,8 +1,8 @@
 import pytest
 
 from ptd_jax.config import model_preset
-from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, model_flops_per_iteration, num_params,
-                           training_days)
+from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
+                                 model_flops_per_iteration, num_params, training_days)
 
 
 def test_eq3_by_hand_for_the_paper_1_7b_preset():
@@ -39,3 +39,53 @@ def test_peak_table_and_override():
     assert device_peak_tflops("cpu", bf16=False, override=1.5) == (1.5, "--peak-tflops")
     peak, source = device_peak_tflops("cpu", bf16=False)
     assert peak > 0 and source.startswith("measured")
+
+
+def test_peaks_tell_h100_pcie_from_sxm():
+    assert device_peak_tflops("NVIDIA H100 PCIe", bf16=True)[0] == 756.0
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3", bf16=True)[0] == 989.0  # the SXM part's device kind
+    assert device_peak_tflops("NVIDIA H100 NVL", bf16=False)[0] == 418.0
+    assert device_peak_tflops("NVIDIA A100 80GB PCIe", bf16=True)[0] == 312.0
+
+
+def test_model_flops_follow_the_ffn_width():
+    """fc1 and fc2 are 2·h·F each per token forward: doubling F from 4h to 8h adds 3·2·2·h·4h per layer-token."""
+    cfg = model_preset("gpt2-small")
+    wide = cfg.replace(ffn_hidden_size=8 * cfg.hidden_size)
+    tokens, h, l = 8 * cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    assert model_flops_per_iteration(wide, 8) - model_flops_per_iteration(cfg, 8) == pytest.approx(
+        3 * 4 * h * 4 * h * tokens * l, rel=1e-12)
+
+
+def test_hardware_flops_by_recompute_policy():
+    cfg = model_preset("paper-1.7b")
+    B, s, l, h = 512, 2048, 24, 2304
+    model = model_flops_per_iteration(cfg, B)
+    assert hardware_flops_per_iteration(cfg, B, recompute="none") == model
+    assert hardware_flops_per_iteration(cfg, B, recompute="selective") == pytest.approx(
+        model + 4 * B * s * s * h * l, rel=1e-12)
+    assert hardware_flops_per_iteration(cfg, B, recompute="full") == pytest.approx(flops_per_iteration(cfg, B),
+                                                                                  rel=1e-12)  # eq. (3) is "full"
+
+
+@pytest.mark.parametrize("case", [
+    # experiments/results/pipeline_flops.json: matmul FLOPs counted on the traced executor's jaxpr (recompute
+    # full), per device: (model, schedule, p, v, m, t, uniform per rank, per-rank per rank)
+    (dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256), "1f1b", 4, 1, 8,
+     1, 102810779648.0, [60129542144.0] * 3 + [80262201344.0]),
+    (dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256), "interleaved",
+     4, 2, 8, 1, 91536490496.0, [60129542144.0] * 3 + [80262201344.0]),
+    ("1.3b", "1f1b", 4, 1, 16, 2, 64991445123072.0, [46179488366592.0] * 3 + [56332791054336.0]),
+])
+def test_pipeline_hardware_flops_equal_the_traced_executor(case):
+    from ptd_jax.config import ModelConfig
+    from ptd_jax.parallel.pipeline import build
+
+    model, schedule, p, v, m, t, uniform, per_rank = case
+    cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
+    sched = build(schedule, p, v, m)
+    V = cfg.padded_vocab_size(t)
+    assert hardware_flops_per_iteration(cfg, m, V, "full", sched, "uniform") == pytest.approx(uniform * p * t,
+                                                                                              rel=1e-12)
+    assert hardware_flops_per_iteration(cfg, m, V, "full", sched, "per-rank") == pytest.approx(sum(per_rank) * t,
+                                                                                               rel=1e-12)
