@@ -158,11 +158,22 @@ def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0
     return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxSxS, v_BxSxHxK)
 
 
-def attention_block(p, x_BxSxD, cfg: ModelConfig, key=None):
+def core_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, cfg: ModelConfig, key=None, recompute: str = "none"):
+    """The attention core (scores, softmax, dropout, context). Under `selective` it, and only it, is recomputed
+    in the backward, as Megatron's selective recomputation does: its inputs q, k, v (and the dropout key) are
+    kept, everything outside it (the weight matmuls, LayerNorms, the tensor collectives) is stored as in `none`,
+    so no collective is ever re-issued."""
+    def core(q, k, v, key):
+        return causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
+                                backend=cfg.attention_backend)
+
+    return (jax.checkpoint(core) if recompute == "selective" else core)(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, key)
+
+
+def attention_block(p, x_BxSxD, cfg: ModelConfig, key=None, recompute: str = "none"):
     qkv_BxSx3xHxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
     q, k, v = (qkv_BxSx3xHxK[:, :, i] for i in range(3))
-    ctx_BxSxHxK = causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
-                                   backend=cfg.attention_backend)
+    ctx_BxSxHxK = core_attention(q, k, v, cfg, key, recompute)
     return jnp.einsum("bshk,hkd->bsd", ctx_BxSxHxK, p["out_kernel"]) + p["out_bias"]
 
 
@@ -171,31 +182,27 @@ def mlp_block(p, x_BxSxD, cfg: ModelConfig):
     return h_BxSxF @ p["fc2_kernel"] + p["fc2_bias"]
 
 
-def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None):
+def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None, recompute: str = "none"):
     """One pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x)))."""
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
     h = attention_block(p["attn"], layer_norm(x_BxSxD, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
-                        k_attn)
+                        k_attn, recompute)
     x_BxSxD = x_BxSxD + dropout(h, cfg.hidden_dropout, k_h1)
     h = mlp_block(p["mlp"], layer_norm(x_BxSxD, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg)
     return x_BxSxD + dropout(h, cfg.hidden_dropout, k_h2)
 
 
 def remat_layer(layer_fn, granularity: str):
-    """Activation recomputation (paper §3.5): full recomputes the whole layer in the backward; selective keeps
-    the weight matmuls' outputs and recomputes only the batched attention core (scores, softmax, context)."""
-    if granularity == "full":
-        return jax.checkpoint(layer_fn)
-    if granularity == "selective":
-        return jax.checkpoint(layer_fn, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
-    return layer_fn
+    """Activation recomputation (paper §3.5): full recomputes the whole layer in the backward. Selective is
+    inside the layer (`core_attention`): it recomputes the attention core only."""
+    return jax.checkpoint(layer_fn) if granularity == "full" else layer_fn
 
 
 def run_layers(layers, x_BxSxD, cfg: ModelConfig, *, key=None, recompute: str = "none", first_layer=0):
     """Scan the stacked layers [L, ...] over the residual stream. `first_layer` offsets dropout streams so a
     chunk of layers draws the same masks as the same layers inside the full stack."""
     num = jax.tree.leaves(layers)[0].shape[0]
-    layer_fn = remat_layer(lambda p, x, k: transformer_layer(p, x, cfg, k), recompute)
+    layer_fn = remat_layer(lambda p, x, k: transformer_layer(p, x, cfg, k, recompute), recompute)
 
     def body(x, xs):
         p, index = xs

@@ -68,14 +68,13 @@ def leave_tensor_region(x, sequence_parallel: bool):
 # Layers on local shards
 # ---------------------------------------------------------------------------------------------------------------
 
-def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None):
+def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None, recompute: str = "none"):
     """Column-parallel QKV (local heads), causal attention on local heads, row-parallel output projection."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
     qkv_BxSx3xHlxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
     q, k, v = (qkv_BxSx3xHlxK[:, :, i] for i in range(3))
     key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
-    ctx_BxSxHlxK = gpt.causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
-                                        backend=cfg.attention_backend)
+    ctx_BxSxHlxK = gpt.core_attention(q, k, v, cfg, key, recompute)
     partial_BxSxD = jnp.einsum("bshk,hkd->bsd", ctx_BxSxHlxK, p["out_kernel"])
     return leave_tensor_region(partial_BxSxD, sequence_parallel) + p["out_bias"]
 
@@ -91,7 +90,7 @@ def _per_tensor_rank(key):
     return None if key is None else jax.random.fold_in(key, jax.lax.axis_index(TENSOR))
 
 
-def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None):
+def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None, recompute: str = "none"):
     """The pre-LN block of `model.transformer_layer` with TP attention and MLP ([B, S or Sl, D] in and out).
     Hidden dropout acts on replicated activations (same mask on every tensor rank) or, under sequence
     parallelism, on a rank's own tokens (its own mask)."""
@@ -99,7 +98,7 @@ def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None)
     if sequence_parallel:
         k_h1, k_h2 = _per_tensor_rank(k_h1), _per_tensor_rank(k_h2)
     h = attention(p["attn"], gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
-                  sequence_parallel, k_attn)
+                  sequence_parallel, k_attn, recompute)
     x = x + gpt.dropout(h, cfg.hidden_dropout, k_h1)
     h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
             sequence_parallel)
@@ -112,7 +111,8 @@ def run_layers(layers, x, cfg: ModelConfig, sequence_parallel: bool, *, key=None
     its dropout masks from fold_in(key, first_layer + j), so a pipeline chunk draws the masks of the same layers
     in the whole stack."""
     num = jax.tree.leaves(layers)[0].shape[0]
-    layer_fn = gpt.remat_layer(lambda p, h, k: transformer_layer(p, h, cfg, sequence_parallel, k), recompute)
+    layer_fn = gpt.remat_layer(lambda p, h, k: transformer_layer(p, h, cfg, sequence_parallel, k, recompute),
+                               recompute)
 
     def body(h, xs):
         p, index = xs

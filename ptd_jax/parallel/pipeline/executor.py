@@ -53,6 +53,7 @@ from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
 from ptd_jax.parallel.pipeline.lockstep import Schedule
+from ptd_jax.parallel.pipeline.stash import Residuals
 from ptd_jax.parallel.vma import mark_like, mark_varying, varying_axes
 
 PIPE, TENSOR = Axis.PIPE.value, Axis.TENSOR.value
@@ -134,6 +135,7 @@ class Carry(NamedTuple):
     grads_chunks: dict       # float32 accumulators [v, k, ...] of this rank's chunks
     grads_shared: dict       # float32 accumulators of the embeddings and final LayerNorm
     loss: jax.Array          # sum of the last stage's token losses (accumulation dtype; / total tokens at the end)
+    res: list                # recompute none/selective: [activation slots + trash, ...] per stashed vjp residual
 
 
 def read_cell(row: dict, rank, p: int, v: int) -> Cell:
@@ -203,9 +205,11 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     act_shape = (b, S // t if sequence_parallel else S, cfg.hidden_size)
     act_dtype = jnp.dtype(cfg.dtype)
     layers_per_chunk = jax.tree.leaves(chunks)[0].shape[1]
-    # The stash holds chunk inputs, so every backward recomputes its chunk's forward once: that already is
-    # recompute="full" (Megatron recomputes each layer once). Checkpointing each layer inside that vjp as well would
-    # recompute it a second time, so "full" runs the layers plainly; "selective" keeps its per-layer policy.
+    # recompute="full": the stash holds chunk inputs and every backward recomputes its chunk's forward once inside
+    # its vjp (Megatron recomputes each layer once; checkpointing each layer inside that vjp as well would recompute
+    # it twice, so the layers run plainly). "none" and "selective": the forward's vjp residuals are stashed
+    # (`stash.Residuals`) and the backward recomputes nothing, or only the attention core.
+    stash_residuals = recompute != "full" and not forward_only
     layer_recompute = "none" if recompute == "full" else recompute
     use_scatter = scatter_gather and not sequence_parallel and t > 1
     # Shapes and dtypes of one tick's gradients: a chunk's (the accumulator without its chunk dim) and the shared.
@@ -214,24 +218,34 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     def chunk_index(cell: Cell):
         return cell.chunk if v > 1 else 0  # with one chunk per rank the index is static: no dynamic slice
 
+    def keys(cell: Cell):
+        """(embedding key, layer-stream key) of the cell's microbatch, or Nones without dropout."""
+        return jax.random.split(jax.random.fold_in(key, cell.microbatch)) if key is not None else (None, None)
+
+    def embed(shared_p, cell: Cell):
+        return tp.vocab_parallel_embed(shared_p, tokens_MxBxS[cell.microbatch], cfg, sequence_parallel,
+                                       keys(cell)[0])
+
+    def layers(cell: Cell):
+        """The chunk's layers as a function of (chunk parameters, input), with its layers' dropout streams."""
+        first_layer = (cell.chunk * p + rank) * layers_per_chunk  # this virtual stage's first layer in the stack
+        return lambda lc, x: tp.run_layers(lc, x, cfg, sequence_parallel, key=keys(cell)[1],
+                                           recompute=layer_recompute, first_layer=first_layer)
+
+    def head(shared_p, y, cell: Cell):
+        """Output layer and loss: the sum of the microbatch's masked token losses."""
+        logits = tp.vocab_parallel_logits(shared_p, y, cfg, sequence_parallel)
+        losses = tp.vocab_parallel_cross_entropy(logits, labels_MxBxS[cell.microbatch], cfg.vocab_size,
+                                                 cfg.fused_kernels)
+        return jnp.sum(jnp.where(mask_MxBxS[cell.microbatch] > 0, losses, 0.0))
+
     def stage(chunk_params, shared_p, x_stash, cell: Cell, variant: Variant):
         """Virtual stage function: (embedding on stage 0 | stashed input) -> chunk layers -> (y, loss sum or None).
         Under "uniform" branching the embedding and the loss run on every rank and are masked here and by the
         caller; under "per-rank" the masks select what this rank computes anyway."""
-        mb = cell.microbatch
-        k_embed, k_layers = jax.random.split(jax.random.fold_in(key, mb)) if key is not None else (None, None)
-        x = x_stash
-        if variant.embed:
-            emb = tp.vocab_parallel_embed(shared_p, tokens_MxBxS[mb], cfg, sequence_parallel, k_embed)
-            x = jnp.where(cell.is_first, emb, x_stash)
-        first_layer = (cell.chunk * p + rank) * layers_per_chunk  # this virtual stage's first layer in the stack
-        y = tp.run_layers(chunk_params, x, cfg, sequence_parallel, key=k_layers, recompute=layer_recompute,
-                          first_layer=first_layer)
-        if not variant.head:
-            return y, None
-        logits = tp.vocab_parallel_logits(shared_p, y, cfg, sequence_parallel)
-        losses = tp.vocab_parallel_cross_entropy(logits, labels_MxBxS[mb], cfg.vocab_size, cfg.fused_kernels)
-        return y, jnp.sum(jnp.where(mask_MxBxS[mb] > 0, losses, 0.0))
+        x = jnp.where(cell.is_first, embed(shared_p, cell), x_stash) if variant.embed else x_stash
+        y = layers(cell)(chunk_params, x)
+        return (y, head(shared_p, y, cell)) if variant.head else (y, None)
 
     def no_loss(loss_like):
         return mark_like(jnp.zeros((), acc), loss_like)
@@ -239,17 +253,31 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     def last_stage_loss(cell: Cell, loss):
         return jnp.where(cell.is_last, loss, 0.0).astype(acc)
 
+    def loss_seed(cell: Cell, like):
+        """d loss / d (loss sum): 1/tokens on the last stage, 0 elsewhere."""
+        return mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(like.dtype), like)
+
+    def downstream(cell: Cell, dy, like):
+        """The gradient received from the next virtual stage, zero where there is none (last stage, idle)."""
+        return mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)).astype(like.dtype), like)
+
+    def zero_grads(chunk_params):
+        return _zeros_like_typed(grad_structs, (chunk_params, shared))
+
+    def as_grads(d_chunk, d_shared):
+        return jax.tree.map(lambda g, like: g.astype(like.dtype), (d_chunk, d_shared), grad_structs)
+
     def make_forward(variant: Variant):
-        def forward(cell: Cell, chunk_params, x_in, dy, loss_like):
+        def forward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
             y, loss = stage(chunk_params, shared_c, x_in, cell, variant)
             loss = last_stage_loss(cell, loss) if variant.head else no_loss(loss_like)
-            return y.astype(act_dtype), loss, _zeros_like_typed(grad_structs, (chunk_params, shared))
+            return y.astype(act_dtype), loss, zero_grads(chunk_params), []
         return forward
 
     def make_backward(variant: Variant):
         uses_shared = variant.embed or variant.head  # else the shared parameters are not differentiated at all
 
-        def backward(cell: Cell, chunk_params, x_in, dy, loss_like):
+        def backward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
             def f(lc, sh, x):
                 y, loss = stage(lc, sh, x, cell, variant)
                 return (y, loss) if variant.head else y
@@ -259,31 +287,70 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             else:
                 out, vjp = jax.vjp(lambda lc, x: f(lc, shared_c, x), chunk_params, x_in)
             y = out[0] if variant.head else out
-            ct_y = mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)).astype(y.dtype), y)
+            ct_y = downstream(cell, dy, y)
             if variant.head:
-                ct_loss = mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(out[1].dtype), out[1])
-                cotangents, loss = vjp((ct_y, ct_loss)), last_stage_loss(cell, out[1])
+                cotangents, loss = vjp((ct_y, loss_seed(cell, out[1]))), last_stage_loss(cell, out[1])
             else:
                 cotangents, loss = vjp(ct_y), no_loss(loss_like)
             if uses_shared:
                 d_chunk, d_shared, dx = cotangents
             else:
                 (d_chunk, dx), d_shared = cotangents, _zeros_like_typed(grad_structs[1], shared)
-            grads = jax.tree.map(lambda g, like: g.astype(like.dtype), (d_chunk, d_shared), grad_structs)
-            return dx.astype(act_dtype), loss, grads
+            return dx.astype(act_dtype), loss, as_grads(d_chunk, d_shared), []
         return backward
 
-    def idle(cell: Cell, chunk_params, x_in, dy, loss_like):
-        return (mark_like(jnp.zeros(x_in.shape, act_dtype), x_in), no_loss(loss_like),
-                _zeros_like_typed(grad_structs, (chunk_params, shared)))
+    def make_forward_stash(variant: Variant):
+        """F with the vjp residuals stashed; the head waits for the backward (the loss is computed there)."""
+        def forward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
+            x = jnp.where(cell.is_first, embed(shared_c, cell), x_in) if variant.embed else x_in
+            y, vjp = jax.vjp(layers(cell), chunk_params, x)
+            return y.astype(act_dtype), no_loss(loss_like), zero_grads(chunk_params), residuals.split(vjp, chunk_params)
+        return forward
 
-    branches = [idle if vr.kind == "idle" else make_forward(vr) if vr.kind == "F" else make_backward(vr)
+    def make_backward_stash(variant: Variant):
+        """B from the stashed residuals: the head's forward and backward (its input, the chunk's output, was
+        written into the input slot at the F tick), the chunk's vjp, and the embedding's transpose (a linear
+        function of the word and position rows: nothing of it is stashed or recomputed)."""
+        def backward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
+            chunk_vjp = residuals.join(chunk_params, res_in)
+            ct_y, loss = downstream(cell, dy, x_in), no_loss(loss_like)
+            d_shared = _zeros_like_typed(grad_structs[1], shared)
+            if variant.head:
+                loss_sum, head_vjp = jax.vjp(lambda sh, y: head(sh, y, cell), shared_c, x_in)
+                d_shared, dy_head = head_vjp(loss_seed(cell, loss_sum))
+                ct_y = jnp.where(cell.is_last, dy_head.astype(ct_y.dtype), ct_y)
+                loss = last_stage_loss(cell, loss_sum)
+            d_chunk, dx = chunk_vjp(ct_y)
+            # An idle cell under "uniform" ran on the trash slot's residuals, which may be zeros (a LayerNorm's
+            # 1/sqrt backward then gives inf·0): its dx and chunk gradients are selected away, never multiplied.
+            dx = jnp.where(cell.active, dx, jnp.zeros_like(dx))
+            if variant.embed:
+                (d_embed,) = jax.linear_transpose(lambda sh: embed(sh, cell), shared_c)(
+                    jnp.where(cell.is_first, dx, jnp.zeros_like(dx)))
+                d_shared = jax.tree.map(jnp.add, d_shared, d_embed)
+            return dx.astype(act_dtype), loss, as_grads(d_chunk, d_shared), residuals.zeros()
+        return backward
+
+    def idle(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
+        return (mark_like(jnp.zeros(x_in.shape, act_dtype), x_in), no_loss(loss_like), zero_grads(chunk_params),
+                residuals.zeros() if stash_residuals else [])
+
+    act_ref = mark_varying(jnp.zeros(act_shape, act_dtype), (PIPE,) + tuple(sorted(varying_axes(tokens_MxBxS))))
+    if sequence_parallel:
+        act_ref = mark_varying(act_ref, (TENSOR,))
+    if stash_residuals:
+        example = read_cell(jax.tree.map(lambda a: a[0], table), rank, p, v)
+        residuals = Residuals.trace(layers(example), jax.tree.map(lambda x: x[0], chunks_c), act_ref)
+    forward_fn, backward_fn = (make_forward_stash, make_backward_stash) if stash_residuals else (make_forward,
+                                                                                                   make_backward)
+    branches = [idle if vr.kind == "idle" else forward_fn(vr) if vr.kind == "F" else backward_fn(vr)
                 for vr in variants]
 
-    def run_cell(which, cell: Cell, chunk_params, x_in, dy, loss_like):
+    def run_cell(which, cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
         # Under "uniform" an idle cell runs its tick's branch on chunk 0, microbatch 0 and a trash slot; its
-        # cotangent is a `where`-zero, so nothing reaches the sums while the trash stays finite.
-        return jax.lax.switch(which, branches, cell, chunk_params, x_in, dy, loss_like)
+        # cotangent is a `where`-zero, so nothing reaches the sums while the trash stays finite (it only ever
+        # holds zeros or what a dummy cell computed from them).
+        return jax.lax.switch(which, branches, cell, chunk_params, x_in, dy, loss_like, res_in)
 
     def send(out, cell: Cell, like):
         """The ring, issued by every rank on every tick: F outputs go to rank + 1, B input-gradients to rank − 1."""
@@ -296,33 +363,39 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
                                 lambda z: jax.lax.ppermute(z, PIPE, _ring(p, -1)), out)
         return _gather(recv, t, like) if use_scatter else recv
 
-    def write(carry: Carry, cell: Cell, recv, loss, d_chunk, d_shared) -> Carry:
+    def write(carry: Carry, cell: Cell, out, recv, loss, d_chunk, d_shared, res_out) -> Carry:
         trash_act, trash_grad = carry.act.shape[0] - 1, carry.grad.shape[0] - 1
         c = chunk_index(cell)
+        act = carry.act
+        res = carry.res
+        if stash_residuals:  # an F keeps its residuals, and its output (the head's input) in its input's slot
+            own = jnp.where(cell.is_forward, cell.in_slot, trash_act)
+            res = [buf.at[own].set(r) for buf, r in zip(carry.res, res_out, strict=True)]
+            act = act.at[own].set(out)
         return Carry(
-            act=carry.act.at[jnp.where(cell.is_forward, cell.recv_slot, trash_act)].set(recv),
+            act=act.at[jnp.where(cell.is_forward, cell.recv_slot, trash_act)].set(recv),
             grad=carry.grad.at[jnp.where(cell.is_forward, trash_grad, cell.recv_slot)].set(recv),
-            grads_chunks=jax.tree.map(lambda g, d: g.at[c].add(d), carry.grads_chunks, d_chunk),
+            grads_chunks=jax.tree.map(lambda g, d: g.at[c].add(jnp.where(cell.active, d, 0) if stash_residuals
+                                                               else d), carry.grads_chunks, d_chunk),
             grads_shared=jax.tree.map(jnp.add, carry.grads_shared, d_shared),
-            loss=carry.loss + loss)
+            loss=carry.loss + loss, res=res)
 
     def tick(carry: Carry, row):
         cell = read_cell(row, rank, p, v)
         which = row["variant"] if branching == "uniform" else row["variant"][rank]
         chunk_params = jax.tree.map(lambda x: x[chunk_index(cell)], chunks_c)
         x_in, dy = carry.act[cell.in_slot], carry.grad[cell.grad_slot]
-        out, loss, (d_chunk, d_shared) = run_cell(which, cell, chunk_params, x_in, dy, carry.loss)
+        res_in = [buf[cell.in_slot] for buf in carry.res]
+        out, loss, (d_chunk, d_shared), res_out = run_cell(which, cell, chunk_params, x_in, dy, carry.loss, res_in)
         recv = send(out, cell, like=x_in)
-        return write(carry, cell, recv, loss, d_chunk, d_shared), None
+        return write(carry, cell, out, recv, loss, d_chunk, d_shared, res_out), None
 
-    act_ref = mark_varying(jnp.zeros(act_shape, act_dtype), (PIPE,) + tuple(sorted(varying_axes(tokens_MxBxS))))
-    if sequence_parallel:
-        act_ref = mark_varying(act_ref, (TENSOR,))
     carry = Carry(
         act=jnp.zeros((sched.num_act_slots + 1, *act_shape), act_dtype) + act_ref[None],
         grad=jnp.zeros((sched.num_grad_slots + 1, *act_shape), act_dtype) + act_ref[None],
         grads_chunks=_accumulators(chunks), grads_shared=_accumulators(shared),
-        loss=mark_varying(jnp.zeros((), acc), tuple(sorted(varying_axes(tokens_MxBxS) | {PIPE}))))
+        loss=mark_varying(jnp.zeros((), acc), tuple(sorted(varying_axes(tokens_MxBxS) | {PIPE}))),
+        res=residuals.buffers(sched.num_act_slots + 1) if stash_residuals else [])
     carry, _ = jax.lax.scan(tick, carry, table)
     grads = dict(carry.grads_shared)
     grads["layers"] = sharding.from_local_chunks(carry.grads_chunks)

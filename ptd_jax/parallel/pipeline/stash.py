@@ -1,0 +1,96 @@
+"""Backward without recomputation: a chunk's `jax.vjp` residuals, kept in slot buffers from its F tick to its B tick.
+
+`jax.vjp` returns a closure that is a pytree whose leaves are the residuals the backward needs; their shapes and the
+tree structure are fixed at trace time. So an F tick can write the leaves into scan-carried buffers
+[slots + trash, ...] and a later B tick can unflatten them into the same closure (measured in the probe that
+docs/architecture.md, "Pipeline", describes). Two refinements over storing every leaf:
+- leaves that *are* the chunk's parameters (a matmul's weight, passed through unchanged) are not stashed: the B
+  tick puts its own copy of the same parameters back in their place, so no slot holds a weight;
+- PRNG keys (selective recomputation re-draws attention dropout from its key) are stored as their raw key data.
+
+The residual structure is learned once per step with `jax.eval_shape` (nothing is computed), including each leaf's
+varying mesh axes, so that the buffers carry the types the branches return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ptd_jax.parallel.vma import mark_varying, varying_axes
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """Where each residual leaf of `vjp(fn, params, x)` comes from: a parameter leaf (its index) or a stash entry."""
+
+    treedef: Any
+    sources: tuple           # per residual leaf: ("param", i) or ("stash", j)
+    structs: tuple           # per stash entry: ShapeDtypeStruct as stored (keys as their uint32 data)
+    axes: tuple              # per stash entry: the mesh axes it varies over
+    key_impls: tuple         # per stash entry: the PRNG impl of a key leaf, else None
+
+    @classmethod
+    def trace(cls, fn: Callable, params, x) -> "Residuals":
+        found = {}
+
+        def probe(params, x):
+            _, vjp = jax.vjp(fn, params, x)
+            leaves, treedef = jax.tree.flatten(vjp)
+            param_leaves = jax.tree.leaves(params)
+            sources, stashed, axes, impls = [], [], [], []
+            for leaf in leaves:
+                hit = next((i for i, q in enumerate(param_leaves) if leaf is q), None)
+                if hit is not None:
+                    sources.append(("param", hit))
+                    continue
+                sources.append(("stash", len(stashed)))
+                axes.append(tuple(sorted(varying_axes(leaf))))
+                impls.append(jax.random.key_impl(leaf) if _is_key(leaf.dtype) else None)
+                stashed.append(jax.random.key_data(leaf) if _is_key(leaf.dtype) else leaf)
+            found.update(treedef=treedef, sources=tuple(sources), axes=tuple(axes), impls=tuple(impls))
+            return stashed
+
+        shapes = jax.eval_shape(probe, params, x)
+        structs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes)
+        return cls(found["treedef"], found["sources"], structs, found["axes"], found["impls"])
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(s.size * jnp.dtype(s.dtype).itemsize for s in self.structs)
+
+    def split(self, vjp, params) -> list:
+        """The leaves of `vjp` that go to the stash (checks that the others are `params`' own leaves)."""
+        leaves = jax.tree.leaves(vjp)
+        param_leaves = jax.tree.leaves(params)
+        out = []
+        for leaf, (where, i) in zip(leaves, self.sources, strict=True):
+            if where == "param":
+                assert leaf is param_leaves[i], "a residual traced as a parameter is not one here"
+            else:
+                out.append(jax.random.key_data(leaf) if _is_key(leaf.dtype) else leaf)
+        return out
+
+    def join(self, params, stashed: list):
+        """The vjp closure again, from this tick's parameters and the stashed leaves."""
+        param_leaves = jax.tree.leaves(params)
+        stashed = [jax.random.wrap_key_data(s, impl=impl) if impl is not None else s
+                   for s, impl in zip(stashed, self.key_impls, strict=True)]
+        leaves = [param_leaves[i] if where == "param" else stashed[i] for where, i in self.sources]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def buffers(self, slots: int) -> list:
+        """Zero buffers [slots, ...] typed like the leaves they hold."""
+        return [mark_varying(jnp.zeros((slots, *s.shape), s.dtype), a) for s, a in zip(self.structs, self.axes)]
+
+    def zeros(self) -> list:
+        """Zero leaves (what a B tick writes to the trash slot)."""
+        return [mark_varying(jnp.zeros(s.shape, s.dtype), a) for s, a in zip(self.structs, self.axes)]
+
