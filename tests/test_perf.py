@@ -136,7 +136,7 @@ BAD = [  # (argv, a word the one error line must contain)
     (["predict", "--num-gpus", "8", "--global-batch-size", "12"], "global_batch_size=12"),
     (["predict", "--num-gpus", "8", "--global-batch-size", "8", "--hidden-size", "100"], "hidden_size=100"),
     (["search", "--num-gpus", "7", "--global-batch-size", "3"], "num_gpus=7"),
-    (["search", "--num-gpus", str(1 << 30), "--global-batch-size", "8"], f"num_gpus={1 << 30}"),
+    (["search", "--num-gpus", str(1 << 30), "--global-batch-size", "8"], f"num_gpus={1 << 30} is more than"),
     (["search", "--global-batch-size", "8"], "--num-gpus"),
     ([], "command"),
 ]
@@ -159,3 +159,12 @@ def test_the_planner_imports_no_jax():
     code = "import sys, ptd_jax.perf.cli; print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_table1_script_cites_the_papers_numbers_and_predicts_through_the_cli():
+    from experiments.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
+    from ptd_jax.config import PAPER_TABLE_1
+
+    assert PUBLISHED_TFLOPS_PER_GPU == {r.name: r.published_tflops_per_gpu for r in PAPER_TABLE_1}
+    row = predict_row(PAPER_TABLE_1[0])
+    assert row["num_gpus"] == 32 and row["tensor_model_parallel_size"] == 1 and row["tflops_per_gpu"] > 0
