@@ -6,11 +6,10 @@ Three figures, because they answer different questions:
   out, fc1, fc2; scores and context), backward twice that; the logit layer 2hV forward. With F = 4h this is
   72 B s l h² (1 + s/(6h)) + 6 B s h V.
 - hardware FLOPs: what was executed — model FLOPs plus recomputation (`--recompute-granularity`: selective
-  recomputes the attention core 4sh per layer and token, full the layer's forward) and, on a pipeline, what the
-  lockstep table runs beyond that: every backward recomputes its chunk's forward (the stash holds chunk inputs,
-  `parallel/pipeline/executor.py`), and under "uniform" branching idle cells compute on a dummy and the output
-  layer runs on every rank of the ticks that need it (counted from the table, `experiments/pipeline_flops.py`
-  checks the same counts on the traced program).
+  recomputes Q·Kᵀ, 2sh per layer and token, full the layer's forward but fc2, as JAX's remat runs them) and, on a pipeline, what the
+  lockstep table runs beyond that (`parallel/pipeline/executor.py`): under "uniform" branching idle cells compute
+  on a dummy and the output layer runs on every rank of the ticks that need it (counted from the table;
+  `experiments/pipeline_flops.py` counts the same on the traced program).
 - eq. (3), the paper's "achieved teraFLOP/s" numerator, as published (full recomputation, F = 4h assumed):
       F = 96 B s l h² (1 + s/(6h) + V/(16 l h))
 
@@ -64,11 +63,19 @@ def model_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_si
     return 3 * (cfg.num_layers * layer_forward_flops(cfg, tokens) + head_forward_flops(cfg, tokens, V))
 
 
+def selective_recompute_flops(cfg: ModelConfig, tokens: float) -> float:
+    """What "selective" runs again per layer: Q·Kᵀ (2 s h per token). The context matmul's output is not needed by
+    the backward, so JAX's remat drops its recomputation (counted on the traced step, tests/train/test_flops.py);
+    Megatron's checkpointed core attention reruns both."""
+    return 2 * tokens * cfg.seq_length * cfg.hidden_size
+
+
 def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recompute: str) -> float:
-    """The extra forward work of `--recompute-granularity` (paper §3.5) without pipelining."""
+    """The extra forward work of `--recompute-granularity` (paper §3.5) in the single-stage step (p = 1): selective
+    Q·Kᵀ, full the layer's forward except fc2, whose output the backward does not need (JAX's remat drops it)."""
     tokens = global_batch_size * cfg.seq_length
-    per_layer = {"none": 0.0, "selective": attention_core_flops(cfg, tokens),
-                 "full": layer_forward_flops(cfg, tokens)}[recompute]
+    per_layer = {"none": 0.0, "selective": selective_recompute_flops(cfg, tokens),
+                 "full": layer_forward_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size}[recompute]
     return cfg.num_layers * per_layer
 
 
@@ -76,9 +83,10 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
                                  recompute: str = "none", sched=None, branching: str = "uniform") -> float:
     """FLOPs executed by all devices in one iteration. Without a pipeline schedule (p = 1): model FLOPs plus the
     recomputation. With one (a `parallel.pipeline.Schedule`): summed over its ticks as the lockstep executor runs
-    them — a forward cell runs its chunk; a backward cell recomputes the chunk's forward and runs the backward
-    (2×), plus the attention core again under "selective", plus the output layer (3× its forward) on the last
-    virtual stage; under "uniform" every rank runs its tick's branch, idle ones on a dummy."""
+    them — a forward cell runs its chunk; a backward cell runs the chunk's backward (2×) after recomputing its
+    whole forward under "full" (the stash holds chunk inputs; `jax.vjp` keeps the chunk's output) or Q·Kᵀ under
+    "selective" (the stash holds the vjp residuals), plus the output layer (forward and backward, 3× its forward) on the last virtual stage;
+    under "uniform" every rank runs its tick's branch, idle ones on a dummy."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
     if sched is None:
         return model_flops_per_iteration(cfg, global_batch_size, V) + recompute_flops_per_iteration(
@@ -86,7 +94,8 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
     tokens = global_batch_size * cfg.seq_length / sched.m  # one microbatch, over all data-parallel replicas
     layers = cfg.num_layers / (sched.p * sched.v)
     chunk_f = layers * layer_forward_flops(cfg, tokens)
-    chunk_b = 3 * chunk_f + (layers * attention_core_flops(cfg, tokens) if recompute == "selective" else 0.0)
+    recomputed = {"none": 0.0, "selective": layers * selective_recompute_flops(cfg, tokens), "full": chunk_f}
+    chunk_b = 2 * chunk_f + recomputed[recompute]
     head_b = 3 * head_forward_flops(cfg, tokens, V)
     last = sched.p * sched.v - 1
     total = 0.0

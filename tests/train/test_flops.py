@@ -58,34 +58,56 @@ def test_model_flops_follow_the_ffn_width():
 
 
 def test_hardware_flops_by_recompute_policy():
-    cfg = model_preset("paper-1.7b")
-    B, s, l, h = 512, 2048, 24, 2304
-    model = model_flops_per_iteration(cfg, B)
-    assert hardware_flops_per_iteration(cfg, B, recompute="none") == model
-    assert hardware_flops_per_iteration(cfg, B, recompute="selective") == pytest.approx(
-        model + 4 * B * s * s * h * l, rel=1e-12)
-    assert hardware_flops_per_iteration(cfg, B, recompute="full") == pytest.approx(flops_per_iteration(cfg, B),
-                                                                                  rel=1e-12)  # eq. (3) is "full"
+    """Matmul FLOPs of jax.grad of model.loss_sum (2 layers, h 256, s 256, V 6400, B 2), counted on its jaxpr with
+    experiments/pipeline_flops.dot_flops: none 10,670,309,376; selective 10,804,527,104 (+ Q·Kᵀ, 2·s·h per
+    token-layer: remat drops the context matmul, whose output the backward does not need); full 12,012,486,656
+    (+ the layer's forward but fc2, for the same reason)."""
+    from ptd_jax.config import ModelConfig
+
+    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
+    assert hardware_flops_per_iteration(cfg, 2, 6400, "none") == 10_670_309_376 == model_flops_per_iteration(
+        cfg, 2, 6400)
+    assert hardware_flops_per_iteration(cfg, 2, 6400, "selective") == 10_804_527_104
+    assert hardware_flops_per_iteration(cfg, 2, 6400, "full") == 12_012_486_656
+
+
+BENCH = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
 
 
 @pytest.mark.parametrize("case", [
-    # experiments/results/pipeline_flops.json: matmul FLOPs counted on the traced executor's jaxpr (recompute
-    # full), per device: (model, schedule, p, v, m, t, uniform per rank, per-rank per rank)
-    (dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256), "1f1b", 4, 1, 8,
-     1, 102810779648.0, [60129542144.0] * 3 + [80262201344.0]),
-    (dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256), "interleaved",
-     4, 2, 8, 1, 91536490496.0, [60129542144.0] * 3 + [80262201344.0]),
-    ("1.3b", "1f1b", 4, 1, 16, 2, 64991445123072.0, [46179488366592.0] * 3 + [56332791054336.0]),
+    # Matmul FLOPs counted on the traced executor's jaxpr by experiments/pipeline_flops.py (recompute full:
+    # results/pipeline_flops.json; none and selective: the same `measure` with the step's recompute set), per
+    # device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
+    (BENCH, "1f1b", 4, 1, 8, 1, "full", 102810779648.0, [60129542144.0] * 3 + [80262201344.0]),
+    (BENCH, "interleaved", 4, 2, 8, 1, "full", 91536490496.0, [60129542144.0] * 3 + [80262201344.0]),
+    ("1.3b", "1f1b", 4, 1, 16, 2, "full", 64991445123072.0, [46179488366592.0] * 3 + [56332791054336.0]),
+    (BENCH, "1f1b", 4, 1, 8, 1, "none", 82141249536.0, [45097156608.0] * 3 + [65229815808.0]),
+    (BENCH, "1f1b", 4, 1, 8, 1, "selective", 83617644544.0, [46170898432.0] * 3 + [66303557632.0]),
 ])
 def test_pipeline_hardware_flops_equal_the_traced_executor(case):
     from ptd_jax.config import ModelConfig
     from ptd_jax.parallel.pipeline import build
 
-    model, schedule, p, v, m, t, uniform, per_rank = case
+    model, schedule, p, v, m, t, recompute, uniform, per_rank = case
     cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
     sched = build(schedule, p, v, m)
     V = cfg.padded_vocab_size(t)
-    assert hardware_flops_per_iteration(cfg, m, V, "full", sched, "uniform") == pytest.approx(uniform * p * t,
-                                                                                              rel=1e-12)
-    assert hardware_flops_per_iteration(cfg, m, V, "full", sched, "per-rank") == pytest.approx(sum(per_rank) * t,
-                                                                                               rel=1e-12)
+    assert hardware_flops_per_iteration(cfg, m, V, recompute, sched, "uniform") == pytest.approx(uniform * p * t,
+                                                                                                rel=1e-12)
+    assert hardware_flops_per_iteration(cfg, m, V, recompute, sched, "per-rank") == pytest.approx(
+        sum(per_rank) * t, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_per_rank_pipeline_runs_the_model_flops_plus_the_recomputation_only(schedule, v):
+    """Under "per-rank" branching no idle cell computes, so a pipeline executes what one device would: the model
+    FLOPs, plus the recomputation of the policy (none: the stashed vjp residuals, nothing again); under "full" the
+    pipeline recomputes each chunk's whole forward (fc2 included: `jax.vjp` keeps the output)."""
+    from ptd_jax.parallel.pipeline import build
+
+    cfg = model_preset("gpt2-small")
+    sched = build(schedule, 4, v, 8)
+    for recompute in ("none", "selective"):
+        assert hardware_flops_per_iteration(cfg, 16, None, recompute, sched, "per-rank") == pytest.approx(
+            hardware_flops_per_iteration(cfg, 16, None, recompute), rel=1e-12)
+    assert hardware_flops_per_iteration(cfg, 16, None, "none", sched, "uniform") > model_flops_per_iteration(cfg, 16)
