@@ -18,7 +18,7 @@ from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS,
                             ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
 from ptd_jax.data import DataError, IndexedDataset, parse_split
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
-from ptd_jax.data.tokenizer import ByteTokenizer
+from ptd_jax.data.tokenizer import ByteTokenizer, add_tokenizer_args, training_tokenizer
 
 DEMO_PRESET = "tiny"
 MAX_FAKE_DEVICES = 256
@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--vocab-size", type=int, help="V of data made with another tokenizer (default: the byte "
-                   "tokenizer's 257)")
+    g.add_argument("--vocab-size", type=int, help="V of data made with another tokenizer (default: "
+                   "--tokenizer-type's vocabulary size)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=finite_float, default=0.0)
     g.add_argument("--attention-dropout", type=finite_float, default=0.0)
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data, checkpoints, logging")
     g.add_argument("--data-path", help="prefix of a .bin/.idx pair (default: the embedded stdlib corpus)")
+    add_tokenizer_args(g, default=None, help_default="the data's tokenizer; V is its vocabulary size (default: "
+                       "ByteTokenizer, 257)")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--data-cache-path", help="where the data's index arrays are cached (default: a cache/ folder "
                    "beside the data)")
@@ -152,7 +154,7 @@ def fill_defaults(args) -> None:
             setattr(args, name, value)
 
 
-def model_config_from_args(args) -> ModelConfig:
+def model_config_from_args(args, tokenizer=None) -> ModelConfig:
     base = model_preset(args.model_preset)
     overrides = {name: getattr(args, name) for name in
                  ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -160,7 +162,8 @@ def model_config_from_args(args) -> ModelConfig:
     return base.replace(
         **overrides,
         # the data's tokenizer decides V, as in Megatron
-        vocab_size=ByteTokenizer.vocab_size if args.vocab_size is None else args.vocab_size,
+        vocab_size=(tokenizer.vocab_size if tokenizer is not None else ByteTokenizer.vocab_size
+                    if args.vocab_size is None else args.vocab_size),
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
@@ -342,7 +345,8 @@ def run(argv=None) -> dict:
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's info/warnings; our own lines say what happened
 
-    model_cfg = check_default_kernels(model_config_from_args(args), args)
+    tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
+    model_cfg = check_default_kernels(model_config_from_args(args, tokenizer), args)
     train_cfg = train_config_from_args(args)
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
     check_implemented(parallel)
@@ -364,7 +368,7 @@ def run(argv=None) -> dict:
                          progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
                          load_optim=not args.no_load_optim, finetune=args.finetune,
                          override_data_config=args.override_data_config, data_cache_path=args.data_cache_path,
-                         async_save=args.async_save)
+                         async_save=args.async_save, tokenizer=tokenizer.describe() if tokenizer else None)
     return train(model_cfg, parallel, train_cfg, options)
 
 

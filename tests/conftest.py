@@ -32,3 +32,17 @@ def small_corpus(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("data") / "small_text_document")
     build_indexed_dataset([str(root)], prefix, progress=False)
     return prefix
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(tmp_path_factory):
+    """(vocab.json, merges.txt) of a tiny GPT-2-format byte-level BPE (at most 400 tokens, `<|endoftext|>` = 0), trained
+    here on TEXT and a little Unicode: nothing is downloaded."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    folder = tmp_path_factory.mktemp("gpt2_bpe")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([TEXT * 3, "The quick brown fox jumps over the lazy dog. héllo wörld ✓ 日本語"],
+                            vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"], show_progress=False)
+    vocab, merges = bpe.save_model(str(folder))
+    return vocab, merges

@@ -57,6 +57,17 @@ def pre(*inputs, prefix="out", extra=()):
     return ["--input", *inputs, "--output-prefix", prefix, "--no-progress", *extra]
 
 
+def gpt2(vocab=None, merges=None, flags=("--vocab-file", "vocab.json", "--merge-file", "merges.txt")) -> list[str]:
+    """--tokenizer-type GPT2BPETokenizer on a hand-made vocab.json and merges.txt in the case's folder (the byte
+    alphabet, "he" and <|endoftext|>; one merge), either file's text replaced by `vocab` or `merges`."""
+    from tokenizers import pre_tokenizers
+
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "<|endoftext|>"]
+    write("vocab.json", json.dumps({s: i for i, s in enumerate(symbols)}) if vocab is None else vocab)
+    write("merges.txt", "#version: 0.2\nh e\n" if merges is None else merges)
+    return ["--tokenizer-type", "GPT2BPETokenizer", *flags]
+
+
 ASCII = b"plain text line\n" * 600  # 9600 bytes: past the 8 KiB sniff
 
 PREPROCESS_CASES = [
@@ -98,6 +109,25 @@ PREPROCESS_CASES = [
     (lambda: pre(write("in/skip.bin", "x") and "in"), "no input files found in ['in']"),
     (lambda: ["--input", write("a.txt", "x")], "the following arguments are required: --output-prefix"),
     (lambda: pre(write("a.txt", "x"), extra=["--tokenizer-type", "gpt2"]), "argument --tokenizer-type: invalid"),
+    # tokenizer files (GPT-2's vocab.json and merges.txt) that do not parse
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab="{not json")),
+     "--vocab-file 'vocab.json' is not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab="[1, 2]")), "--vocab-file 'vocab.json' holds list, not an"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab=b"\xff\xfe{}")), "'vocab.json' is not UTF-8 text"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab='{"a": 0, "b": 0}')), "ids must be the integers 0..1"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab='{"a": 0}')), "lacks 255 of the 256 byte-level symbols"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(flags=("--vocab-file", "vocab.json", "--merge-file", "no.txt"))),
+     "--merge-file 'no.txt' cannot be read: No such file or directory"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(merges="#version: 0.2\nhello\n")),
+     "--merge-file 'merges.txt' line 2 is 'hello', expected two symbols separated by one space"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(merges="zz qq\n")),
+     "--merge-file 'merges.txt' line 1 merges 'zz qq', but 'zz' is not in the vocab file"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(merges=np.random.default_rng(0).bytes(512))),
+     "--merge-file 'merges.txt' is not UTF-8 text"),
+    (lambda: pre(write("a.txt", "x"), extra=gpt2(flags=())),
+     "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    (lambda: pre(write("a.txt", "x"), extra=["--vocab-file", write("v.json", "{}")]),
+     "--vocab-file belong to --tokenizer-type GPT2BPETokenizer, not ByteTokenizer"),
 ]
 
 SCHEDULE_CASES = [
@@ -146,6 +176,13 @@ def test_bad_input(tool, make_argv, fragment, tmp_path, monkeypatch, capsys):
     assert fragment in err[0]
     assert "Traceback" not in err[0]
     assert files_under(tmp_path) == before
+
+
+def test_the_hand_made_gpt2_files_load(tmp_path, monkeypatch, capsys):
+    """The tokenizer rows above fail on what each replaces, not on the rest of `gpt2()`'s files."""
+    monkeypatch.chdir(tmp_path)
+    assert preprocess.main(pre(write("a.txt", "hehe"), extra=gpt2())) == 0
+    assert IndexedDataset("out_text_document")[0].tolist() == [256, 256, 257]  # "he" "he" <|endoftext|>
 
 
 def test_ctrl_c_in_preprocess_leaves_nothing(tmp_path, monkeypatch, capsys):

@@ -90,6 +90,18 @@ CASES = [
     (["--plot-dir", "afile"], "plot_dir='afile' exists and is not a folder"),
     (["--metrics-file", "adir"], "metrics_file='adir' is a folder"),
     (["--load", "afile"], "load='afile' exists and is not a folder"),
+    # the tokenizer: flags and files that do not parse ({vocab}, {merges}: a tiny GPT-2 vocab.json and merges.txt)
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "afile", "--merge-file", "{merges}"],
+     "--vocab-file 'afile' is not valid JSON (Expecting value at line 1 column 1)"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{vocab}", "--merge-file", "nope.txt"],
+     "--merge-file 'nope.txt' cannot be read: No such file or directory"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{vocab}", "--merge-file", "afile"],
+     "--merge-file 'afile' line 1 is 'a regular file', expected two symbols separated by one space"),
+    (["--tokenizer-type", "ByteTokenizer", "--vocab-size", "300"],
+     "give one of --vocab-size 300 and --tokenizer-type ByteTokenizer (which decides V), not both"),
+    (["--vocab-file", "{vocab}"], "--vocab-file and --merge-file need --tokenizer-type GPT2BPETokenizer"),
+    (["--tokenizer-type", "gpt2"], "argument --tokenizer-type: invalid choice: 'gpt2'"),
     # data
     (["--data-path", "nothing"], "missing file"),
     (["--data-path", "corrupt", *D8], "has 100 bytes but"),
@@ -129,8 +141,8 @@ def _files(root: Path) -> set:
 
 
 @pytest.mark.parametrize("args, message", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, saved_run, small_corpus, tmp_path,
-                                                            monkeypatch, capsys):
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, saved_run, small_corpus, gpt2_files,
+                                                            tmp_path, monkeypatch, capsys):
     (tmp_path / "afile").write_text("a regular file")
     (tmp_path / "adir").mkdir()
     (tmp_path / "junk" / "5").mkdir(parents=True)
@@ -138,7 +150,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, saved
     (tmp_path / "corrupt.bin").write_bytes(Path(small_corpus + ".bin").read_bytes()[:100])
     (tmp_path / "corrupt.idx").write_bytes(Path(small_corpus + ".idx").read_bytes())
     monkeypatch.chdir(tmp_path)
-    fill = {"ckpt": str(saved_run), "corpus": small_corpus}
+    fill = {"ckpt": str(saved_run), "corpus": small_corpus, "vocab": gpt2_files[0], "merges": gpt2_files[1]}
     argv = [a.format(**fill) for a in args]
     before, saved_before = _files(tmp_path), _files(saved_run)
     capsys.readouterr()

@@ -1,6 +1,8 @@
-"""`ptd-preprocess`: text files, folders or JSONL -> a Megatron .bin/.idx pair (byte-level tokens, EOD appended).
+"""`ptd-preprocess`: text files, folders or JSONL -> a Megatron .bin/.idx pair (tokens, EOD appended).
 
-Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]`.
+Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]
+[--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file vocab.json --merge-file merges.txt]`. Token ids
+are stored as uint16 when the vocabulary is under 65,500 (both tokenizers here), else int32, as Megatron does.
 Like Megatron's tools/preprocess_data.py, the pair is written as PREFIX_<key>_document.{bin,idx}. A plain file is
 one document; a .jsonl/.json file gives one document per line (the values of --json-keys, which must be JSON
 strings); a folder is walked recursively for files with the given --extensions. The writer also stores the token
@@ -31,7 +33,7 @@ from tqdm import tqdm
 from ptd_jax.argparsing import OneLineParser
 from ptd_jax.data.indexed_dataset import (DataError, IndexedDatasetError, IndexedDatasetWriter, best_dtype,
                                           bin_path, idx_path)
-from ptd_jax.data.tokenizer import ByteTokenizer
+from ptd_jax.data.tokenizer import ByteTokenizer, add_tokenizer_args, build_tokenizer
 
 DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -129,10 +131,12 @@ def iter_documents(path: Path, json_keys: list[str], invalid: dict):
 
 
 def build_indexed_dataset(inputs: list[str], output_prefix: str, *, json_keys=("text",), append_eod: bool = True,
-                          extensions=DEFAULT_EXTENSIONS, progress: bool = True, desc: str = "preprocess") -> dict:
-    """Tokenize every document of `inputs` into output_prefix.{bin,idx}; returns counts. The inputs are found and
-    sniffed before the output is opened; nothing is left on disk when it fails (`IndexedDatasetWriter`)."""
-    tokenizer = ByteTokenizer()
+                          extensions=DEFAULT_EXTENSIONS, progress: bool = True, desc: str = "preprocess",
+                          tokenizer=None) -> dict:
+    """Tokenize every document of `inputs` into output_prefix.{bin,idx} (`tokenizer`: default the byte
+    tokenizer); returns counts. The inputs are found and sniffed before the output is opened; nothing is left on
+    disk when it fails (`IndexedDatasetWriter`)."""
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     files = collect_files(inputs, extensions)
     if not files:
         raise DataError(f"no input files found in {inputs} (extensions {list(extensions)})")
@@ -154,7 +158,8 @@ def build_indexed_dataset(inputs: list[str], output_prefix: str, *, json_keys=("
                 tokens += len(ids)
         if docs == 0:
             raise DataError(f"the corpus {inputs} is empty: {len(files)} file(s) hold no text")
-    stats = {"documents": docs, "tokens": tokens, "files": len(files), "prefix": output_prefix}
+    stats = {"documents": docs, "tokens": tokens, "files": len(files), "prefix": output_prefix,
+             "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size}
     if invalid:
         stats.update(replaced_bytes=sum(invalid.values()), replaced_in=sorted(invalid)[:10])
     return stats
@@ -192,16 +197,17 @@ def main(argv=None) -> int:
     parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--extensions", nargs="+", default=list(DEFAULT_EXTENSIONS),
                         help="file suffixes taken from folders (the dot is optional)")
-    parser.add_argument("--tokenizer-type", default="byte", choices=["byte"])
+    add_tokenizer_args(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
     args = parser.parse_args(argv)
     key = "_".join(args.json_keys)
     prefix = f"{args.output_prefix}_{key}_document"
     extensions = tuple(e if e.startswith(".") else f".{e}" for e in args.extensions)
     try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
         check_output_prefix(args.output_prefix, prefix)
         stats = build_indexed_dataset(args.input, prefix, json_keys=args.json_keys, append_eod=args.append_eod,
-                                      extensions=extensions, progress=not args.no_progress)
+                                      extensions=extensions, progress=not args.no_progress, tokenizer=tokenizer)
     except (DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-preprocess: error: {err}", file=sys.stderr)
         return 2
@@ -212,7 +218,9 @@ def main(argv=None) -> int:
         print(f"ptd-preprocess: warning: {stats['replaced_bytes']} invalid UTF-8 byte(s) replaced by U+FFFD, "
               f"e.g. in {stats['replaced_in'][0]}", file=sys.stderr)
     print(json.dumps(stats))
-    print(f"train with: ptd-train --data-path {prefix}", file=sys.stderr)
+    files = (f" --tokenizer-type {tokenizer.name} --vocab-file {tokenizer.vocab_file} --merge-file "
+             f"{tokenizer.merge_file}" if tokenizer.name == "GPT2BPETokenizer" else "")
+    print(f"train with: ptd-train --data-path {prefix}{files}", file=sys.stderr)
     return 0
 
 

@@ -4,7 +4,8 @@ A checkpoint is one orbax step folder with three items:
 - "params" and "opt_state": the state in the canonical form of `parallel/sharding.py` (layers [L, ...] in model
   order, the unpadded vocabulary, Adam moments alike), so a step written under any (d, p, t, v) loads under any
   other;
-- "meta" (JSON): iteration, consumed samples, the dropout key, the data configuration and the run's configs.
+- "meta" (JSON): iteration, consumed samples, the dropout key, the data configuration, the data's tokenizer (for
+  ptd-generate) and the run's configs.
 
 Saving is asynchronous: `Checkpointer.save` blocks only for the device-to-host copy, and orbax writes the step under
 a temporary name that it renames when complete, so a crash (SIGKILL included) mid-save leaves the previous step
@@ -101,9 +102,10 @@ class Checkpointer:
 
 
 def run_meta(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig, *, consumed_samples: int,
-             rng_key, data_config: dict) -> dict:
-    """The "meta" item of a step (JSON): what a resume needs besides the arrays."""
-    return {"consumed_samples": consumed_samples,
+             rng_key, data_config: dict, tokenizer: dict | None = None) -> dict:
+    """The "meta" item of a step (JSON): what a resume needs besides the arrays, and the data's tokenizer (for
+    ptd-generate)."""
+    return {"consumed_samples": consumed_samples, "tokenizer": tokenizer,
             "rng_key": [int(x) for x in jax.device_get(jax.random.key_data(rng_key)).ravel()],
             "data": data_config,
             "model": dataclasses.asdict(model_cfg), "parallel": dataclasses.asdict(parallel),
@@ -199,11 +201,12 @@ def set_step(state, iteration: int, mesh):
     return {**state, "step": jax.device_put(jnp.asarray(iteration, jnp.int32), jax.sharding.NamedSharding(mesh, P()))}
 
 
-def save_params(directory, model_cfg: ModelConfig, params, step: int = 0) -> None:
+def save_params(directory, model_cfg: ModelConfig, params, step: int = 0, tokenizer: dict | None = None) -> None:
     """A parameters-only checkpoint of canonical `params` (what `ptd-convert from-hf` writes); it loads with
     `--load D --finetune` under any layout."""
     meta = {"format_version": FORMAT_VERSION, "iteration": step, "consumed_samples": 0, "rng_key": None,
-            "data": {}, "model": dataclasses.asdict(model_cfg), "parallel": {}, "train": {}, "params_only": True}
+            "data": {}, "model": dataclasses.asdict(model_cfg), "parallel": {}, "train": {}, "params_only": True,
+            "tokenizer": tokenizer}
     with _manager(directory, create=True) as manager:
         manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                    meta=ocp.args.JsonSave(meta)), force=True)

@@ -64,6 +64,8 @@ class RunOptions:
     data_cache_path: str | None = None
     """Where the data's index arrays are cached (default: a cache/ folder beside the data)."""
     async_save: bool = True
+    tokenizer: dict | None = None
+    """The data's tokenizer (`data.tokenizer`'s describe()), recorded in checkpoints for ptd-generate."""
 
 
 def iteration_flops(model_cfg, parallel, train_cfg, sched=None) -> dict[str, float]:
@@ -182,7 +184,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
 
     def save(done):
         meta = checkpoint.run_meta(model_cfg, parallel, train_cfg, consumed_samples=consumed + (done - start) * B,
-                                   rng_key=dropout_key, data_config=data.data_config())
+                                   rng_key=dropout_key, data_config=data.data_config(), tokenizer=options.tokenizer)
         saver.save(done, state, meta)
 
     saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,

@@ -54,3 +54,24 @@ def test_missing_input_and_bad_json(tmp_path, capsys):
                  "--no-progress"]) == 2
     assert "bad.jsonl:2 is not valid JSON" in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))
+
+
+def test_gpt2_bpe_tokens_as_uint16(gpt2_files, tmp_path, capsys):
+    """--tokenizer-type GPT2BPETokenizer: each document is the tokenizer's encoding plus its <|endoftext|>, stored
+    as uint16 (V < 65,500, Megatron's rule), and the hint names the flags ptd-train needs."""
+    from ptd_jax.data.tokenizer import GPT2BPETokenizer
+
+    texts = ["def fibonacci(n):\n    return a", "héllo wörld ✓"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1]]
+    assert main(["--input", str(tmp_path / "d.jsonl"), "--output-prefix", str(tmp_path / "o"), "--no-progress",
+                 *flags]) == 0
+    out, err = capsys.readouterr()
+    tok = GPT2BPETokenizer(*gpt2_files)
+    assert json.loads(out.splitlines()[-1])["tokenizer"] == "GPT2BPETokenizer"
+    assert f"--tokenizer-type GPT2BPETokenizer --vocab-file {tok.vocab_file} --merge-file {tok.merge_file}" in err
+    ds = IndexedDataset(tmp_path / "o_text_document")
+    assert ds.dtype == np.uint16 and len(ds) == 2
+    for i, text in enumerate(texts):
+        np.testing.assert_array_equal(ds[i], [*tok.encode(text), tok.eod])
+        assert tok.decode(ds[i][:-1]) == text
