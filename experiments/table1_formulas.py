@@ -18,8 +18,9 @@ def rows(tokens: float) -> list[dict]:
     out = []
     for row in PAPER_TABLE_1:
         cfg = model_preset(f"paper-{row.name.lower()}")
-        params = num_params(cfg)
-        flops = flops_per_iteration(cfg, row.global_batch_size)
+        vocab = cfg.padded_vocab_size(row.tensor_model_parallel_size)  # 51,200 at the row's t
+        params = num_params(cfg, vocab)
+        flops = flops_per_iteration(cfg, row.global_batch_size, vocab)
         out.append({
             "model": row.name,
             "heads": row.num_attention_heads, "hidden": row.hidden_size, "layers": row.num_layers,
@@ -27,7 +28,7 @@ def rows(tokens: float) -> list[dict]:
             "batch": row.global_batch_size,
             "params_eq2_billion": params / 1e9, "published_params_billion": row.published_params_billion,
             "flops_per_iteration_eq3": flops,
-            "model_flops_per_iteration": model_flops_per_iteration(cfg, row.global_batch_size),
+            "model_flops_per_iteration": model_flops_per_iteration(cfg, row.global_batch_size, vocab),
             "published_tflops_per_gpu": row.published_tflops_per_gpu,
             "implied_iteration_time_s": flops / (row.num_gpus * row.published_tflops_per_gpu * 1e12),
             "training_days_eq4": training_days(tokens, params, row.num_gpus, row.published_tflops_per_gpu),

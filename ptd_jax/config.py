@@ -352,23 +352,28 @@ PAPER_TABLE_1: tuple[PaperRow, ...] = (
     PaperRow("1T", 160, 25600, 128, 8, 64, 3072, 3072, 1008.0, 163),
 )
 
+GPT2_VOCAB_SIZE = 50257
+"""GPT-2's BPE vocabulary (`--tokenizer-type GPT2BPETokenizer` on its vocab.json), the paper's tokenizer."""
 PAPER_VOCAB_SIZE = 51200
+"""Table 1's V: GPT-2's 50,257 padded to a multiple of 1024 = 128 · 8 (Megatron's rule at t = 8)."""
 PAPER_SEQ_LENGTH = 2048
 
 
 def _paper_preset(row: PaperRow) -> ModelConfig:
+    """The row's model; padded at the row's own t, V is the paper's 51,200 (divisor 1024 / t: 128 at t = 8)."""
     return ModelConfig(num_layers=row.num_layers, hidden_size=row.hidden_size,
                        num_attention_heads=row.num_attention_heads, seq_length=PAPER_SEQ_LENGTH,
-                       vocab_size=PAPER_VOCAB_SIZE)
+                       vocab_size=GPT2_VOCAB_SIZE,
+                       make_vocab_size_divisible_by=1024 // row.tensor_model_parallel_size)
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Small enough to train to a visibly falling loss on a 2-core CPU in a few minutes.
     "tiny": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257),
     "gpt2-small": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
-                              vocab_size=50257),
+                              vocab_size=GPT2_VOCAB_SIZE),
     "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
-                        vocab_size=50257),
+                        vocab_size=GPT2_VOCAB_SIZE),
     **{f"paper-{row.name.lower()}": _paper_preset(row) for row in PAPER_TABLE_1},
 }
 
@@ -396,5 +401,6 @@ def to_dict(config) -> dict:
 
 __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PaperRow", "PAPER_TABLE_1",
-    "MODEL_PRESETS", "model_preset", "paper_parallel_config", "pad_vocab_size", "to_dict",
+    "MODEL_PRESETS", "GPT2_VOCAB_SIZE", "PAPER_VOCAB_SIZE", "model_preset", "paper_parallel_config",
+    "pad_vocab_size", "to_dict",
 ]

@@ -93,8 +93,11 @@ def test_table1_presets_match_published_parameter_counts(row):
     cfg = model_preset(f"paper-{row.name.lower()}")
     assert (cfg.num_attention_heads, cfg.hidden_size, cfg.num_layers) == (row.num_attention_heads, row.hidden_size,
                                                                           row.num_layers)
-    assert cfg.padded_vocab_size() == 51200 and cfg.seq_length == 2048
-    assert abs(num_params(cfg) / 1e9 - row.published_params_billion) <= 0.051
+    t = row.tensor_model_parallel_size
+    # GPT-2's vocabulary, padded at the row's t to the paper's 51,200 (Megatron's 128 · t at t = 8)
+    assert (cfg.vocab_size, cfg.padded_vocab_size(t), cfg.seq_length) == (50257, 51200, 2048)
+    assert t < 8 or cfg.make_vocab_size_divisible_by == 128
+    assert abs(num_params(cfg, cfg.padded_vocab_size(t)) / 1e9 - row.published_params_billion) <= 0.051
     layout = paper_parallel_config(row)
     assert layout.num_devices == row.num_gpus
     layout.check_model(cfg)
@@ -102,6 +105,7 @@ def test_table1_presets_match_published_parameter_counts(row):
 
 def test_other_presets():
     assert model_preset("gpt2-small").padded_vocab_size() == 50304
+    assert model_preset("gpt2-small").vocab_size == model_preset("1.3b").vocab_size == 50257
     assert model_preset("1.3b").num_layers == 24
     with pytest.raises(ConfigError, match="model preset 'gpt5'"):
         model_preset("gpt5")
