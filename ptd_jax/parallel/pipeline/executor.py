@@ -5,13 +5,19 @@ tick reads like the schedule: each pipeline rank
 
 1. reads its cell of the row and its inputs from the stash (before the switch: a buffer read and written inside a
    conditional is kept twice by XLA);
-2. runs the cell (a branch of `lax.switch`, see below):
-   - F: x = embedding (virtual stage 0) or the stashed activation; y = chunk(x);
-   - B: full recomputation — `jax.vjp` of the same stage function on the stashed input, with cotangent dy
-     (received from the next virtual stage) or d loss = 1/tokens on the last stage, whose recomputed forward also
-     yields the loss value; parameter gradients accumulate per chunk in float32;
-   - idle cells compute nothing ("per-rank") or a masked dummy ("uniform"); either way they write to a trash slot
-     and add nothing;
+2. runs the cell (a branch of `lax.switch`, see below). With `--recompute-granularity` none or selective
+   (Megatron's default, nothing or only the attention core recomputed):
+   - F: x = embedding (virtual stage 0) or the received activation; y, vjp = `jax.vjp(chunk, x)`; the vjp's
+     residuals go to the cell's stash slot (`stash.Residuals`: the weights among them are not stored but put back
+     at B), and y into its input's slot (on the last stage, the head's input);
+   - B: the last stage runs the head's forward and backward on y (its loss value is computed here), every stage
+     rebuilds the chunk's vjp from its residuals and applies it to the cotangent dy (received from the next
+     virtual stage, or the head's), and stage 0 transposes the embedding (a linear map of the word and position
+     rows: nothing stashed); parameter gradients accumulate per chunk in float32;
+   With `full` the stash holds chunk inputs and a B is `jax.vjp` of the whole stage on it: its chunk's forward
+   recomputed once (with the loss on the last stage).
+   Idle cells compute nothing ("per-rank") or a masked dummy ("uniform"); either way they write to a trash slot
+   and add nothing;
 3. sends: y to rank + 1 over "pipe" (rank p−1 -> 0 carries it into its next chunk: the ring that makes
    interleaving work), dx to rank − 1. Every rank issues the ring on every tick (docs/architecture.md, "Pipeline");
 4. writes what it received into the table's slot, and adds its gradients to the chunk's accumulator.
@@ -34,8 +40,7 @@ The parameters are cast to the compute dtype once per step, before the scan (wit
 weights, a bf16 copy of the rank's layers lives through the step: half their float32 size).
 
 Scatter/gather (§4.1): with t > 1 and no sequence parallelism, each tensor rank sends 1/t of the hidden dim; the
-receivers re-assemble it with an all-reduce of the zero-padded slices (jax 0.10 has no public all-gather whose
-result is typed tensor-invariant).
+receivers re-assemble it with an all-gather typed tensor-invariant (`all_gather(..., to="invarying")`).
 """
 
 from __future__ import annotations
@@ -156,12 +161,9 @@ def _scatter(x_BxSxD, t: int):
     return jax.lax.dynamic_slice_in_dim(x_BxSxD, jax.lax.axis_index(TENSOR) * width, width, axis=-1)
 
 
-def _gather(slice_BxSxDt, t: int, like):
-    """Re-assemble the hidden dim from the t slices (all-reduce of zero-padded slices: tensor-invariant result)."""
-    width = slice_BxSxDt.shape[-1]
-    padded = jnp.zeros(like.shape, like.dtype)
-    padded = jax.lax.dynamic_update_slice_in_dim(padded, slice_BxSxDt, jax.lax.axis_index(TENSOR) * width, -1)
-    return jax.lax.psum(padded, TENSOR)
+def _gather(slice_BxSxDt):
+    """Re-assemble the hidden dim from the t slices: an all-gather typed tensor-invariant, (t−1)/t·bsh bytes."""
+    return jax.lax.all_gather(slice_BxSxDt, TENSOR, axis=-1, tiled=True, to="invarying")
 
 
 def _zeros_like_typed(structs, like):
@@ -352,7 +354,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         # holds zeros or what a dummy cell computed from them).
         return jax.lax.switch(which, branches, cell, chunk_params, x_in, dy, loss_like, res_in)
 
-    def send(out, cell: Cell, like):
+    def send(out, cell: Cell):
         """The ring, issued by every rank on every tick: F outputs go to rank + 1, B input-gradients to rank − 1."""
         if use_scatter:
             out = _scatter(out, t)
@@ -361,7 +363,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         else:
             recv = jax.lax.cond(cell.is_forward, lambda z: jax.lax.ppermute(z, PIPE, _ring(p, 1)),
                                 lambda z: jax.lax.ppermute(z, PIPE, _ring(p, -1)), out)
-        return _gather(recv, t, like) if use_scatter else recv
+        return _gather(recv) if use_scatter else recv
 
     def write(carry: Carry, cell: Cell, out, recv, loss, d_chunk, d_shared, res_out) -> Carry:
         trash_act, trash_grad = carry.act.shape[0] - 1, carry.grad.shape[0] - 1
@@ -387,7 +389,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         x_in, dy = carry.act[cell.in_slot], carry.grad[cell.grad_slot]
         res_in = [buf[cell.in_slot] for buf in carry.res]
         out, loss, (d_chunk, d_shared), res_out = run_cell(which, cell, chunk_params, x_in, dy, carry.loss, res_in)
-        recv = send(out, cell, like=x_in)
+        recv = send(out, cell)
         return write(carry, cell, out, recv, loss, d_chunk, d_shared, res_out), None
 
     carry = Carry(

@@ -125,10 +125,13 @@ def _scan_bodies(jaxpr, length):
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_one_tick_issues_exactly_the_expected_collectives(sp):
-    """A tick is max(F, B) of: embedding (1 all-reduce or reduce-scatter), k layers (2 each forward, 2 each
-    backward), output layer input gradient (1), cross-entropy (max + 2 sums), one ring ppermute, and with
-    scatter/gather one all-reduce re-assembling the hidden dim. Nothing over "data" and no all-reduce over
-    "pipe" inside the loop: a stray one is the silent 2–4x gradient bug of the prototype."""
+    """The heaviest tick (recompute none, uniform) is the backward that holds the last stage's head and, on another
+    rank, stage 0's embedding: cross-entropy (max + 2 sums), the output layer's input gradient (1; under sequence
+    parallelism its forward all-gather too), k layers' backwards (2 each; under sequence parallelism 2
+    reduce-scatters and 2 all-gathers), the embedding's transpose (nothing; under sequence parallelism the
+    all-gather that transposes its reduce-scatter), no recomputed forward; outside the switch one ring ppermute
+    and, with scatter/gather, one all-gather re-assembling the hidden dim. Nothing over "data" and no all-reduce
+    over "pipe" inside the loop: a stray one is the silent 2–4x gradient bug of the prototype."""
     p, v, t, k = 2, 2, 2, 1
     cfg = model_cfg(p, x64=False)
     parallel = layout(2, p, t, "interleaved", v, sp)
@@ -144,10 +147,11 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     assert len(bodies) == 1
     counts = {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[0])).items()}
     if sp:
-        expected = {"reduce_scatter@tensor": 1 + 2 * k + 2 * k + 1, "all_gather@tensor": 2 * k + 1 + 2 * k + 1,
+        expected = {"reduce_scatter@tensor": 1 + 2 * k, "all_gather@tensor": 1 + 2 * k + 1,
                     "psum_invariant@tensor": 2, "pmax@tensor": 1, "ppermute@pipe": 1}
     else:
-        expected = {"psum_invariant@tensor": 1 + 2 * k + 2 + 2 * k + 1 + 1, "pmax@tensor": 1, "ppermute@pipe": 1}
+        expected = {"psum_invariant@tensor": 2 + 1 + 2 * k, "all_gather_invariant@tensor": 1, "pmax@tensor": 1,
+                    "ppermute@pipe": 1}
     assert counts == expected
 
 
@@ -300,22 +304,44 @@ def test_20_iteration_trace_matches_the_reference(small_corpus, tmp_path, d, p, 
 
 # --- recomputation -------------------------------------------------------------------------------------------------
 
-def _branch_dot_counts(recompute):
+def _branches(recompute):
+    """{variant: (matmuls, tensor collectives)} of each branch of the tick switch; p = 2, t = 2, 1F1B, per-rank
+    (stage 0's cells embed, stage 1's backward runs the head)."""
     cfg = model_cfg(2, x64=False)
-    parallel = layout(1, 2, 1, "1f1b", 1)
-    params = staged(gpt.init_params(jax.random.key(0), cfg), 2, 1)
+    parallel = layout(1, 2, 2, "1f1b", 1, branching="per-rank")
+    params = staged(gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=2), 2, 1)
     specs = sharding.param_specs(params, pipelined=True)
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
     jaxpr = jax.make_jaxpr(step)(params, *batch(parallel.num_microbatches))
-    body = next(_scan_bodies(jaxpr.jaxpr, pipeline_schedule(parallel).ticks))
+    sched = pipeline_schedule(parallel)
+    body = next(_scan_bodies(jaxpr.jaxpr, sched.ticks))
     switch = max((e for e in body.eqns if e.primitive.name == "cond"), key=lambda e: len(e.params["branches"]))
-    return [len(list(_dot_output_dims(branch.jaxpr))) for branch in switch.params["branches"]]
+    variants, _ = cell_variants(sched, "per-rank")
+    return {vr: (len(list(_dot_output_dims(br.jaxpr))),
+                 sum(c["count"] for c in summarize(jaxpr_collectives(br)).values()))
+            for vr, br in zip(variants, switch.params["branches"], strict=True)}
 
 
-def test_full_recomputation_recomputes_each_chunk_once():
-    """The backward already recomputes its chunk from the stashed input: "full" must not checkpoint each layer
-    inside it too (a second forward: more matmuls in every backward branch)."""
-    assert _branch_dot_counts("full") == _branch_dot_counts("none")
+def test_recomputation_runs_what_megatron_runs():
+    """Megatron's semantics, counted in the traced branches (a layer's matmuls appear once, in the scan body):
+    - none: a backward runs 2 matmuls per forward matmul (input and weight gradients) and recomputes nothing;
+    - selective: plus the attention core's scores matmul (the backward needs the softmax, not the context, so
+      autodiff recomputes only q·kᵀ; Megatron re-runs the core's second matmul too), and not one collective
+      more than none;
+    - full: plus the whole forward once (3 per forward matmul; before the fix, each layer was recomputed twice),
+      with its 2 collectives per layer and the embedding's all-reduce. The stage-0 backward (embedding, no head)
+      is the branch compared."""
+    counts = {r: _branches(r) for r in ("none", "selective", "full")}
+    fwd_dots = counts["none"][Variant("F")][0]
+    assert fwd_dots == 6  # qkv, scores, context, projection, fc1, fc2
+    for r in counts:
+        assert counts[r][Variant("F")] == counts["none"][Variant("F")]  # forwards are the same everywhere
+    dots = {r: counts[r][Variant("B", embed=True)][0] for r in counts}
+    assert dots == {"none": 2 * fwd_dots, "selective": 2 * fwd_dots + 1, "full": 3 * fwd_dots}
+    collectives = {r: counts[r][Variant("B", embed=True)][1] for r in counts}
+    k = 2  # layers per chunk; collectives are counted per layer (the scan's length times its body)
+    assert collectives["selective"] == collectives["none"] == 2 * k  # the transposes of each layer's two f's
+    assert collectives["full"] == collectives["none"] + 2 * k + 1
 
 
 @pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.slow)])
