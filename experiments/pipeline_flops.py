@@ -8,13 +8,15 @@ branch each tick (uniform) or cell (per-rank) runs, so:
   tick's branch on a dummy, so every rank executes the same FLOPs);
 - critical path = Σ over ticks of the largest cell's FLOPs (a lockstep tick lasts as long as its busiest rank);
 - Megatron, analytically (not from this code): every forward of a chunk of k layers costs
-  k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that plus a recomputed forward under recompute="full", and
-  the last stage adds the output layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
+  k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that, plus a recomputed forward under recompute="full" or the
+  attention core's two batched matmuls (k·4·b·s²·h/t) under "selective", and the last stage adds the output
+  layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
 The bench model is the one of `bench_interleaving.py` (paper's vocabulary/hidden ratio; GPipe, 1F1B and
 interleaved at p = 4, m = 8); the 1.3B preset runs 1F1B and interleaved at (p, m, t) = (4, 16, 2), v = 1 or 2,
 b = 1, traced on fake CPU devices.
 
-Usage: python -m experiments.pipeline_flops [--out experiments/results/pipeline_flops.json]
+Usage: python -m experiments.pipeline_flops [--recompute none|selective|full]
+       [--out experiments/results/pipeline_flops.json]
 """
 
 from __future__ import annotations
@@ -75,16 +77,17 @@ def scan_body(jaxpr, length):
     return None
 
 
-def megatron_flops(cfg, p, v, m, t, b=1):
-    """Per pipeline rank with recompute='full': every rank runs m·v chunk forwards and m·v backwards (each a
-    recomputed forward plus a backward of twice its cost); the last rank also the output layer, m times."""
+def megatron_flops(cfg, p, v, m, t, recompute="none", b=1):
+    """Per pipeline rank: every rank runs m·v chunk forwards and m·v backwards (twice a forward, plus what
+    `recompute` recomputes); the last rank also the output layer, m times."""
     s, h, k = cfg.seq_length, cfg.hidden_size, cfg.num_layers // (p * v)
     chunk_fwd = k * (24 * b * s * h * h + 4 * b * s * s * h) / t
+    recomputed = {"none": 0.0, "selective": k * 4 * b * s * s * h / t, "full": chunk_fwd}[recompute]
     head_fwd = 2 * b * s * h * cfg.padded_vocab_size(t) / t
-    return [m * v * 4 * chunk_fwd + (m * 3 * head_fwd if r == p - 1 else 0.0) for r in range(p)]
+    return [m * v * (3 * chunk_fwd + recomputed) + (m * 3 * head_fwd if r == p - 1 else 0.0) for r in range(p)]
 
 
-def measure(name, model, schedule, p, v, m, t):
+def measure(name, model, schedule, p, v, m, t, recompute="none"):
     import jax
     import numpy as np
 
@@ -96,9 +99,9 @@ def measure(name, model, schedule, p, v, m, t):
     from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
 
     cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
-    row = {"case": name, "p": p, "v": v, "m": m, "t": t, "num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
+    row = {"case": name, "recompute": recompute, "p": p, "v": v, "m": m, "t": t, "num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
            "seq": cfg.seq_length, "vocab_padded": cfg.padded_vocab_size(t)}
-    megatron = megatron_flops(cfg, p, v, m, t)
+    megatron = megatron_flops(cfg, p, v, m, t, recompute)
     for branching in ("uniform", "per-rank"):
         parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v, pipeline_schedule=schedule,
                                   tensor_model_parallel_size=t, micro_batch_size=1, global_batch_size=m,
@@ -107,7 +110,7 @@ def measure(name, model, schedule, p, v, m, t):
         abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t), jax.random.key(0))
         abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, p, v), abstract["layers"])}
         specs = sharding.param_specs(abstract, pipelined=True)
-        step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute="full")
+        step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
         batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
         jaxpr = jax.make_jaxpr(step)(abstract, batch, batch, batch)
         body = scan_body(jaxpr.jaxpr, sched.ticks)
@@ -135,23 +138,27 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results/pipeline_flops.json")
     parser.add_argument("--cases", nargs="+", default=[c[0] for c in CASES])
+    parser.add_argument("--recompute", nargs="+", choices=["none", "selective", "full"],
+                        default=["none", "selective", "full"])
     args = parser.parse_args(argv)
     from ptd_jax.parallel.mesh import set_fake_devices
 
     set_fake_devices(8)
-    rows = [measure(*case) for case in CASES if case[0] in args.cases]
+    rows = [measure(*case, recompute=r) for r in args.recompute for case in CASES if case[0] in args.cases]
     summary = {}
     for row in rows:
-        summary[row["case"]] = {
+        summary[f'{row["case"]} ({row["recompute"]})'] = {
             b: {"executed/megatron (last rank)": round(row[b]["executed_over_megatron_last_rank"], 4),
                 "critical_path_tflop": round(row[b]["critical_path_flops"] / 1e12, 4)}
             for b in ("uniform", "per-rank")}
+    by = {(r["case"], r["recompute"]): r for r in rows}
     for model in ("bench", "1.3b"):
-        one, inter = f"{model} 1f1b", f"{model} interleaved"
-        if one in summary and inter in summary:
+        for r in args.recompute:
+            one, inter = (f"{model} 1f1b", r), (f"{model} interleaved", r)
+            if one not in by or inter not in by:
+                continue
             for b in ("uniform", "per-rank"):
-                by = {r["case"]: r for r in rows}
-                summary[f"{model} critical path interleaved/1f1b ({b})"] = round(
+                summary[f"{model} critical path interleaved/1f1b ({b}, {r})"] = round(
                     by[inter][b]["critical_path_flops"] / by[one][b]["critical_path_flops"], 4)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))

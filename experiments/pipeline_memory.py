@@ -1,10 +1,13 @@
 """Activation memory of the pipeline executor against the schedule's stash (paper §2.2.1: 1F1B bounds the
 in-flight microbatches by p, GPipe holds all m), from XLA's `memory_analysis()` of the compiled gradient step.
 
-For GPipe and 1F1B at p = 4 and m ∈ {8, 32}, and interleaved (v = 2): temp bytes per device of the compiled step
-next to the table's peak stash × bytes per slot (one chunk input, b·s·h activations). Compiled, not run, on
-fake CPU devices. The executor stashes chunk inputs and recomputes each chunk in its backward, so its stash is
-the table's; the rest of the temp bytes is one tick's working set, which does not grow with m.
+For GPipe and 1F1B at p = 4 and m ∈ {8, 32}, and interleaved (v = 2), with `--recompute-granularity` none
+(Megatron's default: every F stashes its chunk's vjp residuals, nothing is recomputed) and full (the stash holds
+chunk inputs, every B recomputes its chunk): temp bytes per device of the compiled step next to the table's peak
+stash × bytes per slot (none: the residuals of one chunk and microbatch, as `stash.Residuals` traces them; full:
+one chunk input, b·s·h activations). Compiled, not run, on fake CPU devices. The rest of the temp bytes is one
+tick's working set, which does not grow with m. Megatron's activation formula (Korthikanti et al. 2022, per layer
+and 16-bit activations: s·b·h·(34 + 5·a·s/h) bytes) is printed next to the residual bytes for scale.
 
 Usage: python -m experiments.pipeline_memory [--out experiments/results/pipeline_memory.json]
 """
@@ -16,12 +19,38 @@ import json
 from pathlib import Path
 
 MODEL = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
-CASES = [("gpipe", 1, 8), ("gpipe", 1, 32), ("1f1b", 1, 8), ("1f1b", 1, 32), ("interleaved", 2, 8),
-         ("interleaved", 2, 32)]
+CASES = [(s, v, m, r) for r in ("none", "full") for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+         for m in (8, 32)]
 P = 4
 
 
-def measure(schedule, v, m):
+def residual_slot_bytes(cfg, layers_per_chunk: int, recompute: str) -> int:
+    """Bytes of one stash slot under `recompute` none/selective: the traced vjp residuals of a chunk (b = 1)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, PartitionSpec
+
+    from ptd_jax import model as gpt
+    from ptd_jax.parallel import tensor as tp
+    from ptd_jax.parallel.pipeline.stash import Residuals
+
+    mesh = jax.make_mesh((1,), ("tensor",), devices=jax.devices()[:1], axis_types=(AxisType.Auto,))
+    layers = jax.eval_shape(lambda key: gpt.init_params(key, cfg)["layers"], jax.random.key(0))
+    layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers_per_chunk, *a.shape[1:]), a.dtype), layers)
+    x = jax.ShapeDtypeStruct((1, cfg.seq_length, cfg.hidden_size), jnp.dtype(cfg.dtype))
+    found = {}
+
+    def body(lc, x):
+        found["bytes"] = Residuals.trace(lambda lc, x: tp.run_layers(lc, x, cfg, False, recompute=recompute),
+                                         lc, x).slot_bytes
+        return x
+
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec()),
+                                 out_specs=PartitionSpec()), layers, x)
+    return found["bytes"]
+
+
+def measure(schedule, v, m, recompute):
     import jax
     import numpy as np
 
@@ -39,16 +68,24 @@ def measure(schedule, v, m):
     abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, P, v), abstract["layers"])}
     specs = sharding.param_specs(abstract, pipelined=True)
     mesh = make_mesh(parallel)
-    step = make_parallel_grad_step(mesh, cfg, parallel, specs)
+    step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute)
     shardings = sharding.named(mesh, specs)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
     compiled = step.lower(params, batch, batch, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    slot_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # b = 1
-    return {"schedule": schedule, "p": P, "v": v, "m": m, "ticks": sched.ticks, "peak_stash": sched.peak_stash,
-            "activation_slots": sched.num_act_slots, "gradient_slots": sched.num_grad_slots,
-            "stash_bytes_rank0": sched.peak_stash[0] * slot_bytes, "temp_bytes_per_device": temp}
+    k = cfg.num_layers // (P * v)
+    act_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # one chunk input, b = 1
+    slot_bytes = act_bytes if recompute == "full" else residual_slot_bytes(cfg, k, recompute)
+    s_, h, a = cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
+    return {"schedule": schedule, "recompute": recompute, "p": P, "v": v, "m": m, "ticks": sched.ticks,
+            "peak_stash": sched.peak_stash, "activation_slots": sched.num_act_slots,
+            "gradient_slots": sched.num_grad_slots, "slot_bytes": slot_bytes,
+            "megatron_16bit_bytes_per_chunk": k * s_ * h * (34 + 5 * a * s_ / h) if recompute != "full"
+            else 2 * s_ * h,
+            "stash_bytes_rank0": sched.peak_stash[0] * slot_bytes,
+            "buffer_bytes_rank0": (sched.num_act_slots + 1) * (slot_bytes + (act_bytes if recompute != "full" else 0)),
+            "temp_bytes_per_device": temp}
 
 
 def main(argv=None) -> None:
@@ -59,12 +96,13 @@ def main(argv=None) -> None:
 
     set_fake_devices(P)
     rows = [measure(*case) for case in CASES]
-    by = {(r["schedule"], r["m"]): r for r in rows}
-    summary = {f"{s}: temp m=32 / m=8": by[(s, 32)]["temp_bytes_per_device"] / by[(s, 8)]["temp_bytes_per_device"]
-               for s in ("gpipe", "1f1b", "interleaved")}
+    by = {(r["schedule"], r["recompute"], r["m"]): r for r in rows}
+    summary = {f"{s} {r}: temp m=32 / m=8": by[(s, r, 32)]["temp_bytes_per_device"]
+               / by[(s, r, 8)]["temp_bytes_per_device"]
+               for s in ("gpipe", "1f1b", "interleaved") for r in ("none", "full")}
     for r in rows:
-        print(json.dumps({k: r[k] for k in ("schedule", "m", "peak_stash", "stash_bytes_rank0",
-                                             "temp_bytes_per_device")}))
+        print(json.dumps({k: r[k] for k in ("schedule", "recompute", "m", "peak_stash", "slot_bytes",
+                                             "stash_bytes_rank0", "temp_bytes_per_device")}))
     print(json.dumps(summary))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": MODEL, "rows": rows, "summary": summary}, indent=1))

@@ -39,14 +39,15 @@ def test_bench_interleaving_smoke_runs_every_case(tmp_path):
                                      "interleaved/1f1b (per-rank)", "1f1b/reference (per-rank)"}
 
 
-def test_per_rank_pipeline_runs_exactly_megatrons_matmuls():
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
     """The traced executor's matmul FLOPs (each switch branch times the table's counts) equal the analytic count
     of Megatron's schedule on the last rank, for per-rank branching; uniform adds the bubble's dummy cells."""
     from experiments.pipeline_flops import measure
 
     model = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
-        row = measure("tiny", model, schedule, 2, v, 4, 2)
+        row = measure("tiny", model, schedule, 2, v, 4, 2, recompute)
         assert row["per-rank"]["executed_over_megatron_per_rank"] == pytest.approx([1.0, 1.0], rel=1e-9)
         assert row["uniform"]["executed_over_megatron_last_rank"] > 1.05
         assert row["uniform"]["critical_path_flops"] == pytest.approx(row["per-rank"]["critical_path_flops"],
