@@ -1,7 +1,7 @@
-"""Data: Megatron's .bin/.idx token files, the endless GPT sample stream, batches, a prefetching loader, the
-tokenizers (bytes, GPT-2 BPE), preprocessing and the embedded default corpus. Pure numpy; nothing here imports
-JAX. The package exports the reading side; `preprocess` and `corpus`, which write, are imported by their module names (so
-that `python -m ptd_jax.data.preprocess` does not find itself imported already).
+"""Data: Megatron's .bin/.idx token files, the endless GPT sample stream, batches, a prefetching loader, the tokenizers
+(bytes, GPT-2 BPE), preprocessing and the embedded default corpus. Pure numpy; nothing here imports JAX. The package
+exports the reading side; `preprocess` and `corpus`, which write, are imported by their module names (so that
+`python -m ptd_jax.data.preprocess` does not find itself imported already).
 
     tokenizer.py        text <-> token ids (ByteTokenizer, GPT2BPETokenizer)
     preprocess.py       text files / JSONL -> a .bin/.idx pair (`ptd-preprocess`)
