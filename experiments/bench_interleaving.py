@@ -3,13 +3,14 @@
 Four fake CPU devices, p = 4, m = 8, b = 1, s = 256, two models: the paper's vocabulary/hidden ratio (16 layers,
 h 256, V 6400 = 25·h, as GPT-3's 51200/2048; the output layer costs about one chunk) and a wide model with a small
 vocabulary (8 layers, h 512, V 1024). For each, the gradient step of 1F1B (v = 1) and interleaved 1F1B (v = 2)
-under both `--pipeline-branching` modes, and the single-device reference step with the same recomputation (the
-executor recomputes each chunk's forward in its backward; the reference with recompute="full" does the same per
-layer). Medians of alternating rounds, ratios from the same run. On fake devices the step time follows the work
+under both `--pipeline-branching` modes, and the single-device reference step, all with the same
+`--recompute-granularity` (default none: the executor stashes each chunk's vjp residuals and recomputes nothing,
+as the reference's plain autodiff does). Medians of alternating rounds, ratios from the same run. On fake devices the step time follows the work
 that every rank executes: "uniform" (idle cells compute masked dummies) stands for a lockstep GPU step, whose
 tick lasts as long as its busiest rank; "per-rank" (idle cells compute nothing) measures the total work.
 
-Usage: python -m experiments.bench_interleaving [--rounds 5] [--out experiments/results/bench_interleaving.json]
+Usage: python -m experiments.bench_interleaving [--rounds 5] [--recompute none|selective|full]
+       [--out experiments/results/bench_interleaving.json]
        python -m experiments.bench_interleaving --smoke --out /tmp/x.json   # tiny shapes, one round (checks only)
 """
 
@@ -31,7 +32,7 @@ CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per
          ("interleaved", 2, "per-rank")]
 
 
-def pipeline_step(cfg, schedule, v, branching):
+def pipeline_step(cfg, schedule, v, branching, recompute):
     """(compiled grad step, its arguments) for the layout on the first P devices."""
     import jax
     import numpy as np
@@ -53,7 +54,7 @@ def pipeline_step(cfg, schedule, v, branching):
     sched = pipeline_schedule(parallel)
 
     def body(prm, tokens, labels, mask):
-        return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute="none",
+        return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute=recompute,
                               param_specs=specs, sched=sched)
 
     batch = sharding.BATCH_SPEC
@@ -64,7 +65,7 @@ def pipeline_step(cfg, schedule, v, branching):
     return step.lower(*args).compile(), args
 
 
-def reference_step(cfg):
+def reference_step(cfg, recompute):
     import jax
     import numpy as np
 
@@ -74,19 +75,19 @@ def reference_step(cfg):
     params = gpt.init_params(jax.random.key(0), cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 1, cfg.seq_length), dtype=np.int32)
     args = (params, tokens, tokens, np.ones_like(tokens))
-    step = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute="full"))
+    step = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=recompute))
     return step.lower(*args).compile(), args
 
 
-def measure(model_name, rounds, smoke=False):
+def measure(model_name, rounds, smoke=False, recompute="none"):
     import jax
 
     from ptd_jax.config import ModelConfig
 
     shape, seq = (SMOKE_MODEL, 16) if smoke else (MODELS[model_name], SEQ)
     cfg = ModelConfig(seq_length=seq, **shape)
-    steps = {f"{s} v={v} {b}": pipeline_step(cfg, s, v, b) for s, v, b in CASES}
-    steps["reference (recompute=full)"] = reference_step(cfg)
+    steps = {f"{s} v={v} {b}": pipeline_step(cfg, s, v, b, recompute) for s, v, b in CASES}
+    steps["reference"] = reference_step(cfg, recompute)
     times = {name: [] for name in steps}
     for compiled, args in steps.values():  # warm up
         jax.block_until_ready(compiled(*args))
@@ -96,13 +97,13 @@ def measure(model_name, rounds, smoke=False):
             jax.block_until_ready(compiled(*args))
             times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    ref = median["reference (recompute=full)"]
+    ref = median["reference"]
     ratios = {}
     for branching in ("uniform", "per-rank"):
         one_f_one_b = median[f"1f1b v=1 {branching}"]
         ratios[f"interleaved/1f1b ({branching})"] = median[f"interleaved v=2 {branching}"] / one_f_one_b
         ratios[f"1f1b/reference ({branching})"] = one_f_one_b / ref
-    return {"model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1},
+    return {"model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1}, "recompute": recompute,
             "median_step_s": median, "all_step_s": times, "ratios": ratios,
             "ideal_interleaved_over_1f1b": (M + (P - 1) / 2) / (M + P - 1),
             "bubble_only_1f1b_over_reference": (M + P - 1) / M}
@@ -113,6 +114,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", default="experiments/results/bench_interleaving.json")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and one round: checks that it runs")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -122,7 +124,7 @@ def main(argv=None) -> None:
     set_fake_devices(P)
     result = {}
     for name in args.models:
-        result[name] = measure(name, args.rounds, args.smoke)
+        result[name] = measure(name, args.rounds, args.smoke, args.recompute)
         print(json.dumps({name: {"median_step_s": result[name]["median_step_s"], "ratios": result[name]["ratios"]}}),
               flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
