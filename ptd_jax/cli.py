@@ -19,6 +19,7 @@ from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS,
 from ptd_jax.data import DataError, IndexedDataset, parse_split
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer, add_tokenizer_args, training_tokenizer
+from ptd_jax.precision_flags import add_precision_args, compute_dtype, train_config_fields
 
 DEMO_PRESET = "tiny"
 MAX_FAKE_DEVICES = 256
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layernorm-epsilon", type=finite_float, default=1e-5)
     g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="GeLU form: tanh approximation or exact")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
+    add_precision_args(g)
     g.add_argument("--attention-backend", choices=["xla", "pallas", "cudnn"],
                    help="attention implementation (default: pallas on GPU, xla elsewhere)")
     g.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction,
@@ -167,7 +169,7 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
-        gelu_approximate=args.gelu == "tanh", dtype="bfloat16" if args.bf16 else "float32",
+        gelu_approximate=args.gelu == "tanh", dtype=compute_dtype(args),
         attention_backend=args.attention_backend or default_attention_backend(),
         fused_kernels=args.fused_kernels if args.fused_kernels is not None else _gpu_installed(),
     )
@@ -230,7 +232,7 @@ def train_config_from_args(args) -> TrainConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         seed=args.seed, recompute_granularity=args.recompute_granularity, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save_interval=args.save_interval,
-        exit_interval=args.exit_interval,
+        exit_interval=args.exit_interval, **train_config_fields(args),
     )
 
 
@@ -373,6 +375,8 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
+    from ptd_jax.train.guards import DivergedError
+
     try:
         summary = run(argv)
     except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
@@ -384,6 +388,9 @@ def main(argv=None) -> int:
         print(f"ptd-train: error: out of device memory ({str(err).splitlines()[0][:300]}); use more devices, a "
               f"larger t or p, a smaller micro batch, or --recompute-granularity full", file=sys.stderr)
         return 2
+    except DivergedError as err:  # --max-skipped-iters: not bad input, a run that failed
+        print(f"ptd-train: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as stop:  # the loop re-raises it saying where it stopped
         print(f"ptd-train: interrupted (Ctrl-C) {str(stop) or 'before training started'}", file=sys.stderr)
         return 130

@@ -19,7 +19,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 PIPELINE_BRANCHINGS = ("uniform", "per-rank")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-DTYPES = ("float32", "bfloat16", "float64")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 ATTENTION_BACKENDS = ("xla", "pallas", "cudnn")
 
 
@@ -90,7 +90,8 @@ class ModelConfig:
     """LayerNorm and the (vocab-parallel) cross-entropy by the Pallas kernels of pallas_kernels/ (interpret mode
     on CPU); the output layer then emits logits in the compute dtype and the loss kernel reads them in blocks."""
     dtype: str = "float32"
-    """Compute dtype for activations and matmuls (`--bf16` sets bfloat16); softmax and loss stay float32."""
+    """Compute dtype for activations and matmuls (`--bf16` bfloat16, `--fp16` float16 with loss scaling); softmax
+    and loss stay float32."""
     param_dtype: str = "float32"
     """Storage dtype of the master parameters (float64 for exactness tests under jax_enable_x64)."""
 
@@ -283,6 +284,17 @@ class TrainConfig:
     save_interval: int | None = None
     exit_interval: int | None = None
     """Stop when the iteration is a multiple of this, after saving a checkpoint (Megatron's --exit-interval)."""
+    loss_scale: float | None = None
+    """float16 only: a static loss scale; None = Megatron's dynamic scaler (the four fields below)."""
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    """Double the dynamic scale after this many iterations without overflow."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale is halved (reset when it grows), as Megatron's."""
+    max_skipped_iters: int = 50
+    """Stop after this many consecutive iterations skipped for non-finite loss or gradients (every precision;
+    more than the 33 overflows that take the dynamic scale from 2^32 to 1)."""
 
     def __post_init__(self):
         _check(self.train_iters > 0, f"train_iters={self.train_iters} must be positive")
@@ -306,6 +318,13 @@ class TrainConfig:
         for name in ("log_interval", "eval_interval"):
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
         _check(self.eval_iters >= 0, f"eval_iters={self.eval_iters} must be >= 0")
+        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale"):
+            value = getattr(self, name)
+            _check(value is None or (math.isfinite(value) and value > 0), f"{name}={value} must be positive")
+        _check(self.min_loss_scale <= self.initial_loss_scale, f"min_loss_scale={self.min_loss_scale} is larger "
+                                                               f"than initial_loss_scale={self.initial_loss_scale}")
+        for name in ("loss_scale_window", "hysteresis", "max_skipped_iters"):
+            _check(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
         for name in ("save_interval", "exit_interval"):
             _check(getattr(self, name) is None or getattr(self, name) > 0,
                    f"{name}={getattr(self, name)} must be positive")

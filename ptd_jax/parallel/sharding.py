@@ -110,8 +110,12 @@ def opt_state_specs(optimizer: optax.GradientTransformation, opt_state, specs):
 
 
 def state_specs(optimizer, state, pipelined: bool = False):
+    """Specs of {"params", "opt_state", "step"[, "loss_scale"]}: the step and the loss scaler are replicated."""
     specs = param_specs(state["params"], pipelined)
-    return {"params": specs, "opt_state": opt_state_specs(optimizer, state["opt_state"], specs), "step": P()}
+    out = {"params": specs, "opt_state": opt_state_specs(optimizer, state["opt_state"], specs), "step": P()}
+    if "loss_scale" in state:
+        out["loss_scale"] = jax.tree.map(lambda _: P(), state["loss_scale"])
+    return out
 
 
 def named(mesh, specs):

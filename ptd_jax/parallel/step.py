@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
-from ptd_jax.optimizer import apply_gradients, learning_rate_schedule, new_state
+from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
+from ptd_jax.optimizer import learning_rate_schedule, new_state
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
@@ -34,10 +35,10 @@ DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
 
 
 def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None, *,
-                       shapes_only: bool = False):
+                       shapes_only: bool = False, train_cfg: TrainConfig | None = None):
     """The serial initial state, laid out on the mesh (TP-sharded init equals the serial init). With p > 1 the
     layers are stored in the pipeline layout (`sharding.stage_layers`). `shapes_only`: its ShapeDtypeStructs with
-    their shardings, computing nothing (what a restore needs)."""
+    their shardings, computing nothing (what a restore needs). float16 adds the loss scaler (`train_cfg`'s)."""
     p = mesh.shape[PIPE]
     v = parallel.virtual_pipeline_stages if parallel is not None else 1
 
@@ -45,7 +46,9 @@ def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: P
         params = gpt.init_params(k, model_cfg, mesh.shape[TENSOR])
         if p > 1:
             params["layers"] = sharding.stage_layers(params["layers"], p, v)
-        return new_state(params, optimizer)
+        state = new_state(params, optimizer)
+        loss_scale = init_loss_scale(model_cfg, train_cfg or TrainConfig())
+        return state if loss_scale is None else {**state, "loss_scale": loss_scale}
 
     abstract = jax.eval_shape(init, key)
     shardings = sharding.named(mesh, sharding.state_specs(optimizer, abstract, pipelined=p > 1))
@@ -54,11 +57,12 @@ def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: P
     return jax.jit(init, out_shardings=shardings)(key)
 
 
-def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, key):
-    """Per-rank float32 sums over microbatches of the loss and its gradient (not yet reduced over data)."""
+def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, key, scale):
+    """Per-rank float32 sums over microbatches of the loss and its gradient (not yet reduced over data), both
+    multiplied by the loss scale (dividing by total_tokens / scale seeds the backward with scale / total_tokens)."""
     sequence_parallel = parallel.sequence_parallel
     acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
-    total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+    total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
 
     def micro_loss(p, t, l, m, k):
         return tp.loss_sum(p, t, l, m, model_cfg, sequence_parallel=sequence_parallel, key=k,
@@ -87,22 +91,27 @@ def _replicated_axes(param_specs, parallel: ParallelConfig):
 
 
 def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-                   recompute: str, param_specs, sched=None, scatter_gather: bool = True):
-    """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm)."""
+                   recompute: str, param_specs, sched=None, scatter_gather: bool = True, loss_scale=None):
+    """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm). With a
+    `loss_scale` the backward runs on the scaled loss and loss and gradients are unscaled (float32) before the
+    norm."""
     axes = _replicated_axes(param_specs, parallel)
     varying = mark_tree(params, axes)
+    scale = jnp.ones((), jnp.float32) if loss_scale is None else loss_scale
     if sched is None:
-        loss, grads = _accumulate(varying, tokens, labels, mask, model_cfg, parallel, recompute, key)
+        loss, grads = _accumulate(varying, tokens, labels, mask, model_cfg, parallel, recompute, key, scale)
         loss = jax.lax.psum(loss, DATA)
     else:
         acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
-        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
         loss, grads = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
                                           sequence_parallel=parallel.sequence_parallel,
                                           scatter_gather=scatter_gather, recompute=recompute,
                                           branching=parallel.pipeline_branching, key=key)
         loss = jax.lax.psum(loss, (DATA, PIPE))
     grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a), axes, grads, is_leaf=lambda a: isinstance(a, tuple))
+    if loss_scale is not None:
+        loss, grads = unscale(loss, grads, scale)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, grads, sharding.global_norm(grads, param_specs)
 
@@ -133,10 +142,12 @@ def make_parallel_grad_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
 
 
 def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
-                             optimizer: optax.GradientTransformation, state):
+                             optimizer: optax.GradientTransformation, state, *, poison_steps: tuple[int, ...] = ()):
     """jit(state, tokens, labels, mask [M, d·b, S], key) -> (state, metrics); state donated, shardings declared.
+    A non-finite loss or gradient skips the update (`loss_scale.guarded_update`).
 
-    `state` (or its abstract shape) fixes the pytree structure of the in/out specifications."""
+    `state` (or its abstract shape) fixes the pytree structure of the in/out specifications. `poison_steps`: a
+    test hook (`loss_scale.poison`)."""
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
     sched = pipeline_schedule(parallel)
@@ -148,15 +159,18 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
             key = jax.random.fold_in(jax.random.fold_in(key, state["step"]), jax.lax.axis_index(DATA))
         else:
             key = None
-        loss, grads, grad_norm = loss_and_grads(params, tokens, labels, mask, key, model_cfg=model_cfg,
-                                                parallel=parallel, recompute=train_cfg.recompute_granularity,
-                                                param_specs=specs["params"], sched=sched,
-                                                scatter_gather=parallel.scatter_gather)
-        metrics = {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
-        return apply_gradients(state, grads, grad_norm, optimizer, train_cfg), metrics
+        loss, grads, _ = loss_and_grads(params, tokens, labels, mask, key, model_cfg=model_cfg,
+                                        parallel=parallel, recompute=train_cfg.recompute_granularity,
+                                        param_specs=specs["params"], sched=sched,
+                                        scatter_gather=parallel.scatter_gather,
+                                        loss_scale=current_scale(state) if "loss_scale" in state else None)
+        loss, grads = poison(loss, grads, state["step"], poison_steps)
+        grad_norm = sharding.global_norm(grads, specs["params"])
+        state, guard = guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg)
+        return state, {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"] - 1), **guard}
 
     batch = sharding.BATCH_SPEC
-    metric_specs = {"lm_loss": P(), "grad_norm": P(), "lr": P()}
+    metric_specs = {"lm_loss": P(), "grad_norm": P(), "lr": P(), "skipped": P(), "loss_scale": P()}
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(specs, batch, batch, batch, P()),
                             out_specs=(specs, metric_specs))
     state_shardings = sharding.named(mesh, specs)

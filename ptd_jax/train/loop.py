@@ -25,6 +25,7 @@ from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.data import GPTData, microbatches
 from ptd_jax.data.corpus import default_corpus
 from ptd_jax.data.loader import prefetch
+from ptd_jax.loss_scale import to_meta as loss_scale_meta
 from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import param_specs
@@ -34,6 +35,7 @@ from ptd_jax.train import checkpoint
 from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
                                  model_flops_per_iteration)
 from ptd_jax.train.memory import check_fits
+from ptd_jax.train.guards import SkipCounter, state_is_finite, with_loss_scale
 from ptd_jax.train.metrics import MetricsLogger
 from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
 
@@ -66,6 +68,8 @@ class RunOptions:
     async_save: bool = True
     tokenizer: dict | None = None
     """The data's tokenizer (`data.tokenizer`'s describe()), recorded in checkpoints for ptd-generate."""
+    poison_steps: tuple[int, ...] = ()
+    """Test hook (Python API only): steps whose loss and gradients are made non-finite (`loss_scale.poison`)."""
 
 
 def iteration_flops(model_cfg, parallel, train_cfg, sched=None) -> dict[str, float]:
@@ -118,10 +122,11 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     if options.reference_step:
         if parallel.num_devices != 1:
             raise ConfigError(f"the reference step runs on one device, not num_devices={parallel.num_devices}")
-        state = init_state(init_key, model_cfg, optimizer)
+        state = init_state(init_key, model_cfg, optimizer, train_cfg)
     else:  # a full restore needs only the shapes and shardings: no second copy of the state on the devices
         restoring_all = resume is not None and options.load_optim and not options.finetune
-        state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel, shapes_only=restoring_all)
+        state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel, shapes_only=restoring_all,
+                                   train_cfg=train_cfg)
     start, consumed = 0, 0
     if resume is not None:
         load_step, meta = resume
@@ -132,20 +137,23 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         state = checkpoint.set_step(
             checkpoint.restore(options.load, load_step, state, optimizer=optimizer, model_cfg=model_cfg,
                                parallel=parallel, mesh=mesh, load_optim=load_optim, iteration=start), start, mesh)
+        state = with_loss_scale(state, meta if load_optim else None, model_cfg, train_cfg, mesh)
         messages.append(f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
                         f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
                         f"{'' if load_optim else '; optimizer state not loaded'})")
     num_params = gpt.count_params(state["params"])
 
     if options.reference_step:
-        train_step, eval_step = make_train_step(model_cfg, train_cfg, optimizer), make_eval_step(model_cfg)
+        train_step = make_train_step(model_cfg, train_cfg, optimizer, poison_steps=options.poison_steps)
+        eval_step = make_eval_step(model_cfg)
     else:
-        train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state)
+        train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state,
+                                              poison_steps=options.poison_steps)
         pipelined = parallel.pipeline_model_parallel_size > 1
         eval_step = make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"], pipelined))
     device = jax.devices()[0]
     num_devices = parallel.num_devices
-    peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype == "bfloat16",
+    peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype in ("bfloat16", "float16"),
                                            options.peak_tflops, jax.local_device_count())
     if data.valid is None and train_cfg.eval_iters > 0:
         print(f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
@@ -185,7 +193,10 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     def save(done):
         meta = checkpoint.run_meta(model_cfg, parallel, train_cfg, consumed_samples=consumed + (done - start) * B,
                                    rng_key=dropout_key, data_config=data.data_config(), tokenizer=options.tokenizer)
-        saver.save(done, state, meta)
+        if not bool(state_is_finite(state)):  # the guards keep this from happening; never write it if it does
+            logger.message(f"ptd_jax: not saving iteration {done}: the parameters or optimizer state are not finite")
+            return
+        saver.save(done, state, {**meta, "loss_scale": loss_scale_meta(state.get("loss_scale"))})
 
     saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,
                                      keep=options.keep_checkpoints, async_save=options.async_save)
@@ -195,12 +206,14 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     window_start, window_iters = time.perf_counter(), 0
     first_loss, done, exit_reason = None, start, None
     batches = prefetch(batch_of, range(start, train_cfg.train_iters))
+    skips = SkipCounter(train_cfg.max_skipped_iters)
     ctrl_c = _CtrlC()
     try:
         for iteration, batch in zip(range(start, train_cfg.train_iters), batches):
             if ctrl_c.requested:  # checked between steps: a checkpoint being written is finished first
                 raise KeyboardInterrupt
             state, metrics = train_step(state, *batch, dropout_key)
+            skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
             window_iters += 1
             if compile_time is None:  # the first step includes compilation: time it apart
                 jax.block_until_ready(metrics)
@@ -215,6 +228,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 step_time = (now - window_start) / window_iters if window_iters else compile_time
                 record = _log_record(done, metrics, step_time, model_cfg, parallel, peak, num_devices, flops)
                 record["includes_compile"] = not window_iters
+                record["skipped_iters"], record["loss_scale"] = skips.take_window(), float(metrics["loss_scale"])
                 records.append(record)
                 logger.log_train(record)
                 window_start, window_iters = now, 0
@@ -278,6 +292,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         "num_devices": num_devices,
         "attention_backend": model_cfg.attention_backend,
         "fused_kernels": model_cfg.fused_kernels,
+        "skipped_iters": skips.total,
     }
     if options.plot_dir:
         summary["plot"] = logger.plot(options.plot_dir)

@@ -15,20 +15,27 @@ import optax
 
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, TrainConfig
-from ptd_jax.optimizer import State, apply_gradients, global_norm, learning_rate_schedule, new_state
+from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
+from ptd_jax.optimizer import State, global_norm, learning_rate_schedule, new_state
 
 
-def init_state(key: jax.Array, model_cfg: ModelConfig, optimizer: optax.GradientTransformation) -> State:
-    return new_state(gpt.init_params(key, model_cfg), optimizer)
+def init_state(key: jax.Array, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
+               train_cfg: TrainConfig | None = None) -> State:
+    state = new_state(gpt.init_params(key, model_cfg), optimizer)
+    loss_scale = init_loss_scale(model_cfg, train_cfg or TrainConfig())
+    return state if loss_scale is None else {**state, "loss_scale": loss_scale}
 
 
 def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_cfg: ModelConfig, *,
-                         recompute: str = "none", key=None):
+                         recompute: str = "none", key=None, loss_scale=None):
     """Sum over microbatches of d(loss_sum / total_tokens)/d(params), accumulated in float32 (or float64).
+    With a `loss_scale` the backward runs on the loss times the scale (total_tokens / scale as the divisor) and
+    the float32 sums are unscaled after.
 
     Returns (mean token loss of the batch, grads)."""
     acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
-    total_tokens = jnp.maximum(jnp.sum(mask_MxBxS > 0), 1).astype(acc)
+    scale = jnp.ones((), acc) if loss_scale is None else loss_scale.astype(acc)
+    total_tokens = jnp.maximum(jnp.sum(mask_MxBxS > 0), 1).astype(acc) / scale
 
     def micro_loss(p, tokens, labels, mask, k):
         return gpt.loss_sum(p, tokens, labels, mask, model_cfg, key=k, recompute=recompute) / total_tokens
@@ -47,22 +54,27 @@ def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_c
     indices = jnp.arange(tokens_MxBxS.shape[0])
     (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), acc), zeros),
                                     (indices, tokens_MxBxS, labels_MxBxS, mask_MxBxS))
-    return loss, grads
+    return (loss, grads) if loss_scale is None else unscale(loss, grads, scale)
 
 
-def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: optax.GradientTransformation):
-    """jit(state, tokens, labels, mask [M, b, S], key) -> (state, metrics); the state is donated."""
+def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: optax.GradientTransformation, *,
+                    poison_steps: tuple[int, ...] = ()):
+    """jit(state, tokens, labels, mask [M, b, S], key) -> (state, metrics); the state is donated. A non-finite
+    loss or gradient skips the update (`loss_scale.guarded_update`); `poison_steps` is its test hook."""
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
 
     def step(state, tokens, labels, mask, key):
         key = jax.random.fold_in(key, state["step"]) if use_dropout else None
         loss, grads = accumulate_gradients(state["params"], tokens, labels, mask, model_cfg,
-                                           recompute=train_cfg.recompute_granularity, key=key)
+                                           recompute=train_cfg.recompute_granularity, key=key,
+                                           loss_scale=current_scale(state) if "loss_scale" in state else None)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+        loss, grads = poison(loss, grads, state["step"], poison_steps)
         grad_norm = global_norm(grads)
         metrics = {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
-        return apply_gradients(state, grads, grad_norm, optimizer, train_cfg), metrics
+        state, guard = guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg)
+        return state, {**metrics, **guard}
 
     return jax.jit(step, donate_argnums=0)
 

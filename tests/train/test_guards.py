@@ -1,0 +1,64 @@
+"""The loop's NaN/inf guards (`ptd_jax/train/guards.py`): skips counted and logged, a run of them stops training
+with exit 1, no checkpoint from a poisoned state; float16 with the dynamic scaler trains."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ptd_jax import cli
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.train import RunOptions, checkpoint, train
+from ptd_jax.train.guards import DivergedError
+
+TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=257)
+PARALLEL = ParallelConfig(micro_batch_size=4, global_batch_size=8)
+
+
+def test_nan_loss_for_n_steps_stops_the_run_and_keeps_the_last_good_checkpoint(small_corpus, tmp_path):
+    cfg = TrainConfig(train_iters=20, lr=3e-3, lr_warmup_iters=0, lr_decay_iters=20, log_interval=1, eval_iters=0,
+                      save_interval=2, max_skipped_iters=3)
+    options = dict(data_path=small_corpus, progress=False, async_save=False)
+    with pytest.raises(DivergedError, match="stopping at iteration 8: max_skipped_iters=3"):
+        train(TINY, PARALLEL, cfg, RunOptions(save=str(tmp_path / "bad"), poison_steps=tuple(range(5, 40)),
+                                              metrics_file=str(tmp_path / "bad.jsonl"), **options))
+    records = [json.loads(line) for line in (tmp_path / "bad.jsonl").read_text().splitlines()]
+    assert [r["skipped_iters"] for r in records] == [0, 0, 0, 0, 0, 1, 1]  # iteration 8 raised before its log
+    assert checkpoint.all_steps(tmp_path / "bad") == [2, 4, 6]
+    # step 6 holds the state after iteration 5 (6 was skipped): what a clean run has at iteration 5
+    train(TINY, PARALLEL, cfg.replace(exit_interval=5), RunOptions(save=str(tmp_path / "good"), **options))
+    _, saved = checkpoint.read_params(tmp_path / "bad", 6)
+    _, clean = checkpoint.read_params(tmp_path / "good", 5)
+    for a, b in zip(np.asarray(list(_leaves(saved))), np.asarray(list(_leaves(clean)))):
+        np.testing.assert_array_equal(a, b)
+
+
+def _leaves(tree):
+    import jax
+
+    return (np.asarray(x) for x in jax.tree.leaves(tree))
+
+
+def test_a_diverged_run_exits_1_with_one_line(monkeypatch, capsys):
+    def diverge(argv):
+        raise DivergedError("stopping at iteration 8: max_skipped_iters=3 iterations in a row had a non-finite")
+
+    monkeypatch.setattr(cli, "run", diverge)
+    assert cli.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ptd-train: error: stopping at iteration 8")
+
+
+def test_fp16_with_the_dynamic_scaler_trains(small_corpus, tmp_path):
+    """From 2^32 the scale falls by overflows (skipped, logged) until float16 holds the gradients; the loss falls as
+    in float32, and the checkpoint carries the scaler's state."""
+    cfg = TrainConfig(train_iters=40, lr=3e-3, lr_warmup_iters=5, log_interval=5, eval_iters=0)
+    summary = train(TINY.replace(dtype="float16"), PARALLEL, cfg,
+                    RunOptions(data_path=small_corpus, progress=False, save=str(tmp_path / "ck"), async_save=False,
+                               metrics_file=str(tmp_path / "m.jsonl")))
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert 10 <= summary["skipped_iters"] == sum(r["skipped_iters"] for r in records) < 30
+    assert records[0]["loss_scale"] < 2.0**32 and records[-1]["skipped_iters"] == 0
+    assert summary["final_lm_loss"] < summary["first_lm_loss"] - 1.5
+    meta = checkpoint.read_meta(tmp_path / "ck", 40)
+    assert meta["loss_scale"]["scale"] == records[-1]["loss_scale"]
