@@ -269,9 +269,7 @@ def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool,
 
 def check_implemented(parallel: ParallelConfig) -> None:
     """Layouts whose executors land in later issues fail clearly instead of silently running on one device."""
-    pending = {
-        "use_distributed_optimizer": (parallel.use_distributed_optimizer, False, "the distributed optimizer"),
-    }
+    pending: dict = {}  # name -> (value, supported value, feature); none pending now
     for name, (value, supported, feature) in pending.items():
         if value != supported:
             raise ConfigError(f"{name}={value} needs {feature}, which is not implemented yet")
@@ -382,15 +380,15 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-train: error: {err}", file=sys.stderr)
         return 2
+    except DivergedError as err:  # --max-skipped-iters: not bad input, a run that failed
+        print(f"ptd-train: error: {err}", file=sys.stderr)
+        return 1
     except RuntimeError as err:  # XLA's out-of-memory, past the estimate of train/memory.py
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
         print(f"ptd-train: error: out of device memory ({str(err).splitlines()[0][:300]}); use more devices, a "
               f"larger t or p, a smaller micro batch, or --recompute-granularity full", file=sys.stderr)
         return 2
-    except DivergedError as err:  # --max-skipped-iters: not bad input, a run that failed
-        print(f"ptd-train: error: {err}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt as stop:  # the loop re-raises it saying where it stopped
         print(f"ptd-train: interrupted (Ctrl-C) {str(stop) or 'before training started'}", file=sys.stderr)
         return 130

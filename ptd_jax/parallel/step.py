@@ -24,6 +24,7 @@ from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import learning_rate_schedule, new_state
+from ptd_jax.parallel import distributed_optimizer as zero
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
@@ -51,10 +52,20 @@ def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: P
         return state if loss_scale is None else {**state, "loss_scale": loss_scale}
 
     abstract = jax.eval_shape(init, key)
-    shardings = sharding.named(mesh, sharding.state_specs(optimizer, abstract, pipelined=p > 1))
+    shardings = sharding.named(mesh, state_specs(optimizer, abstract, parallel, pipelined=p > 1))
     if shapes_only:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     return jax.jit(init, out_shardings=shardings)(key)
+
+
+def state_specs(optimizer, state, parallel: ParallelConfig | None, pipelined: bool):
+    """`sharding.state_specs`, with the master weights and moments split over "data" under the distributed
+    optimizer (`distributed_optimizer.shard_specs`)."""
+    specs = sharding.state_specs(optimizer, state, pipelined=pipelined)
+    if parallel is None or not parallel.use_distributed_optimizer or parallel.data_parallel_size == 1:
+        return specs
+    params = zero.shard_specs(specs["params"], state["params"], parallel.data_parallel_size)
+    return {**specs, "params": params, "opt_state": sharding.opt_state_specs(optimizer, state["opt_state"], params)}
 
 
 def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, key, scale):
@@ -91,10 +102,13 @@ def _replicated_axes(param_specs, parallel: ParallelConfig):
 
 
 def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-                   recompute: str, param_specs, sched=None, scatter_gather: bool = True, loss_scale=None):
+                   recompute: str, param_specs, sched=None, scatter_gather: bool = True, loss_scale=None,
+                   scatter_dims=None):
     """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm). With a
     `loss_scale` the backward runs on the scaled loss and loss and gradients are unscaled (float32) before the
-    norm."""
+    norm. `scatter_dims` (the distributed optimizer): reduce-scatter each gradient over "data" on that dim
+    (`distributed_optimizer.scatter_grads`); `param_specs` stay the specs without the "data" split, so the norm
+    returned is then not the global one (the step takes `sharding.global_norm` with the sharded specs)."""
     axes = _replicated_axes(param_specs, parallel)
     varying = mark_tree(params, axes)
     scale = jnp.ones((), jnp.float32) if loss_scale is None else loss_scale
@@ -109,10 +123,16 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
                                           scatter_gather=scatter_gather, recompute=recompute,
                                           branching=parallel.pipeline_branching, key=key)
         loss = jax.lax.psum(loss, (DATA, PIPE))
-    grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a), axes, grads, is_leaf=lambda a: isinstance(a, tuple))
+    if scatter_dims is not None:  # "data" by reduce-scatter, the other axes as usual
+        axes = jax.tree.map(lambda a: tuple(x for x in a if x != DATA), axes, is_leaf=lambda a: isinstance(a, tuple))
+    grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a) if a else g, axes, grads,
+                         is_leaf=lambda a: isinstance(a, tuple))
+    if scatter_dims is not None:
+        grads = zero.scatter_grads(grads, scatter_dims)
     if loss_scale is not None:
         loss, grads = unscale(loss, grads, scale)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    # float32 for float32 or 16-bit params (the gathered copy is 16-bit under the distributed optimizer)
+    grads = jax.tree.map(lambda g, p: g.astype(jnp.promote_types(p.dtype, jnp.float32)), grads, params)
     return loss, grads, sharding.global_norm(grads, param_specs)
 
 
@@ -151,19 +171,25 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
     sched = pipeline_schedule(parallel)
-    specs = sharding.state_specs(optimizer, state, pipelined=sched is not None)
+    specs = state_specs(optimizer, state, parallel, pipelined=sched is not None)
+    distributed = specs["params"] != sharding.param_specs(state["params"], sched is not None)
+    dims = zero.data_dims(specs["params"]) if distributed else None
+    plain_specs = sharding.param_specs(state["params"], sched is not None)
 
     def step(state, tokens, labels, mask, key):
         params = state["params"]
+        if distributed:  # the whole local shards, gathered in the compute dtype
+            params = zero.gather_params(params, dims, jnp.dtype(model_cfg.dtype))
         if use_dropout:  # a different stream per iteration and per data rank
             key = jax.random.fold_in(jax.random.fold_in(key, state["step"]), jax.lax.axis_index(DATA))
         else:
             key = None
         loss, grads, _ = loss_and_grads(params, tokens, labels, mask, key, model_cfg=model_cfg,
                                         parallel=parallel, recompute=train_cfg.recompute_granularity,
-                                        param_specs=specs["params"], sched=sched,
+                                        param_specs=plain_specs, sched=sched,
                                         scatter_gather=parallel.scatter_gather,
-                                        loss_scale=current_scale(state) if "loss_scale" in state else None)
+                                        loss_scale=current_scale(state) if "loss_scale" in state else None,
+                                        scatter_dims=dims)
         loss, grads = poison(loss, grads, state["step"], poison_steps)
         grad_norm = sharding.global_norm(grads, specs["params"])
         state, guard = guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg)

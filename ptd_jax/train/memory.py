@@ -28,7 +28,8 @@ def estimate_bytes(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: 
     layer_params = 4 * h * h + 2 * h * F + 9 * h + F  # qkv, out, fc1, fc2 (+ biases and two LayerNorms)
     local = L * layer_params / (t * p) + model_cfg.padded_vocab_size(t) * h / t + model_cfg.max_positions * h
     master = 8 if model_cfg.param_dtype == "float64" else 4
-    state = local * master * 4  # parameters, gradients, Adam's first and second moments
+    d = parallel.data_parallel_size if parallel.use_distributed_optimizer else 1
+    state = local * master * (1 + 3 / d)  # gradients; parameters and Adam's two moments (sharded over data: ZeRO-1)
 
     width = 2 if model_cfg.dtype == "bfloat16" else 4 if model_cfg.dtype == "float32" else 8
     per_layer = s * b * h * (34 / t if parallel.sequence_parallel else 10 + 24 / t) * width / 2

@@ -3,6 +3,7 @@ with exit 1, no checkpoint from a poisoned state; float16 with the dynamic scale
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -29,14 +30,8 @@ def test_nan_loss_for_n_steps_stops_the_run_and_keeps_the_last_good_checkpoint(s
     train(TINY, PARALLEL, cfg.replace(exit_interval=5), RunOptions(save=str(tmp_path / "good"), **options))
     _, saved = checkpoint.read_params(tmp_path / "bad", 6)
     _, clean = checkpoint.read_params(tmp_path / "good", 5)
-    for a, b in zip(np.asarray(list(_leaves(saved))), np.asarray(list(_leaves(clean)))):
-        np.testing.assert_array_equal(a, b)
-
-
-def _leaves(tree):
-    import jax
-
-    return (np.asarray(x) for x in jax.tree.leaves(tree))
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(clean), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # roundoff (XLA fuses otherwise); an update moves 3e-3
 
 
 def test_a_diverged_run_exits_1_with_one_line(monkeypatch, capsys):
