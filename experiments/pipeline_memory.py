@@ -34,19 +34,26 @@ def residual_slot_bytes(cfg, layers_per_chunk: int, recompute: str) -> int:
     from ptd_jax.parallel import tensor as tp
     from ptd_jax.parallel.pipeline.stash import Residuals
 
-    mesh = jax.make_mesh((1,), ("tensor",), devices=jax.devices()[:1], axis_types=(AxisType.Auto,))
+    from ptd_jax.parallel import sharding
+    from ptd_jax.parallel.vma import mark_varying
+
+    # Typed as in the executor: the chunk's weights split over "tensor" (here of size 1), everything varying over
+    # "pipe"; otherwise autodiff would keep pcast copies of the weights among the residuals.
+    mesh = jax.make_mesh((1, 1), ("pipe", "tensor"), devices=jax.devices()[:1], axis_types=(AxisType.Auto,) * 2)
     layers = jax.eval_shape(lambda key: gpt.init_params(key, cfg)["layers"], jax.random.key(0))
+    specs = sharding.param_specs({"layers": layers})["layers"]
     layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers_per_chunk, *a.shape[1:]), a.dtype), layers)
     x = jax.ShapeDtypeStruct((1, cfg.seq_length, cfg.hidden_size), jnp.dtype(cfg.dtype))
     found = {}
 
     def body(lc, x):
+        lc, x = jax.tree.map(lambda a: mark_varying(a, ("pipe",)), (lc, x))
         found["bytes"] = Residuals.trace(lambda lc, x: tp.run_layers(lc, x, cfg, False, recompute=recompute),
                                          lc, x).slot_bytes
         return x
 
-    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec()),
-                                 out_specs=PartitionSpec()), layers, x)
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, PartitionSpec()),
+                                 out_specs=PartitionSpec("pipe")), layers, x)
     return found["bytes"]
 
 
