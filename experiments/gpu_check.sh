@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~560 s).
+# The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~560 s:
+# at most 420 s of kernels and 90 s of the executor).
 # Everything lands under $OUT (or experiments/results/ without it); each step's JSON is written as it goes,
 # so a run cut short still brings back what it measured.
 set -uo pipefail
@@ -10,6 +11,12 @@ export PYTHONPATH=.
   "${PYTHON:-python}" -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/gpu_env.txt"
 # 1. kernels at the 1.3B widths, compiled: values and all gradients against the references (seconds)
 # 2. attention vs XLA and cuDNN over sequence lengths, LayerNorm and loss vs XLA, the 1.3B step (5 variants)
-timeout "${BENCH_TIMEOUT_S:-480}" "${PYTHON:-python}" experiments/bench_kernels.py --out "$out/bench_kernels.json" \
+timeout "${BENCH_TIMEOUT_S:-420}" "${PYTHON:-python}" experiments/bench_kernels.py --out "$out/bench_kernels.json" \
     --plot "$out/bench_kernels.png" 2>&1 | tail -n 40
 echo "bench exit: ${PIPESTATUS[0]}"
+# 3. the pipeline executor's own machinery at p = 1 (tick scan, residual stash, cell switch) against the reference
+#    step, recompute none and full: the one pipeline measurement a single GPU can make (pipe-divergent collectives
+#    and the p > 1 benchmarks need several devices)
+timeout "${EXECUTOR_TIMEOUT_S:-90}" "${PYTHON:-python}" experiments/bench_executor_p1.py --rounds 5 \
+    --out "$out/bench_executor_p1.json" 2>&1 | tail -n 5
+echo "executor bench exit: ${PIPESTATUS[0]}"

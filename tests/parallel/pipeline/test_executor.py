@@ -48,7 +48,7 @@ def staged(params, p, v):
     return {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
 
 
-def compare(parallel, cfg, rtol):
+def compare(parallel, cfg, rtol, recompute="none"):
     p, v, t = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages,
                parallel.tensor_model_parallel_size)
     params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
@@ -57,7 +57,8 @@ def compare(parallel, cfg, rtol):
     mesh = make_mesh(parallel)
     pp = staged(params, p, v)
     specs = sharding.param_specs(pp, pipelined=True)
-    step = make_parallel_grad_step(mesh, cfg, parallel, specs, scatter_gather=parallel.scatter_gather)
+    step = make_parallel_grad_step(mesh, cfg, parallel, specs, scatter_gather=parallel.scatter_gather,
+                                   recompute=recompute)
     loss, grads, norm = step(jax.device_put(pp, sharding.named(mesh, specs)), *batch(parallel.num_microbatches))
     grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
     assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
@@ -69,11 +70,10 @@ def compare(parallel, cfg, rtol):
     assert float(norm) == pytest.approx(ref_norm, rel=rtol)
 
 
-# The default run covers every schedule on one layout and every layout with some schedule, for both branchings
-# (per-rank on a smaller cover); `pytest -m slow` runs the whole product.
-COVERING = {((1, 2, 1), "interleaved"), ((1, 4, 2), "interleaved"),
-            ((2, 2, 2), "1f1b"), ((1, 8, 1), "gpipe"), ((1, 2, 4), "interleaved")}
-COVERING_PER_RANK = {((1, 2, 1), "interleaved"), ((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b")}
+# The default run covers every schedule, and d > 1, t > 1, p = 8 and t·p = 8, with uniform branching, and the two
+# richest of those with per-rank; `pytest -m slow` runs the whole product (the (1,2,1) and (1,2,4) layouts too).
+COVERING = {((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b"), ((1, 8, 1), "gpipe")}
+COVERING_PER_RANK = {((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b")}
 PRODUCT = [pytest.param(d, p, t, s, v, b, id=f"d{d}p{p}t{t}-{s}-{b}",
                         marks=() if ((d, p, t), s) in (COVERING if b == "uniform" else COVERING_PER_RANK)
                         else pytest.mark.slow)
@@ -86,10 +86,37 @@ def test_float64_pipeline_equals_the_reference(d, p, t, schedule, v, branching):
         compare(layout(d, p, t, schedule, v, branching=branching), model_cfg(p), rtol=1e-12)
 
 
+# Tables the layouts above do not reach: an uneven microbatch group (G = 3 ≠ p, m % G = 2), fewer microbatches
+# than stages (m = 2 < p = 4), three chunks per rank; each under every recompute policy (none by default).
+ODD_TABLES = {"uneven-group": (dict(pipeline_model_parallel_size=2, virtual_pipeline_stages=2,
+                                    pipeline_schedule="interleaved", microbatch_group_size=3), 4),
+              "m-below-p": (dict(pipeline_model_parallel_size=4, pipeline_schedule="1f1b", micro_batch_size=4), 8),
+              "v3": (dict(pipeline_model_parallel_size=2, virtual_pipeline_stages=3,
+                          pipeline_schedule="interleaved"), 6)}
+
+
+@pytest.mark.parametrize("table, recompute", [
+    pytest.param(name, r, id=f"{name}-{r}", marks=() if (name, r) == ("v3", "none") else pytest.mark.slow)
+    for name in ODD_TABLES for r in ("none", "selective", "full")])
+def test_float64_pipeline_on_odd_tables(table, recompute):
+    overrides, num_layers = ODD_TABLES[table]
+    parallel = layout(1, 2, 1, "1f1b", 1).replace(**overrides)
+    with jax.enable_x64(True):
+        compare(parallel, model_cfg(2).replace(num_layers=num_layers), rtol=1e-12, recompute=recompute)
+
+
+@pytest.mark.parametrize("d, p, t, schedule, v, recompute", [
+    pytest.param(d, p, t, s, v, r, id=f"d{d}p{p}t{t}-{s}-{r}", marks=pytest.mark.slow)
+    for (d, p, t), s in sorted(COVERING) for v in [dict(SCHEDULES)[s]] for r in ("selective", "full")])
+def test_float64_pipeline_recompute_policies(d, p, t, schedule, v, recompute):
+    with jax.enable_x64(True):
+        compare(layout(d, p, t, schedule, v), model_cfg(p), rtol=1e-12, recompute=recompute)
+
+
 @pytest.mark.parametrize("sp, scatter_gather, branching", [
     pytest.param(True, True, "uniform", id="sequence-parallel-uniform"),
     pytest.param(False, False, "uniform", id="no-scatter-gather-uniform"),
-    pytest.param(True, True, "per-rank", id="sequence-parallel-per-rank"),
+    pytest.param(True, True, "per-rank", id="sequence-parallel-per-rank", marks=pytest.mark.slow),
     pytest.param(False, False, "per-rank", id="no-scatter-gather-per-rank", marks=pytest.mark.slow)])
 def test_float64_pipeline_variants(sp, scatter_gather, branching):
     with jax.enable_x64(True):

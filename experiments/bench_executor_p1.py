@@ -1,0 +1,89 @@
+"""The pipeline executor forced to p = 1 against the reference step, with the same recomputation policy: what the
+executor's machinery (the tick scan, the stash, the switch, the accumulators) costs when there is no pipeline.
+
+One device, the 1F1B table at p = 1 (the F and the B of each microbatch in turn),
+8 layers, h 128, s 128, b 1, m 8 (the model of `bench_pipeline.py`). For each of `--recompute` none and full:
+the executor's gradient step and `train.reference.accumulate_gradients`, medians of alternating rounds.
+Prints and writes {"<policy>": {"executor_s", "reference_s", "reference_over_executor"}}: the issue's target is a
+ratio ≥ 0.95.
+
+Usage: python -m experiments.bench_executor_p1 [--rounds 7] [--out experiments/results/bench_executor_p1.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+MODEL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
+M = 8
+
+
+def steps(recompute: str):
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from ptd_jax import model as gpt
+    from ptd_jax.config import ModelConfig, ParallelConfig
+    from ptd_jax.parallel import sharding
+    from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.pipeline import build
+    from ptd_jax.parallel.step import loss_and_grads
+    from ptd_jax.train.reference import accumulate_gradients
+
+    cfg = ModelConfig(**MODEL)
+    parallel = ParallelConfig(micro_batch_size=1, global_batch_size=M)
+    sched = build("1f1b", 1, 1, M)
+    mesh = make_mesh(parallel)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    staged = {**params, "layers": sharding.stage_layers(params["layers"], 1, 1)}
+    specs = sharding.param_specs(staged, pipelined=True)
+
+    def body(prm, tokens, labels, mask):
+        return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute=recompute,
+                              param_specs=specs, sched=sched)
+
+    batch = sharding.BATCH_SPEC
+    executor = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
+                                     out_specs=(P(), specs, P())))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 1, cfg.seq_length), dtype=np.int32)
+    ex_args = (jax.device_put(staged, sharding.named(mesh, specs)), tokens, tokens, np.ones_like(tokens))
+    reference = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=recompute))
+    ref_args = (params, tokens, tokens, np.ones_like(tokens))
+    return {"executor": (executor.lower(*ex_args).compile(), ex_args),
+            "reference": (reference.lower(*ref_args).compile(), ref_args)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--recompute", nargs="+", default=["none", "full"], choices=["none", "selective", "full"])
+    parser.add_argument("--out", default="experiments/results/bench_executor_p1.json")
+    args = parser.parse_args(argv)
+    import jax
+
+    compiled = {(r, name): step for r in args.recompute for name, step in steps(r).items()}
+    for fn, fn_args in compiled.values():  # warm up
+        jax.block_until_ready(fn(*fn_args))
+    times = {key: [] for key in compiled}
+    for _ in range(args.rounds):  # alternating rounds: the machine is shared and noisy
+        for key, (fn, fn_args) in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*fn_args))
+            times[key].append(time.perf_counter() - start)
+    result = {"model": {**MODEL, "m": M, "micro_batch_size": 1}, "rounds": args.rounds}
+    for r in args.recompute:
+        ex, ref = statistics.median(times[(r, "executor")]), statistics.median(times[(r, "reference")])
+        result[r] = {"executor_s": ex, "reference_s": ref, "reference_over_executor": ref / ex,
+                     "all_executor_s": times[(r, "executor")], "all_reference_s": times[(r, "reference")]}
+        print(json.dumps({r: {k: result[r][k] for k in ("executor_s", "reference_s", "reference_over_executor")}}))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
