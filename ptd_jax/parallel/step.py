@@ -88,6 +88,11 @@ def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, ke
         loss, grads = grad_fn(params, t, l, m, k)
         return (loss_acc + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)), None
 
+    if tokens.shape[0] == 1:  # one microbatch: no accumulator (it would hold a second float32 gradient)
+        loss, grads = grad_fn(params, tokens[0], labels[0], mask[0], jax.random.fold_in(key, 0) if key is not None
+                              else None)
+        return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(jnp.promote_types(x.dtype, jnp.float32)), grads,
+                                              params)
     zeros = jax.tree.map(lambda x: mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x),
                          params)
     loss0 = mark_varying(jnp.zeros((), acc), (DATA,))
