@@ -6,6 +6,7 @@
     tensor.py       tensor parallelism (§2.3): Megatron's f/g, TP layers, vocab-parallel embedding and loss
     pipeline/       pipeline parallelism (§2.2): schedules as data, lockstep ticks, the executor
     step.py         the jit(shard_map) train/eval steps: data parallelism (§2.1) around the other two
+    distributed_optimizer.py  Megatron's distributed optimizer (ZeRO-1): state split over data, reduce-scatter
     decode.py       KV-cache decoding for ptd-generate, one device or tensor-parallel (cache split by heads)
     collectives.py  counting the collectives of a traced or compiled step
 
