@@ -323,19 +323,21 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
                 ct_y = jnp.where(cell.is_last, dy_head.astype(ct_y.dtype), ct_y)
                 loss = last_stage_loss(cell, loss_sum)
             d_chunk, dx = chunk_vjp(ct_y)
-            # An idle cell under "uniform" ran on the trash slot's residuals, which may be zeros (a LayerNorm's
-            # 1/sqrt backward then gives inf·0): its dx and chunk gradients are selected away, never multiplied.
+            # An idle cell under "uniform" ran on the trash slot's residuals, which may still be the initial zeros (a
+            # LayerNorm's 1/sqrt backward then gives inf·0): its dx and chunk gradients are selected away.
             dx = jnp.where(cell.active, dx, jnp.zeros_like(dx))
             if variant.embed:
                 (d_embed,) = jax.linear_transpose(lambda sh: embed(sh, cell), shared_c)(
                     jnp.where(cell.is_first, dx, jnp.zeros_like(dx)))
                 d_shared = jax.tree.map(jnp.add, d_shared, d_embed)
-            return dx.astype(act_dtype), loss, as_grads(d_chunk, d_shared), residuals.zeros()
+            # what it read goes back (to the trash slot): fewer copies than writing zeros (139 against 168 in the
+            # compiled p = 1 step, 5% faster)
+            return dx.astype(act_dtype), loss, as_grads(d_chunk, d_shared), list(res_in)
         return backward
 
     def idle(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
         return (mark_like(jnp.zeros(x_in.shape, act_dtype), x_in), no_loss(loss_like), zero_grads(chunk_params),
-                residuals.zeros() if stash_residuals else [])
+                list(res_in))
 
     act_ref = mark_varying(jnp.zeros(act_shape, act_dtype), (PIPE,) + tuple(sorted(varying_axes(tokens_MxBxS))))
     if sequence_parallel:

@@ -89,8 +89,3 @@ class Residuals:
     def buffers(self, slots: int) -> list:
         """Zero buffers [slots, ...] typed like the leaves they hold."""
         return [mark_varying(jnp.zeros((slots, *s.shape), s.dtype), a) for s, a in zip(self.structs, self.axes)]
-
-    def zeros(self) -> list:
-        """Zero leaves (what a B tick writes to the trash slot)."""
-        return [mark_varying(jnp.zeros(s.shape, s.dtype), a) for s, a in zip(self.structs, self.axes)]
-
