@@ -89,7 +89,7 @@ def measure(schedule, v, m, recompute):
             "peak_stash": sched.peak_stash, "activation_slots": sched.num_act_slots,
             "gradient_slots": sched.num_grad_slots, "slot_bytes": slot_bytes,
             "megatron_16bit_bytes_per_chunk": k * s_ * h * (34 + 5 * a * s_ / h) if recompute != "full"
-            else 2 * s_ * h,
+            else k * 2 * s_ * h,
             "stash_bytes_rank0": sched.peak_stash[0] * slot_bytes,
             "buffer_bytes_rank0": (sched.num_act_slots + 1) * (slot_bytes + (act_bytes if recompute != "full" else 0)),
             "temp_bytes_per_device": temp}

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ptd_jax.config import PAPER_TABLE_1, model_preset
+from ptd_jax.config import PAPER_TABLE_1, PAPER_VOCAB_SIZE, model_preset
 from ptd_jax.train.flops import flops_per_iteration, model_flops_per_iteration, num_params, training_days
 
 
@@ -18,7 +18,7 @@ def rows(tokens: float) -> list[dict]:
     out = []
     for row in PAPER_TABLE_1:
         cfg = model_preset(f"paper-{row.name.lower()}")
-        vocab = cfg.padded_vocab_size(row.tensor_model_parallel_size)  # 51,200 at the row's t
+        vocab = PAPER_VOCAB_SIZE  # Table 1's V (Megatron's padding of GPT-2's 50,257 at t = 8)
         params = num_params(cfg, vocab)
         flops = flops_per_iteration(cfg, row.global_batch_size, vocab)
         out.append({

@@ -379,11 +379,11 @@ PAPER_SEQ_LENGTH = 2048
 
 
 def _paper_preset(row: PaperRow) -> ModelConfig:
-    """The row's model; padded at the row's own t, V is the paper's 51,200 (divisor 1024 / t: 128 at t = 8)."""
+    """The row's model: GPT-2's 50,257, padded as Megatron pads it (a multiple of 128 · t: 50,304 at t = 1, the
+    paper's 51,200 at t = 8). Table 1's formulas use the paper's V, `PAPER_VOCAB_SIZE`."""
     return ModelConfig(num_layers=row.num_layers, hidden_size=row.hidden_size,
                        num_attention_heads=row.num_attention_heads, seq_length=PAPER_SEQ_LENGTH,
-                       vocab_size=GPT2_VOCAB_SIZE,
-                       make_vocab_size_divisible_by=1024 // row.tensor_model_parallel_size)
+                       vocab_size=GPT2_VOCAB_SIZE)
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {

@@ -1,7 +1,7 @@
 import pytest
 
-from ptd_jax.config import (PAPER_TABLE_1, ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset,
-                            pad_vocab_size, paper_parallel_config)
+from ptd_jax.config import (PAPER_TABLE_1, PAPER_VOCAB_SIZE, ConfigError, ModelConfig, ParallelConfig, TrainConfig,
+                            model_preset, pad_vocab_size, paper_parallel_config)
 from ptd_jax.train.flops import num_params
 
 
@@ -93,11 +93,10 @@ def test_table1_presets_match_published_parameter_counts(row):
     cfg = model_preset(f"paper-{row.name.lower()}")
     assert (cfg.num_attention_heads, cfg.hidden_size, cfg.num_layers) == (row.num_attention_heads, row.hidden_size,
                                                                           row.num_layers)
-    t = row.tensor_model_parallel_size
-    # GPT-2's vocabulary, padded at the row's t to the paper's 51,200 (Megatron's 128 · t at t = 8)
-    assert (cfg.vocab_size, cfg.padded_vocab_size(t), cfg.seq_length) == (50257, 51200, 2048)
-    assert t < 8 or cfg.make_vocab_size_divisible_by == 128
-    assert abs(num_params(cfg, cfg.padded_vocab_size(t)) / 1e9 - row.published_params_billion) <= 0.051
+    # GPT-2's vocabulary, padded as Megatron pads it: 128 · t, the paper's 51,200 at t = 8, at every row's t
+    assert (cfg.vocab_size, cfg.padded_vocab_size(8), cfg.seq_length) == (50257, PAPER_VOCAB_SIZE, 2048)
+    assert [cfg.padded_vocab_size(k) for k in (1, 2, 4)] == [50304, 50432, 50688]
+    assert abs(num_params(cfg, PAPER_VOCAB_SIZE) / 1e9 - row.published_params_billion) <= 0.051
     layout = paper_parallel_config(row)
     assert layout.num_devices == row.num_gpus
     layout.check_model(cfg)

@@ -6,7 +6,7 @@
     ptd-plan search <model flags> --num-gpus N --global-batch-size B --hardware H [--top 10] [--json]
 
 Model flags are ptd-train's (Megatron's names; unset ones come from --model-preset, default paper-1.7b, whose
-sequence 2048 and vocabulary 51,200 are the paper's). `tflops_per_gpu` is the paper's eq. (3) figure (comparable
+sequence 2048 is the paper's; its GPT-2 vocabulary of 50,257 pads to the paper's 51,200 at t = 8, as Megatron pads). `tflops_per_gpu` is the paper's eq. (3) figure (comparable
 with its Table 1); `model_tflops_per_gpu` and `mfu` count model FLOPs without recomputation. Bad input: one line
 naming the values, exit 2.
 """

@@ -8,7 +8,8 @@ microbenchmarks — never fitted to the paper's results.
 
 Efficiencies (the same for every preset, from measurements, not from the paper):
 - GEMM 0.80 of peak when compute-bound: a random 8192³ bf16 matmul ran at 790 of 989 TFLOP/s on an H200
-  (docs/architecture.md, "Formulas"); memory-bound GEMMs run at the HBM rate.
+  (a measurement the team made before this project; not in this repository); memory-bound GEMMs run at the
+  HBM rate.
 - HBM 0.90 of the datasheet: a device copy measured 4.3 of 4.8 TB/s on the same H200.
 - NVLink all-reduce bus bandwidth 0.77 of the one-way link rate: nccl-tests' all_reduce_perf reports about
   230 GB/s bus bandwidth on a DGX A100 (300 GB/s each way).

@@ -78,10 +78,13 @@ def tensor_allreduce_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Har
 
 
 def p2p_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
-    """One boundary crossing (an activation or its gradient) between pipeline neighbours."""
-    t, d = parallel.tensor_model_parallel_size, parallel.data_parallel_size
+    """One boundary crossing (an activation or its gradient) between pipeline neighbours. The mesh is
+    ("data", "pipe", "tensor"), so neighbouring stages are t devices apart and one data replica's p·t devices are
+    consecutive: every boundary stays in a node when p·t fits in one, else some boundary crosses, and a lockstep
+    tick waits for the slowest."""
+    t, p = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     nbytes = HALF * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
-    bandwidth, latency = hw.link(within_node=t * d < hw.gpus_per_node)
+    bandwidth, latency = hw.link(within_node=t * p <= hw.gpus_per_node)
     if parallel.scatter_gather and t > 1:
         nv_bw, nv_lat = hw.link(within_node=True)
         return nbytes / t / bandwidth + latency + allgather_seconds(nbytes, t, nv_bw, nv_lat)
@@ -92,8 +95,8 @@ def data_parallel_seconds(params: float, parallel: ParallelConfig, hw: Hardware)
     """The gradient all-reduce over d of a GPU's 16-bit gradients; on InfiniBand once the ring leaves the node."""
     t, p, d = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                parallel.data_parallel_size)
-    bandwidth, latency = hw.link(within_node=t * d <= hw.gpus_per_node)
-    del p  # data-parallel peers differ in their data coordinate only
+    # data-parallel peers differ in their data coordinate only, which is outermost: they are p·t devices apart
+    bandwidth, latency = hw.link(within_node=t * p * d <= hw.gpus_per_node)
     return ring_allreduce_seconds(HALF * params, d, bandwidth, latency)
 
 

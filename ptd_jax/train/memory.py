@@ -31,7 +31,7 @@ def estimate_bytes(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: 
     d = parallel.data_parallel_size if parallel.use_distributed_optimizer else 1
     state = local * master * (1 + 3 / d)  # gradients; parameters and Adam's two moments (sharded over data: ZeRO-1)
 
-    width = 2 if model_cfg.dtype == "bfloat16" else 4 if model_cfg.dtype == "float32" else 8
+    width = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[model_cfg.dtype]
     per_layer = s * b * h * (34 / t if parallel.sequence_parallel else 10 + 24 / t) * width / 2
     if model_cfg.attention_backend == "xla" and train_cfg.recompute_granularity != "selective":
         scores = 5 if model_cfg.attention_dropout > 0 else 2  # softmax output (+ dropout mask and output)

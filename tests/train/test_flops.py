@@ -1,6 +1,6 @@
 import pytest
 
-from ptd_jax.config import model_preset
+from ptd_jax.config import PAPER_VOCAB_SIZE, model_preset
 from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
                                  model_flops_per_iteration, num_params, training_days)
 
@@ -11,8 +11,9 @@ def test_eq3_by_hand_for_the_paper_1_7b_preset():
     1 + s/(6h) + V/(16lh) = 1 + 2048/13824 + 51200/884736 = 1 + 0.1481481… + 0.0578704… = 1.2060185…
     so F = 1.54668e16 FLOPs per iteration."""
     cfg = model_preset("paper-1.7b")
-    assert flops_per_iteration(cfg, 512) == pytest.approx(12_824_703_626_379_264 * 1.2060185185, rel=1e-9)
-    assert flops_per_iteration(cfg, 512) == pytest.approx(1.54668e16, rel=1e-5)
+    assert flops_per_iteration(cfg, 512, PAPER_VOCAB_SIZE) == pytest.approx(12_824_703_626_379_264 * 1.2060185185,
+                                                                           rel=1e-9)
+    assert flops_per_iteration(cfg, 512, PAPER_VOCAB_SIZE) == pytest.approx(1.54668e16, rel=1e-5)
 
 
 def test_model_flops_is_eq3_without_the_recomputed_forward():

@@ -98,7 +98,8 @@ class Variant:
 
 def cell_variants(sched: Schedule, branching: str, forward_only: bool = False) -> tuple[list[Variant], np.ndarray]:
     """The branches a schedule needs and which one each tick ([T], "uniform") or each cell ([T, p], "per-rank")
-    takes. In training the loss comes from the backward's recomputation, so forwards never run the head."""
+    takes. In training the head runs in the last stage's backward (its forward and backward there), never in a
+    forward."""
     if branching not in PIPELINE_BRANCHINGS:
         raise ValueError(f"pipeline_branching={branching!r} is not one of {PIPELINE_BRANCHINGS}")
     p, last = sched.p, sched.p * sched.v - 1
@@ -135,7 +136,8 @@ class Cell(NamedTuple):
 
 
 class Carry(NamedTuple):
-    act: jax.Array           # [activation slots + trash, B, S or S/t, D]: chunk inputs (the stash)
+    act: jax.Array           # [activation slots + trash, B, S or S/t, D]: chunk inputs (none/selective: the
+                             # chunk's output after its F, which the last stage's head reads at the B)
     grad: jax.Array          # [gradient slots + trash, B, S or S/t, D]: gradients received from the next stage
     grads_chunks: dict       # float32 accumulators [v, k, ...] of this rank's chunks
     grads_shared: dict       # float32 accumulators of the embeddings and final LayerNorm
@@ -351,9 +353,10 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
                 for vr in variants]
 
     def run_cell(which, cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
-        # Under "uniform" an idle cell runs its tick's branch on chunk 0, microbatch 0 and a trash slot; its
-        # cotangent is a `where`-zero, so nothing reaches the sums while the trash stays finite (it only ever
-        # holds zeros or what a dummy cell computed from them).
+        # Under "uniform" an idle cell runs its tick's branch on chunk 0, microbatch 0 and trash slots; its
+        # cotangent is a `where`-zero and its dx and chunk gradients (stash mode) are selected away, so nothing
+        # reaches the sums. The activation trash only ever holds finite values (received activations and
+        # gradients, dummy outputs), which the head's masked vjp needs.
         return jax.lax.switch(which, branches, cell, chunk_params, x_in, dy, loss_like, res_in)
 
     def send(out, cell: Cell):

@@ -2,8 +2,8 @@
 
 `jax.vjp` returns a closure that is a pytree whose leaves are the residuals the backward needs; their shapes and the
 tree structure are fixed at trace time. So an F tick can write the leaves into scan-carried buffers
-[slots + trash, ...] and a later B tick can unflatten them into the same closure (measured in the probe that
-docs/architecture.md, "Pipeline", describes). Two refinements over storing every leaf:
+[slots + trash, ...] and a later B tick can unflatten them into the same closure (docs/architecture.md,
+"Recomputation: Megatron's semantics"). Two refinements over storing every leaf:
 - leaves that *are* the chunk's parameters (a matmul's weight, passed through unchanged) are not stashed: the B
   tick puts its own copy of the same parameters back in their place, so no slot holds a weight;
 - PRNG keys (selective recomputation re-draws attention dropout from its key) are stored as their raw key data.

@@ -271,18 +271,21 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
 
 # --- dropout ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("d, t, schedule, v, branching, sp", [
-    pytest.param(1, 2, "interleaved", 2, "uniform", False, marks=pytest.mark.slow),
-    pytest.param(1, 2, "interleaved", 2, "per-rank", True, marks=pytest.mark.slow),
-    pytest.param(2, 1, "1f1b", 1, "per-rank", False, marks=pytest.mark.slow),
-    pytest.param(1, 1, "gpipe", 1, "uniform", False, marks=pytest.mark.slow)])
-def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, branching, sp):
+@pytest.mark.parametrize("d, t, schedule, v, branching, sp, recompute", [
+    pytest.param(1, 2, "interleaved", 2, "uniform", False, "none", marks=pytest.mark.slow),
+    pytest.param(1, 2, "interleaved", 2, "per-rank", True, "none", marks=pytest.mark.slow),
+    pytest.param(2, 1, "1f1b", 1, "per-rank", False, "none", marks=pytest.mark.slow),
+    pytest.param(1, 1, "gpipe", 1, "uniform", False, "none", marks=pytest.mark.slow),
+    pytest.param(1, 1, "gpipe", 1, "uniform", False, "full", marks=pytest.mark.slow),
+    # selective re-draws the attention dropout from the key stashed among the residuals
+    pytest.param(1, 1, "gpipe", 1, "uniform", False, "selective")])
+def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, branching, sp, recompute):
     """With dropout, one training step at p = 2 gives the loss, grad norm and updated parameters of the p = 1
     step on the same data and tensor layout: every microbatch and layer draws the masks it draws there, and each
     backward's recomputed forward draws the masks of its forward (otherwise the gradients would not match)."""
     with jax.enable_x64(True):
         cfg = model_cfg(2).replace(hidden_dropout=0.2, attention_dropout=0.2)
-        tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0)
+        tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0, recompute_granularity=recompute)
         opt = make_optimizer(tcfg)
         flat = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=1,
                               global_batch_size=B, sequence_parallel=sp)
