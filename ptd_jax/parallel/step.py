@@ -108,12 +108,12 @@ def _replicated_axes(param_specs, parallel: ParallelConfig):
 
 def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig, parallel: ParallelConfig,
                    recompute: str, param_specs, sched=None, scatter_gather: bool = True, loss_scale=None,
-                   scatter_dims=None):
+                   scatter_dims=None, norm_specs=None):
     """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm). With a
     `loss_scale` the backward runs on the scaled loss and loss and gradients are unscaled (float32) before the
     norm. `scatter_dims` (the distributed optimizer): reduce-scatter each gradient over "data" on that dim
     (`distributed_optimizer.scatter_grads`); `param_specs` stay the specs without the "data" split, so the norm
-    returned is then not the global one (the step takes `sharding.global_norm` with the sharded specs)."""
+    returned is the global one only with `norm_specs`, the specs with the "data" split)."""
     axes = _replicated_axes(param_specs, parallel)
     varying = mark_tree(params, axes)
     scale = jnp.ones((), jnp.float32) if loss_scale is None else loss_scale
@@ -138,7 +138,7 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
         loss, grads = unscale(loss, grads, scale)
     # float32 for float32 or 16-bit params (the gathered copy is 16-bit under the distributed optimizer)
     grads = jax.tree.map(lambda g, p: g.astype(jnp.promote_types(p.dtype, jnp.float32)), grads, params)
-    return loss, grads, sharding.global_norm(grads, param_specs)
+    return loss, grads, sharding.global_norm(grads, param_specs if norm_specs is None else norm_specs)
 
 
 def pipeline_schedule(parallel: ParallelConfig):
@@ -189,14 +189,14 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
             key = jax.random.fold_in(jax.random.fold_in(key, state["step"]), jax.lax.axis_index(DATA))
         else:
             key = None
-        loss, grads, _ = loss_and_grads(params, tokens, labels, mask, key, model_cfg=model_cfg,
-                                        parallel=parallel, recompute=train_cfg.recompute_granularity,
-                                        param_specs=plain_specs, sched=sched,
-                                        scatter_gather=parallel.scatter_gather,
-                                        loss_scale=current_scale(state) if "loss_scale" in state else None,
-                                        scatter_dims=dims)
-        loss, grads = poison(loss, grads, state["step"], poison_steps)
-        grad_norm = sharding.global_norm(grads, specs["params"])
+        loss, grads, grad_norm = loss_and_grads(
+            params, tokens, labels, mask, key, model_cfg=model_cfg, parallel=parallel,
+            recompute=train_cfg.recompute_granularity, param_specs=plain_specs, sched=sched,
+            scatter_gather=parallel.scatter_gather, loss_scale=current_scale(state) if "loss_scale" in state else None,
+            scatter_dims=dims, norm_specs=specs["params"])
+        if poison_steps:  # the test hook: a poisoned step's norm is inf, as a real overflow's
+            loss, grads = poison(loss, grads, state["step"], poison_steps)
+            grad_norm = sharding.global_norm(grads, specs["params"])
         state, guard = guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg)
         return state, {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"] - 1), **guard}
 
