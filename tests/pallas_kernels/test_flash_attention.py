@@ -99,7 +99,8 @@ def test_pallas_kernels_inside_a_tensor_parallel_training_step(small_corpus, tmp
     np.testing.assert_allclose(fused, xla, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d, p, t, sp", [pytest.param(1, 2, 2, True, marks=pytest.mark.slow), (2, 1, 2, False)],
+@pytest.mark.parametrize("d, p, t, sp", [pytest.param(1, 2, 2, True, marks=pytest.mark.slow),
+                                         pytest.param(2, 1, 2, False, marks=pytest.mark.slow)],
                          ids=["p2t2-sequence-parallel-interleaved", "d2t2"])  # p2t2: the trace test above has it
 def test_every_kernel_gives_the_xla_gradients_at_odd_widths(d, p, t, sp):
     """Loss, every gradient and the grad norm of one parallel step with every kernel against the same step by

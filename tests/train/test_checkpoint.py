@@ -49,7 +49,7 @@ def random_state(parallel, optimizer, seed=0):
     return {**back, "step": state["step"]}, mesh
 
 
-@pytest.mark.parametrize("target", [(1, 4, 2, 2), (8, 1, 1, 1), (1, 2, 4, 1)])
+@pytest.mark.parametrize("target", [(1, 4, 2, 2), pytest.param((8, 1, 1, 1), marks=pytest.mark.slow), (1, 2, 4, 1)])
 def test_a_checkpoint_of_one_layout_restores_exactly_into_another(tmp_path, target):
     """Saved at (d,p,t,v) = (2,2,2,1), restored at `target`: the canonical state (params and Adam moments) is
     bitwise the saved one, and the padded vocabulary rows are zero."""
@@ -149,6 +149,7 @@ def test_resharded_training_continues_as_if_the_layout_never_changed(small_corpu
         np.testing.assert_allclose(b[i], a[i], rtol=1e-5)
 
 
+@pytest.mark.slow  # 30 s: a training subprocess killed mid-save
 def test_sigkill_during_an_asynchronous_save_leaves_the_last_complete_step(small_corpus, tmp_path):
     """SIGKILL while orbax writes a step (its temporary folder exists): the step is not listed, the previous one
     loads, and the resumed run cleans the partial folder up."""
@@ -198,6 +199,7 @@ def _main(*args):
     return code, err.getvalue(), json.loads(lines[-1]) if code == 0 and lines else None
 
 
+@pytest.mark.slow  # 60 s: four training runs
 def test_resume_options_no_load_optim_override_data_config_and_finetune(small_corpus, tmp_path):
     """In this process (8 devices, d = 8): --no-load-optim keeps the parameters and the learning rate's position
     but not Adam's moments; --override-data-config takes another seed and says so; --finetune starts at 0. The
