@@ -23,39 +23,13 @@ M = 8
 
 
 def steps(recompute: str):
-    import jax
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
-    from ptd_jax import model as gpt
-    from ptd_jax.config import ModelConfig, ParallelConfig
-    from ptd_jax.parallel import sharding
-    from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.pipeline import build
-    from ptd_jax.parallel.step import loss_and_grads
-    from ptd_jax.train.reference import accumulate_gradients
+    """{"executor": (compiled, args), "reference": (compiled, args)} for the policy."""
+    from experiments.bench_interleaving import pipeline_step, reference_step
+    from ptd_jax.config import ModelConfig
 
     cfg = ModelConfig(**MODEL)
-    parallel = ParallelConfig(micro_batch_size=1, global_batch_size=M)
-    sched = build("1f1b", 1, 1, M)
-    mesh = make_mesh(parallel)
-    params = gpt.init_params(jax.random.key(0), cfg)
-    staged = {**params, "layers": sharding.stage_layers(params["layers"], 1, 1)}
-    specs = sharding.param_specs(staged, pipelined=True)
-
-    def body(prm, tokens, labels, mask):
-        return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute=recompute,
-                              param_specs=specs, sched=sched)
-
-    batch = sharding.BATCH_SPEC
-    executor = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
-                                     out_specs=(P(), specs, P())))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 1, cfg.seq_length), dtype=np.int32)
-    ex_args = (jax.device_put(staged, sharding.named(mesh, specs)), tokens, tokens, np.ones_like(tokens))
-    reference = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=recompute))
-    ref_args = (params, tokens, tokens, np.ones_like(tokens))
-    return {"executor": (executor.lower(*ex_args).compile(), ex_args),
-            "reference": (reference.lower(*ref_args).compile(), ref_args)}
+    return {"executor": pipeline_step(cfg, "1f1b", 1, "uniform", recompute, p=1, m=M),
+            "reference": reference_step(cfg, recompute, m=M)}
 
 
 def main(argv=None) -> None:

@@ -32,8 +32,9 @@ CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per
          ("interleaved", 2, "per-rank")]
 
 
-def pipeline_step(cfg, schedule, v, branching, recompute):
-    """(compiled grad step, its arguments) for the layout on the first P devices."""
+def pipeline_step(cfg, schedule, v, branching, recompute, p=P, m=M):
+    """(compiled grad step, its arguments) for the layout on the first p devices; the executor runs the table
+    even at p = 1."""
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as PS
@@ -42,16 +43,17 @@ def pipeline_step(cfg, schedule, v, branching, recompute):
     from ptd_jax.config import ParallelConfig
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.step import loss_and_grads, pipeline_schedule
+    from ptd_jax.parallel.pipeline import build
+    from ptd_jax.parallel.step import loss_and_grads
 
-    parallel = ParallelConfig(pipeline_model_parallel_size=P, virtual_pipeline_stages=v, pipeline_schedule=schedule,
-                              micro_batch_size=1, global_batch_size=M, pipeline_branching=branching)
+    parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v, pipeline_schedule=schedule,
+                              micro_batch_size=1, global_batch_size=m, pipeline_branching=branching)
     mesh = make_mesh(parallel)
     params = gpt.init_params(jax.random.key(0), cfg)
-    params = {**params, "layers": sharding.stage_layers(params["layers"], P, v)}
+    params = {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
     specs = sharding.param_specs(params, pipelined=True)
     params = jax.device_put(params, sharding.named(mesh, specs))
-    sched = pipeline_schedule(parallel)
+    sched = build(schedule, p, v, m)
 
     def body(prm, tokens, labels, mask):
         return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute=recompute,
@@ -60,12 +62,12 @@ def pipeline_step(cfg, schedule, v, branching, recompute):
     batch = sharding.BATCH_SPEC
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
                                  out_specs=(PS(), specs, PS())))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 1, cfg.seq_length), dtype=np.int32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
     args = (params, tokens, tokens, np.ones_like(tokens))
     return step.lower(*args).compile(), args
 
 
-def reference_step(cfg, recompute):
+def reference_step(cfg, recompute, m=M):
     import jax
     import numpy as np
 
@@ -73,7 +75,7 @@ def reference_step(cfg, recompute):
     from ptd_jax.train.reference import accumulate_gradients
 
     params = gpt.init_params(jax.random.key(0), cfg)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 1, cfg.seq_length), dtype=np.int32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
     args = (params, tokens, tokens, np.ones_like(tokens))
     step = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=recompute))
     return step.lower(*args).compile(), args
