@@ -31,7 +31,7 @@ from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import param_specs
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_train_step,
                                    pipeline_schedule)
-from ptd_jax.train import checkpoint
+from ptd_jax.train import bubble, checkpoint
 from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
                                  model_flops_per_iteration)
 from ptd_jax.train.memory import check_fits
@@ -70,6 +70,11 @@ class RunOptions:
     """The data's tokenizer (`data.tokenizer`'s describe()), recorded in checkpoints for ptd-generate."""
     poison_steps: tuple[int, ...] = ()
     """Test hook (Python API only): steps whose loss and gradients are made non-finite (`loss_scale.poison`)."""
+    measure_bubble: bool | None = None
+    """After the first step, time the pipelined layout's gradient step at m and 2m and log the measured bubble
+    (`train/bubble.py`); None: when p > 1 and at least `bubble.AUTO_MIN_ITERATIONS` iterations remain."""
+    on_record: object = None
+    """Called with each logged training record (Python API only: e.g. a notebook's live loss plot)."""
 
 
 def iteration_flops(model_cfg, parallel, train_cfg, sched=None) -> dict[str, float]:
@@ -178,8 +183,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         sim = sched.simulate()
         logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
                        f"simulated bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = "
-                       f"{sched.formula_bubble():.3f}), peak stash per rank {sched.peak_stash}; measured bubble: "
-                       f"not available (all ticks run inside one XLA program, no per-tick clock)")
+                       f"{sched.formula_bubble():.3f}), peak stash per rank {sched.peak_stash}; measured bubble: after "
+                       f"the first step, if measured (train/bubble.py)")
     flops = iteration_flops(model_cfg, parallel, train_cfg, sched)
     logger.message(f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
                    f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="
@@ -204,7 +209,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     wall_start = time.perf_counter()
     records, compile_time = [], None
     window_start, window_iters = time.perf_counter(), 0
-    first_loss, done, exit_reason = None, start, None
+    first_loss, done, exit_reason, measured_bubble = None, start, None, None
     batches = prefetch(batch_of, range(start, train_cfg.train_iters))
     skips = SkipCounter(train_cfg.max_skipped_iters)
     ctrl_c = _CtrlC()
@@ -219,6 +224,9 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 jax.block_until_ready(metrics)
                 compile_time = time.perf_counter() - window_start
                 first_loss = float(metrics["lm_loss"])
+                measured_bubble = bubble.after_first_step(
+                    options.measure_bubble, mesh, model_cfg, parallel, train_cfg.recompute_granularity,
+                    state["params"], batch, train_cfg.train_iters - done, logger.message)
                 window_start, window_iters = time.perf_counter(), 0
             logger.advance()
             done = iteration + 1
@@ -231,6 +239,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 record["skipped_iters"], record["loss_scale"] = skips.take_window(), float(metrics["loss_scale"])
                 records.append(record)
                 logger.log_train(record)
+                if options.on_record is not None:
+                    options.on_record(record)
                 window_start, window_iters = now, 0
             if data.valid is not None and (done % train_cfg.eval_interval == 0 or done == train_cfg.train_iters):
                 valid = evaluate(state["params"])
@@ -293,6 +303,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         "attention_backend": model_cfg.attention_backend,
         "fused_kernels": model_cfg.fused_kernels,
         "skipped_iters": skips.total,
+        "measured_bubble": measured_bubble,
     }
     if options.plot_dir:
         summary["plot"] = logger.plot(options.plot_dir)
