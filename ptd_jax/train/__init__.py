@@ -6,7 +6,7 @@ paper's FLOP formulas.
     checkpoint.py  orbax checkpoints of the training state
     guards.py      skipped iterations counted, --max-skipped-iters, no checkpoint from a non-finite state
     metrics.py     progress bar, JSONL records, loss-curve plot
-    bubble.py      the measured pipeline bubble (the gradient step timed at m and 2m), shown after the first step
+    bubble.py      the measured pipeline bubble (the train step timed at m and 2m), shown after the first step
     flops.py       parameters (eq. 2), FLOPs per iteration (eq. 3), training time (eq. 4), device peaks
 
 `train` and `RunOptions` are imported from `loop` on first use, so that `ptd_jax.train.flops` (pure formulas)

@@ -1,20 +1,21 @@
 """The measured pipeline bubble (paper §2.2: t_pb / t_id) of a run's layout, shown after its first step.
 
-All of a step's ticks run inside one XLA program, so there is no per-tick clock to read idle time from. Instead
-the layout's gradient step (the same p, v, b, schedule, branching, recompute policy and shapes, no optimizer) is
-timed at two microbatch counts, m and 2m, in alternating rounds, and the step time is split into the part that
-grows with m and the part that does not:
+All of a step's ticks run inside one XLA program, so there is no per-tick clock to read idle time from. Instead the
+run's own training step (already compiled, at m microbatches) and the same step at 2m microbatches (one more
+compile; the batch twice) are timed in alternating rounds, each call on a fresh copy of the state whose result is
+discarded, and the step time is split into the part that grows with m and the part that does not:
 
     T(m) = c + m·t_mb        t_mb = (T(2m) − T(m)) / m     (one microbatch's forward and backward, steady state)
     ideal = m·t_mb           measured bubble = (T(m) − ideal) / ideal = c / (m·t_mb)
 
-which is the paper's t_pb / t_id (and the simulator's `bubble_fraction`); `idle_share` = 1 − ideal / T(m) is
-the share of the step spent outside the ideal. The same two-point figure taken on the lockstep table's simulated
+which is the paper's t_pb / t_id (and the simulator's `bubble_fraction`); `idle_share` = 1 − ideal / T(m) is the
+share of the step spent outside the ideal. The same two-point figure taken on the lockstep tables' simulated
 makespans is `simulated_two_point`: it equals the simulated bubble whenever the bubble does not depend on m.
-Honest limits: c also holds what every step pays once (the gradient reduction, the accumulators' set-up), so the
+Honest limits: c also holds what every step pays once (the gradient reduction, the optimizer update), so the
 measured figure is an upper bound of the pipeline's own bubble; and on fake CPU devices the devices share the
 host's cores, so step time follows the work that every rank executes (`--pipeline-branching uniform` computes
 masked dummies in idle cells, which then cost time; `per-rank` idle cells cost nothing there, unlike a GPU's).
+`time_alternating` and `two_point` also serve experiments/ (the bubble figure, on gradient steps).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import numpy as np
 
 from ptd_jax.config import ParallelConfig
 
-DESCRIPTION = ("the layout's gradient step timed at m and 2m microbatches (alternating rounds, medians); bubble = "
-               "(T(m) - m*t_mb)/(m*t_mb) with t_mb = (T(2m) - T(m))/m; the m-independent part also holds fixed "
-               "per-step costs, so this is an upper bound")
+DESCRIPTION = ("the run's train step timed at m and 2m microbatches (fresh state copies, alternating rounds, "
+               "medians); bubble = (T(m) - m*t_mb)/(m*t_mb) with t_mb = (T(2m) - T(m))/m; the m-independent part "
+               "also holds per-step costs (gradient reduction, optimizer), so this is an upper bound")
 
 
 def two_point(t_m: float, t_2m: float, m: int) -> dict:
@@ -59,39 +60,43 @@ def doubled(parallel: ParallelConfig) -> ParallelConfig:
 
 
 def time_alternating(steps: dict, rounds: int) -> dict[str, list[float]]:
-    """{name: [seconds per round]} of each `(fn, args)` in `steps`, called once to warm up, then in alternating
+    """{name: [seconds per round]} of each `(fn, args)` in `steps` (`args` a tuple, or a function returning a fresh
+    tuple for each call, untimed: a step that donates its input), called once to warm up, then in alternating
     rounds (the machine may be shared: every step sees the same load)."""
     import jax
 
+    def args_of(args):
+        return args() if callable(args) else args
+
     for fn, args in steps.values():
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args_of(args)))
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, (fn, args) in steps.items():
+            call_args = jax.block_until_ready(args_of(args))
             start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fn(*call_args))
             times[name].append(time.perf_counter() - start)
     return times
 
 
-def measure(mesh, model_cfg, parallel: ParallelConfig, params, batch, recompute: str = "none",
+def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig, train_cfg, optimizer,
             rounds: int = 3) -> dict:
-    """Time the layout's gradient step at m and 2m on `params` (the run's sharded parameters) and a batch
-    (tokens, labels, mask [M, d·b, S]) of the run; the 2m batch is the batch twice. Returns the two-point split,
-    both medians, the simulated bubble and its two-point figure."""
-    from ptd_jax.parallel import sharding
-    from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
+    """Time the run's `train_step` (at m) and the same step built at 2m on copies of `state` and a batch of the
+    run (tokens, labels, mask [M, d·b, S]; the 2m batch is the batch twice). Returns the two-point split, both
+    medians, the simulated bubble and its two-point figure."""
+    import jax
 
-    specs = sharding.param_specs(params, parallel.pipeline_model_parallel_size > 1)
-    twice = tuple(np.concatenate([x, x]) for x in batch)
-    steps = {
-        "m": (make_parallel_grad_step(mesh, model_cfg, parallel, specs, recompute, parallel.scatter_gather),
-              (params, *batch)),
-        "2m": (make_parallel_grad_step(mesh, model_cfg, doubled(parallel), specs, recompute,
-                                       parallel.scatter_gather), (params, *twice)),
-    }
+    from ptd_jax.parallel.step import make_parallel_train_step, pipeline_schedule
+
     start = time.perf_counter()
-    times = time_alternating(steps, rounds)
+    twice = tuple(np.concatenate([x, x]) for x in batch)
+    step_2m = make_parallel_train_step(mesh, model_cfg, doubled(parallel), train_cfg, optimizer, state)
+
+    def fresh(b):
+        return lambda: (jax.tree.map(lambda x: x.copy(), state), *b, key)  # the steps donate their state
+
+    times = time_alternating({"m": (train_step, fresh(batch)), "2m": (step_2m, fresh(twice))}, rounds)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     m = parallel.num_microbatches
     result = two_point(median["m"], median["2m"], m)
@@ -110,9 +115,10 @@ def describe(result: dict, fake_devices: bool) -> str:
     median = result["median_step_s"]
     line = (f"pipeline: measured bubble {result['bubble_fraction']:.3f} (simulated {result['simulated_bubble']:.3f}, "
             f"two-point on the simulated table {result['simulated_two_point']:.3f}; idle share of the step "
-            f"{result['idle_share']:.1%}): gradient step timed at m={result['m']} ({median['m']:.3f} s) and "
+            f"{result['idle_share']:.1%}): train step timed at m={result['m']} ({median['m']:.3f} s) and "
             f"m={2 * result['m']} ({median['2m']:.3f} s), {result['rounds']} alternating rounds, medians; bubble = "
-            f"fixed part / (m x per-microbatch part), an upper bound (the fixed part also holds per-step costs); "
+            f"fixed part / (m x per-microbatch part), an upper bound (the fixed part also holds per-step costs: "
+            f"gradient reduction, optimizer); "
             f"{result['measurement_s']:.1f} s, not counted in step times")
     if fake_devices:
         line += (f"; fake CPU devices share the cores, so this follows the work all ranks execute "
@@ -121,11 +127,11 @@ def describe(result: dict, fake_devices: bool) -> str:
 
 
 AUTO_MIN_ITERATIONS = 100
-"""`measure_bubble=None` measures when p > 1 and at least this many iterations remain (two extra compiles)."""
+"""`measure_bubble=None` measures when p > 1 and at least this many iterations remain (one extra compile: the step at 2m)."""
 
 
-def after_first_step(enabled: bool | None, mesh, model_cfg, parallel: ParallelConfig, recompute: str, params,
-                     batch, iterations_left: int, message) -> dict | None:
+def after_first_step(enabled: bool | None, train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig,
+                     train_cfg, optimizer, iterations_left: int, message) -> dict | None:
     """The training loop's hook: measure and `message` the banner line, or return None when not measuring."""
     if parallel.pipeline_model_parallel_size == 1:
         return None
@@ -135,6 +141,6 @@ def after_first_step(enabled: bool | None, mesh, model_cfg, parallel: ParallelCo
         return None
     import jax
 
-    result = measure(mesh, model_cfg, parallel, params, batch, recompute)
+    result = measure(train_step, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer)
     message(describe(result, fake_devices=jax.devices()[0].platform == "cpu"))
     return result

@@ -22,13 +22,14 @@ import numpy as np
 
 from ptd_jax import model as gpt
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from ptd_jax.data import GPTData, microbatches
+from ptd_jax.data import GPTData, local_rows, microbatches
 from ptd_jax.data.corpus import default_corpus
 from ptd_jax.data.loader import prefetch
 from ptd_jax.loss_scale import to_meta as loss_scale_meta
 from ptd_jax.optimizer import make_optimizer
+from ptd_jax.parallel import multiprocess
 from ptd_jax.parallel.mesh import make_mesh
-from ptd_jax.parallel.sharding import param_specs
+from ptd_jax.parallel.sharding import BATCH_SPEC, param_specs
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_train_step,
                                    pipeline_schedule)
 from ptd_jax.train import bubble, checkpoint
@@ -156,20 +157,30 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                                               poison_steps=options.poison_steps)
         pipelined = parallel.pipeline_model_parallel_size > 1
         eval_step = make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"], pipelined))
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     num_devices = parallel.num_devices
     peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype in ("bfloat16", "float16"),
                                            options.peak_tflops, jax.local_device_count())
-    if data.valid is None and train_cfg.eval_iters > 0:
+    primary = jax.process_index() == 0  # only process 0 prints and writes metrics
+    if data.valid is None and train_cfg.eval_iters > 0 and primary:
         print(f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
               f"no validation loss will be reported", file=sys.stderr)
 
+    # each process reads only its data ranks' rows, and the global arrays are assembled from them
+    ranks = multiprocess.local_data_ranks(mesh)
+    rows = None if len(ranks) == parallel.data_parallel_size else local_rows(parallel, ranks)
+
+    def to_devices(batch):
+        cut = microbatches(batch, parallel, len(ranks))
+        return cut if options.reference_step else tuple(multiprocess.global_batch(mesh, x, ranks, BATCH_SPEC)
+                                                        for x in cut)
+
     def evaluate(params):
-        losses = [float(eval_step(params, *microbatches(b, parallel))) for b in data.valid_batches()]
+        losses = [float(eval_step(params, *to_devices(b))) for b in data.valid_batches(rows)]
         return float(np.mean(losses)) if losses else None
 
-    logger = MetricsLogger(train_cfg.train_iters, start_iter=start, metrics_file=options.metrics_file,
-                           progress=options.progress)
+    logger = MetricsLogger(train_cfg.train_iters, start_iter=start, metrics_file=options.metrics_file if primary
+                           else None, progress=options.progress and primary, quiet=not primary)
     for text in messages:
         logger.message(text)
     logger.message(f"ptd_jax: {num_params / 1e6:.2f}M parameters, layout d={parallel.data_parallel_size} "
@@ -193,7 +204,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     B = parallel.global_batch_size
 
     def batch_of(iteration):  # the next B samples of the stream, whatever the run's length
-        return microbatches(data.train_samples(consumed + (iteration - start) * B, B), parallel)
+        return to_devices(data.train_samples(consumed + (iteration - start) * B, B, rows))
 
     def save(done):
         meta = checkpoint.run_meta(model_cfg, parallel, train_cfg, consumed_samples=consumed + (done - start) * B,
@@ -204,7 +215,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         saver.save(done, state, {**meta, "loss_scale": loss_scale_meta(state.get("loss_scale"))})
 
     saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,
-                                     keep=options.keep_checkpoints, async_save=options.async_save)
+                                     keep=options.keep_checkpoints, async_save=options.async_save, mesh=mesh)
              if options.save else None)
     wall_start = time.perf_counter()
     records, compile_time = [], None
@@ -225,8 +236,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 compile_time = time.perf_counter() - window_start
                 first_loss = float(metrics["lm_loss"])
                 measured_bubble = bubble.after_first_step(
-                    options.measure_bubble, mesh, model_cfg, parallel, train_cfg.recompute_granularity,
-                    state["params"], batch, train_cfg.train_iters - done, logger.message)
+                    options.measure_bubble, train_step, state, batch, dropout_key, mesh, model_cfg, parallel,
+                    train_cfg, optimizer, train_cfg.train_iters - done, logger.message)
                 window_start, window_iters = time.perf_counter(), 0
             logger.advance()
             done = iteration + 1
@@ -260,6 +271,9 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         interrupted = True
+    except Exception as err:  # a dead process: exit now, waiting for nothing (`exit_if_peer_failed`)
+        multiprocess.exit_if_peer_failed(err, "ptd-train")
+        raise
     else:
         interrupted = False
     finally:
@@ -305,7 +319,7 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         "skipped_iters": skips.total,
         "measured_bubble": measured_bubble,
     }
-    if options.plot_dir:
+    if options.plot_dir and primary:
         summary["plot"] = logger.plot(options.plot_dir)
     return summary
 

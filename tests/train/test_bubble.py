@@ -43,7 +43,7 @@ def test_the_loop_logs_the_measured_bubble_after_the_first_step(small_corpus, ca
     assert measured["simulated_bubble"] == pytest.approx(0.25)
     err = capsys.readouterr().err
     assert f"pipeline: measured bubble {measured['bubble_fraction']:.3f}" in err
-    assert "gradient step timed at m=4" in err and "m=8" in err
+    assert "train step timed at m=4" in err and "m=8" in err
 
 
 def test_short_runs_and_p1_do_not_measure(small_corpus):
@@ -51,4 +51,4 @@ def test_short_runs_and_p1_do_not_measure(small_corpus):
     tcfg = TrainConfig(train_iters=2, lr=3e-3, log_interval=1, eval_iters=0)
     assert train(TINY, ParallelConfig(pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=8),
                  tcfg, run)["measured_bubble"] is None
-    assert bubble.after_first_step(True, None, TINY, ParallelConfig(), "none", None, None, 500, print) is None
+    assert bubble.after_first_step(True, *[None] * 5, TINY, ParallelConfig(), None, None, 500, print) is None
