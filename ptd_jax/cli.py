@@ -19,6 +19,8 @@ from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS,
 from ptd_jax.data import DataError, IndexedDataset, parse_split
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer, add_tokenizer_args, training_tokenizer
+from ptd_jax.parallel import multiprocess
+from ptd_jax.parallel.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
 from ptd_jax.precision_flags import add_precision_args, compute_dtype, train_config_fields
 
 DEMO_PRESET = "tiny"
@@ -69,7 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--micro-batch-size", type=int, help="b (default 4; 2 in the demo layout)")
     g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument("--fake-devices", type=int, help="simulate N CPU devices (sets XLA_FLAGS before JAX starts)")
+    g.add_argument("--fake-devices", type=int, help="simulate N CPU devices per process (sets XLA_FLAGS before JAX "
+                   "starts)")
+
+    g = p.add_argument_group("several processes (jax.distributed; default: from ptd-launch, SLURM or Open MPI, "
+                             "else one process)")
+    g.add_argument("--coordinator-address", help="host:port of process 0's coordination service")
+    g.add_argument("--num-processes", type=int)
+    g.add_argument("--process-id", type=int)
+    g.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                   help="seconds without a heartbeat after which a process is declared dead and the others stop")
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=300)
@@ -330,13 +341,23 @@ def run(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     demo = apply_demo_layout(args)
     fill_defaults(args)
+    group = multiprocess.resolve(args.coordinator_address, args.num_processes, args.process_id)
+    if args.heartbeat_timeout < 1:
+        raise ConfigError(f"heartbeat_timeout={args.heartbeat_timeout} must be at least 1 (seconds)")
+
+    def join_processes():  # before JAX starts its backend
+        if group is not None:
+            multiprocess.initialize(group, args.heartbeat_timeout)
+
     if args.fake_devices is not None:
         if not 1 <= args.fake_devices <= MAX_FAKE_DEVICES:
             raise ConfigError(f"fake_devices={args.fake_devices} must be in [1, {MAX_FAKE_DEVICES}] (simulated "
                               f"devices share this machine's CPU cores)")
         from ptd_jax.parallel.mesh import set_fake_devices
 
-        set_fake_devices(args.fake_devices)
+        set_fake_devices(args.fake_devices, before_backend=join_processes)
+    else:
+        join_processes()
     import logging
 
     import jax
@@ -373,6 +394,10 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
+    return multiprocess.end(_main(argv))
+
+
+def _main(argv) -> int:
     from ptd_jax.train.guards import DivergedError
 
     try:
@@ -384,6 +409,7 @@ def main(argv=None) -> int:
         print(f"ptd-train: error: {err}", file=sys.stderr)
         return 1
     except RuntimeError as err:  # XLA's out-of-memory, past the estimate of train/memory.py
+        multiprocess.exit_if_peer_failed(err, "ptd-train")
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
         print(f"ptd-train: error: out of device memory ({str(err).splitlines()[0][:300]}); use more devices, a "
@@ -392,7 +418,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as stop:  # the loop re-raises it saying where it stopped
         print(f"ptd-train: interrupted (Ctrl-C) {str(stop) or 'before training started'}", file=sys.stderr)
         return 130
-    print(json.dumps(_strict(summary)))
+    if multiprocess.is_primary():  # only process 0 prints
+        print(json.dumps(_strict(summary)))
     return 0
 
 

@@ -19,7 +19,7 @@ LAYERS = [("pallas_kernels", 0), ("ptd_jax.config", 1), ("ptd_jax.argparsing", 1
           ("ptd_jax.model", 3),
           ("ptd_jax.optimizer", 3), ("ptd_jax.loss_scale", 3), ("ptd_jax.interop", 3), ("ptd_jax.parallel", 4),
           ("ptd_jax.train", 5), ("ptd_jax.perf", 6), ("ptd_jax.cli", 6), ("ptd_jax.precision_flags", 6),
-          ("ptd_jax.convert", 6), ("ptd_jax.generate", 6)]
+          ("ptd_jax.convert", 6), ("ptd_jax.generate", 6), ("ptd_jax.launch", 6)]
 
 
 def module_files() -> dict[str, Path]:

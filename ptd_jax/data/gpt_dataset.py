@@ -252,18 +252,23 @@ class GPTData:
         if eval_iters > 0 and len(valid_docs) > 0:
             self.valid = GPTDataset(self.indexed, valid_docs, seq_length, seed, VALID_STREAM)
 
-    def train_samples(self, first: int, count: int) -> Batch:
-        """Samples [first, first + count) of the training stream (`first` = samples consumed so far)."""
-        return make_batch(self.train.batch(first, count))
+    def train_samples(self, first: int, count: int, rows: np.ndarray | None = None) -> Batch:
+        """Samples [first, first + count) of the training stream (`first` = samples consumed so far); with `rows`
+        (sorted positions in [0, count), `local_rows`), only samples first + rows."""
+        if rows is None:
+            return make_batch(self.train.batch(first, count))
+        return make_batch(_read_rows(self.train, first, rows))
 
     def train_batch(self, iteration: int) -> Batch:
         return self.train_samples(iteration * self.global_batch_size, self.global_batch_size)
 
-    def valid_batches(self):
+    def valid_batches(self, rows: np.ndarray | None = None):
         if self.valid is None:
             return
         for i in range(self.eval_iters):
-            yield make_batch(self.valid.batch(i * self.global_batch_size, self.global_batch_size))
+            first = i * self.global_batch_size
+            yield make_batch(self.valid.batch(first, self.global_batch_size) if rows is None
+                             else _read_rows(self.valid, first, rows))
 
     def data_config(self) -> dict:
         """What the streams depend on (JSON-able), for a checkpoint to compare on resume."""
@@ -272,10 +277,27 @@ class GPTData:
                 "num_tokens": self.indexed.num_tokens, "bin_bytes": self.indexed.bin_bytes}
 
 
-def microbatches(batch: Batch, parallel):
-    """Global batch [B, S] -> (tokens, labels, mask) each [M, d·b, S] in Megatron's sampler order (the step's
-    in_specs then give data rank r its b rows of every microbatch). `parallel` is a `config.ParallelConfig`."""
+def _read_rows(dataset: GPTDataset, first: int, rows: np.ndarray) -> np.ndarray:
+    """Samples first + rows (sorted), one `batch` read per run of consecutive rows."""
+    runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
+    return np.concatenate([dataset.batch(first + int(run[0]), len(run)) for run in runs if len(run)])
+
+
+def local_rows(parallel, data_ranks) -> np.ndarray:
+    """The positions in a global batch of the rows that data ranks `data_ranks` (sorted) take, ordered by
+    microbatch j, then rank r, then row i: j·b·d + r·b + i (`split_global_batch`). What one process of a
+    multi-process run reads."""
     m, d, b = parallel.num_microbatches, parallel.data_parallel_size, parallel.micro_batch_size
+    j, r, i = np.meshgrid(np.arange(m), np.asarray(data_ranks, np.int64), np.arange(b), indexing="ij")
+    return (j * b * d + r * b + i).ravel()
+
+
+def microbatches(batch: Batch, parallel, num_data_ranks: int | None = None):
+    """Global batch [B, S] -> (tokens, labels, mask) each [M, d·b, S] in Megatron's sampler order (the step's
+    in_specs then give data rank r its b rows of every microbatch). `parallel` is a `config.ParallelConfig`.
+    `num_data_ranks` R: `batch` holds only the `local_rows` of R data ranks, and each is [M, R·b, S]."""
+    m, b = parallel.num_microbatches, parallel.micro_batch_size
+    d = parallel.data_parallel_size if num_data_ranks is None else num_data_ranks
 
     def cut(x):
         return split_global_batch(x, m, d, b).reshape(m, d * b, *x.shape[1:])

@@ -28,8 +28,10 @@ MESH_AXES = (Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value)
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def set_fake_devices(num_devices: int) -> None:
-    """Simulate `num_devices` CPU devices. Must run before JAX initialises its backend (before any JAX op).
+def set_fake_devices(num_devices: int, before_backend=None) -> None:
+    """Simulate `num_devices` CPU devices (per process). Must run before JAX initialises its backend (before any JAX
+    op). `before_backend()`, if given, runs once the device count is set and before the backend starts (where
+    `jax.distributed.initialize` must run).
 
     Sets both XLA_FLAGS (read by XLA at backend start) and `jax_num_cpu_devices`; raises ConfigError if the
     backend is already running with a different device count.
@@ -45,7 +47,9 @@ def set_fake_devices(num_devices: int) -> None:
         jax.config.update("jax_num_cpu_devices", num_devices)
     except RuntimeError:
         pass  # backend already up: report below with the numbers
-    have = len(jax.devices("cpu"))
+    if before_backend is not None:
+        before_backend()
+    have = len(jax.local_devices(backend="cpu"))  # this process's: several processes each simulate their own
     if have != num_devices:
         if previous is None:  # leave the environment as it was: child processes must not inherit the failed ask
             del os.environ["XLA_FLAGS"]
@@ -61,12 +65,16 @@ def set_fake_devices(num_devices: int) -> None:
 def make_mesh(parallel: ParallelConfig, devices=None):
     """A `jax.sharding.Mesh` of shape (d, p, t) with axes ("data", "pipe", "tensor"), all `AxisType.Auto`.
 
-    Uses the first d·p·t of `devices` (default: `jax.devices()`); fails if there are fewer.
+    Uses the first d·p·t of `devices` (default: `jax.devices()` ordered by process, so that each process holds
+    a contiguous block: with n devices per process and t dividing n, tensor groups never span processes, and
+    pipeline stages only when p·t > n); fails if there are fewer.
     """
     import jax
     from jax.sharding import AxisType, Mesh
 
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = sorted(jax.devices(), key=lambda dev: (dev.process_index, dev.id))
+    devices = list(devices)
     shape = (parallel.data_parallel_size, parallel.pipeline_model_parallel_size,
              parallel.tensor_model_parallel_size)
     needed = int(np.prod(shape))

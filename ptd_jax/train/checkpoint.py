@@ -9,7 +9,10 @@ A checkpoint is one orbax step folder with three items:
 
 Saving is asynchronous: `Checkpointer.save` blocks only for the device-to-host copy, and orbax writes the step under
 a temporary name that it renames when complete, so a crash (SIGKILL included) mid-save leaves the previous step
-loadable and `latest_step` never sees the partial one. The last K steps are kept.
+loadable and `latest_step` never sees the partial one. The last K steps are kept. In a multi-process run the
+canonical form is taken on the devices and every process writes the shards it holds (orbax's multi-process
+save: replicated shards are split among their holders); the files are the same canonical arrays, so a step
+written by N processes loads in any number.
 """
 
 from __future__ import annotations
@@ -68,24 +71,41 @@ class Checkpointer:
     """Saves a run's state every `save` call, asynchronously, keeping the newest `keep` steps (None: all)."""
 
     def __init__(self, directory, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig,
-                 keep: int | None = None, async_save: bool = True):
+                 keep: int | None = None, async_save: bool = True, mesh=None, on_devices: bool | None = None):
+        """`on_devices`: take the canonical form on the devices (None: when several processes run, which must)."""
         self.directory = Path(directory)
         self._manager = _manager(directory, create=True, keep=keep, async_save=async_save)
-        self._optimizer, self._model_cfg, self._parallel = optimizer, model_cfg, parallel
+        self._optimizer, self._model_cfg, self._parallel, self._mesh = optimizer, model_cfg, parallel, mesh
+        self._on_devices = jax.process_count() > 1 if on_devices is None else on_devices
+        self._convert = None  # the jitted conversion, built at the first save on the devices
 
     def save(self, iteration: int, state, meta: dict) -> None:
         """Write `state` as step `iteration` (returns once the arrays are copied to the host)."""
         body = {"params": state["params"], "opt_state": state["opt_state"]}
-        # The one blocking part: copy the state to the host as it lies. The canonical form is then numpy views of
-        # that copy (a reshape and a slice), so it costs no device memory and no device time; orbax writes it in
-        # the background. (One process sees every shard; several processes will each write their own, #12.)
-        canonical = sharding.to_canonical(self._optimizer, jax.device_get(body),
-                                          vocab_size=self._model_cfg.vocab_size, pipelined=_pipelined(self._parallel))
+        to_canonical = partial(sharding.to_canonical, self._optimizer, vocab_size=self._model_cfg.vocab_size,
+                               pipelined=_pipelined(self._parallel))
+        if self._on_devices:  # several processes: none sees every shard; convert on the devices, each writes its own
+            canonical = self._canonical_on_devices(to_canonical, body)
+        else:
+            # The one blocking part: copy the state to the host as it lies. The canonical form is then numpy views
+            # of that copy (a reshape and a slice), so it costs no device memory and no device time; orbax writes
+            # it in the background.
+            canonical = to_canonical(jax.device_get(body))
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta}
         self._manager.save(iteration, args=ocp.args.Composite(
             params=ocp.args.StandardSave(canonical["params"]),
             opt_state=ocp.args.StandardSave(canonical["opt_state"]),
             meta=ocp.args.JsonSave(meta)), force=True)
+
+    def _canonical_on_devices(self, to_canonical, body):
+        """The canonical form as global arrays in the restore's shardings (one jit; a second copy of the state on
+        the devices until orbax has copied it to the host)."""
+        if self._convert is None:
+            mesh = self._mesh if self._mesh is not None else jax.tree.leaves(body)[0].sharding.mesh
+            shardings = _canonical_shardings(mesh, self._optimizer, jax.eval_shape(to_canonical, body),
+                                             self._parallel)
+            self._convert = jax.jit(to_canonical, out_shardings=shardings)
+        return self._convert(body)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

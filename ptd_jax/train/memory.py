@@ -69,7 +69,7 @@ def check_fits(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: Trai
     import jax
 
     need = estimate_bytes(model_cfg, parallel, train_cfg)
-    have, source = device_memory_bytes(jax.devices()[0], jax.local_device_count())
+    have, source = device_memory_bytes(jax.local_devices()[0], jax.local_device_count())
     total = need["state"] + need["activations"]
     if have is not None and total > have:
         raise ConfigError(f"the run needs about {total / 2**30:,.1f} GiB per device (state {need['state'] / 2**30:,.1f}"

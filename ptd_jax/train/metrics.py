@@ -35,8 +35,10 @@ def _records_up_to(path, iteration: int) -> list[str]:
 
 class MetricsLogger:
     def __init__(self, total_iters: int, *, start_iter: int = 0, metrics_file: str | None = None,
-                 progress: bool = True):
+                 progress: bool = True, quiet: bool = False):
+        """`quiet`: no messages (the processes of a multi-process run other than process 0)."""
         self.records: list[dict] = []
+        self._quiet = quiet
         self.eval_records: list[dict] = []
         self._file = None
         if metrics_file:
@@ -74,7 +76,8 @@ class MetricsLogger:
                      f"(ppl {record['valid_ppl']:.2f})")
 
     def message(self, text: str) -> None:
-        tqdm.write(text, file=sys.stderr)
+        if not self._quiet:
+            tqdm.write(text, file=sys.stderr)
 
     def close(self) -> None:
         self._bar.close()

@@ -1,0 +1,132 @@
+"""`ptd-launch --nproc N -- ptd-train ...`: N local processes of one multi-process run (like torchrun).
+
+Each child gets the coordinator's address and its place in the environment (`PTD_COORDINATOR_ADDRESS`,
+`PTD_NUM_PROCESSES`, `PTD_PROCESS_ID`; ptd-train passes them to `jax.distributed.initialize`, see
+`parallel/multiprocess.py`) and runs in its own session, so that a terminal's Ctrl-C reaches it once, forwarded
+from here. On CPU the processes talk over gloo: with `--fake-devices K` each simulates K devices, N·K in all.
+
+When a child fails (exit code != 0, or killed by a signal), the launcher says which in one line, stops the others
+(SIGTERM, then SIGKILL after `--grace-period` seconds) and exits with that child's code (128 + the signal's number
+for a signal). SIGINT, SIGTERM and SIGHUP are forwarded to every child. Pure Python: JAX runs in the children only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from ptd_jax.argparsing import OneLineParser, positive_float, positive_int
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PROG = "ptd-launch"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description="Run N local processes of one multi-process ptd-train run.",
+                      usage="ptd-launch --nproc N [options] -- COMMAND [ARGS ...]",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--nproc", type=positive_int, required=True, help="number of processes")
+    p.add_argument("--coordinator-host", default="127.0.0.1", help="where process 0's coordination service listens")
+    p.add_argument("--coordinator-port", type=int, default=0, help="its port (0: a free one)")
+    p.add_argument("--grace-period", type=positive_float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping the others after a failure")
+    return p
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def run(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--" not in argv:
+        parser = build_parser()
+        parser.parse_args(argv)  # --help, or a bad flag: argparse's line
+        parser.error("no command given: ptd-launch --nproc N [options] -- COMMAND [ARGS ...]")
+    split = argv.index("--")
+    args, command = build_parser().parse_args(argv[:split]), argv[split + 1:]
+    if not command:
+        build_parser().error("no command given after --")
+    if not 0 <= args.coordinator_port < 65536:
+        build_parser().error(f"--coordinator-port {args.coordinator_port} is not in [0, 65536)")
+    port = args.coordinator_port or free_port(args.coordinator_host)
+    address = f"{args.coordinator_host}:{port}"
+    children: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        for rank in range(args.nproc):
+            env = {**os.environ, "PTD_COORDINATOR_ADDRESS": address, "PTD_NUM_PROCESSES": str(args.nproc),
+                   "PTD_PROCESS_ID": str(rank)}
+            try:
+                children.append(subprocess.Popen(command, env=env, start_new_session=True))
+            except OSError as err:
+                print(f"{PROG}: error: cannot start {command[0]!r}: {err.strerror}", file=sys.stderr)
+                _stop(children, args.grace_period)
+                return 2
+        return _watch(children, args.grace_period)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _watch(children: list[subprocess.Popen], grace: float) -> int:
+    """Wait for every child; on the first failure, stop the rest and return its code."""
+    while True:
+        codes = [child.poll() for child in children]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                others = sum(c is None for c in codes)
+                print(f"{PROG}: error: process {rank} (pid {children[rank].pid}) {_describe(code)}"
+                      + (f"; stopping the other {others}" if others else ""), file=sys.stderr)
+                _stop(children, grace)
+                return _exit_code(code)
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.05)
+
+
+def _stop(children: list[subprocess.Popen], grace: float) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def main(argv=None) -> int:
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
