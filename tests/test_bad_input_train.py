@@ -51,6 +51,13 @@ CASES = [
     (["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
       "--microbatch-group-size-per-virtual-pipeline-stage", "2"],
      "microbatch_group_size=2 applies to pipeline_schedule='interleaved' only"),
+    # several processes (jax.distributed), refused before anything connects
+    (["--coordinator-address", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+     "process_id=2 must be in [0, num_processes=2)"),
+    (["--num-processes", "2"], "a multi-process run needs all three (missing --coordinator-address --process-id)"),
+    (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"],
+     "coordinator_address='nohost' must be host:port"),
+    (["--heartbeat-timeout", "0"], "heartbeat_timeout=0 must be at least 1 (seconds)"),
     # devices and backends
     (["--fake-devices", "4096"], "fake_devices=4096 must be in [1, 256]"),
     (["--fake-devices", "1024"], "fake_devices=1024 must be in [1, 256]"),
