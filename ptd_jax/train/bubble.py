@@ -127,7 +127,8 @@ def describe(result: dict, fake_devices: bool) -> str:
 
 
 AUTO_MIN_ITERATIONS = 100
-"""`measure_bubble=None` measures when p > 1 and at least this many iterations remain (one extra compile: the step at 2m)."""
+"""`measure_bubble=None` measures when p > 1 and at least this many iterations remain (one extra compile: the step
+at 2m)."""
 
 
 def after_first_step(enabled: bool | None, train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig,

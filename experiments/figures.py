@@ -1,0 +1,133 @@
+"""Shared pieces of the figure scripts (`fig_*.py`): the small model measured on fake CPU devices, timing in
+alternating rounds, the performance model (`ptd_jax.perf`, `ptd-plan`'s) at the paper's scale, the paper's models,
+and writing JSON + PNG under experiments/results/. No library logic: the steps come from
+`experiments/bench_interleaving.py` (`pipeline_step`), the timing from `ptd_jax/train/bubble.py`.
+
+Measured figures are ratios of step times taken in the same run, medians of alternating rounds: the development
+machine has 2 cores shared with other jobs, so absolute times are noisy, and on fake devices (which share those
+cores) a step's time follows the work that every rank executes, not a GPU's critical path.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM "
+         "(arXiv 2104.04473)")
+TIMING_NOTE = ("fake CPU devices sharing a 2-core host with other jobs: medians of alternating rounds, ratios within "
+               "one run; step time follows the work every rank executes (idle cells' dummies under uniform branching)")
+SMALL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512)
+"""The measured model (fast defaults: a step takes tens of milliseconds on fake devices)."""
+SMOKE = dict(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128)
+
+
+def fake_devices(n: int) -> None:
+    from ptd_jax.parallel.mesh import set_fake_devices
+
+    set_fake_devices(n)
+
+
+def small_model(smoke: bool = False, **overrides):
+    from ptd_jax.config import ModelConfig
+
+    return ModelConfig(**{**(SMOKE if smoke else SMALL), **overrides})
+
+
+def grad_step(cfg, *, schedule="1f1b", p=1, v=1, m=4, t=1, d=1, b=1, recompute="none", branching="uniform",
+              table_at_p1=False, **fields):
+    """`bench_interleaving.pipeline_step` with keyword arguments: (compiled grad step, its arguments)."""
+    from experiments.bench_interleaving import pipeline_step
+
+    return pipeline_step(cfg, schedule, v, branching, recompute, p=p, m=m, t=t, d=d, b=b, table_at_p1=table_at_p1,
+                         **fields)
+
+
+def time_steps(steps: dict, rounds: int) -> dict:
+    """{"median_step_s", "all_step_s"} of each compiled `(fn, args)`, alternating rounds after one warm-up call."""
+    from ptd_jax.train.bubble import time_alternating
+
+    times = time_alternating(steps, rounds)
+    return {"median_step_s": {k: statistics.median(v) for k, v in times.items()}, "all_step_s": times}
+
+
+def measure_layouts(cfg, layouts: dict, rounds: int) -> dict:
+    """Compile `grad_step(cfg, **layout)` for each named layout, time them all in alternating rounds. The record
+    keeps each layout and the model, which `calibrate_fake_devices.py` reads back, and XLA's temp bytes per
+    device of each compiled step."""
+    import dataclasses
+
+    steps, temp = {}, {}
+    for name, layout in layouts.items():
+        compiled, args = grad_step(cfg, **layout)
+        steps[name] = (compiled, args)
+        memory = compiled.memory_analysis()
+        temp[name] = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
+    model = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+             if f.name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")}
+    return {"model": model, "layouts": layouts, "temp_bytes_per_device": temp, "rounds": rounds,
+            **time_steps(steps, rounds)}
+
+
+def paper_model(name: str):
+    """The paper's models used by its figures (bfloat16, s = 2048, GPT-2's vocabulary padded as Megatron pads).
+    Shapes the paper states: "gpt3-175b" (96 layers, h 12288, 96 heads: Figs. 12, 18), "5.9b" (32 layers, h 3840,
+    32 heads: Figs. 14, 15), "1b" (4 layers, h 4096, 128 heads: Figs. 7, 8), "145b" (80 layers, h 12288, 96 heads:
+    Fig. 17). Stand-ins whose shape the paper does not give (our choice, about the stated size by eq. 2):
+    "162b-standin" (Fig. 13) and "91b-standin" (Fig. 16)."""
+    from ptd_jax.config import model_preset
+
+    shapes = {"gpt3-175b": (96, 12288, 96), "5.9b": (32, 3840, 32), "1b": (4, 4096, 128), "145b": (80, 12288, 96),
+              "162b-standin": (96, 11776, 64), "91b-standin": (72, 10240, 80)}
+    layers, hidden, heads = shapes[name]
+    return model_preset("paper-1.7b").replace(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                              dtype="bfloat16")
+
+
+def predict(cfg, num_gpus: int, t: int, p: int, b: int, global_batch_size: int, k: int | None = None,
+            recompute: str = "full", hardware: str = "a100-80gb", **flags) -> dict:
+    """The planner's record of one layout at the paper's scale (`ptd-plan predict`'s numbers): tflops_per_gpu
+    (eq. 3), iteration_time_s, bubble_fraction, memory_gb_per_gpu, fits, terms_s, ...; sequences_per_s and
+    microbatch_slot_s (one microbatch's forward and backward on the last stage) added."""
+    from ptd_jax.perf import HARDWARE
+    from ptd_jax.perf import predict as perf_predict
+    from ptd_jax.perf.search import layout_record, make_parallel
+
+    hw = HARDWARE[hardware]
+    parallel = make_parallel(cfg, num_gpus, t, p, b, global_batch_size, k, **flags)
+    pred = perf_predict(cfg, parallel, hw, recompute)
+    record = layout_record(cfg, parallel, pred, hw)
+    record["sequences_per_s"] = global_batch_size / record["iteration_time_s"]
+    record["microbatch_slot_s"] = pred.details["microbatch_slot_s"]
+    return record
+
+
+def write(name: str, result: dict, plot, out: str | None = None) -> Path:
+    """Write `result` to results/<name>.json (or `out`) and `plot(result, png_path)` beside it; returns the JSON."""
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {"figure_script": f"experiments/{name}.py", "paper": PAPER, **result}
+    path.write_text(json.dumps(result, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot(result, plt)
+    plt.savefig(path.with_suffix(".png"), dpi=110, bbox_inches="tight")
+    plt.close("all")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return path
+
+
+def cli(description: str, rounds: int = 5):
+    """The scripts' common flags: --rounds, --out, --smoke (tiny shapes, one round: checks that it runs)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and one round: checks that it runs")
+    return parser
