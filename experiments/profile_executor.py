@@ -1,6 +1,6 @@
 """Where the pipeline executor's time goes at p = 1 (one device): XLA:CPU profile of the executor step and of the
-reference step (full recomputation), leaf operations grouped by kind, per step. Explains the ratio measured by
-`bench_pipeline.py` ("executor_p1_speed_over_reference_full_recompute").
+reference step with the same recomputation policy, leaf operations grouped by kind, per step. Explains the ratio
+measured by `bench_executor_p1.py`.
 
 Usage: python -m experiments.profile_executor [--recompute none|full] [--out experiments/results/profile_executor.json]
 """
@@ -37,8 +37,8 @@ def leaf_times(trace_file: str, windows: list[tuple[float, float]]) -> tuple[dic
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recompute", choices=["none", "full"], default="none",  # the executor runs both alike
-                        help="recomputation inside the executor's backward tick (the reference always uses full)")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                        help="recomputation policy of both steps")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="experiments/results/profile_executor.json")
     args = parser.parse_args(argv)
@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     steps = {
         "executor": (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
                                            out_specs=(P(), specs, P()))), (staged, tokens, tokens, mask)),
-        "reference": (jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute="full")),
+        "reference": (jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg,
+                                                                             recompute=args.recompute)),
                       (params, tokens, tokens, mask)),
     }
     for fn, fn_args in steps.values():

@@ -45,7 +45,6 @@ receivers re-assemble it with an all-gather typed tensor-invariant (`all_gather(
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -65,13 +64,12 @@ PIPE, TENSOR = Axis.PIPE.value, Axis.TENSOR.value
 
 
 def schedule_arrays(sched: Schedule) -> dict[str, np.ndarray]:
-    """Table rows as int32 arrays: kind [T] (1 = F), and per rank [T, p]: active, chunk, microbatch, in_slot,
-    grad_slot, recv_slot. Missing slots point at the trash slot (index num_slots)."""
+    """Table rows as int32 arrays per rank [T, p]: active, chunk, microbatch, in_slot, grad_slot, recv_slot (each
+    tick's kind is static: `tick_runs`). Missing slots point at the trash slot (index num_slots)."""
     T, p = sched.ticks, sched.p
     trash_act, trash_grad = sched.num_act_slots, sched.num_grad_slots
     out = {name: np.zeros((T, p), np.int32) for name in
            ("active", "chunk", "microbatch", "in_slot", "grad_slot", "recv_slot")}
-    out["kind"] = np.array([1 if k == "F" else 0 for k in sched.kinds], np.int32)
     for t, row in enumerate(sched.cells):
         is_f = sched.kinds[t] == "F"
         for r, cell in enumerate(row):
@@ -86,45 +84,52 @@ def schedule_arrays(sched: Schedule) -> dict[str, np.ndarray]:
     return out
 
 
-@dataclass(frozen=True, order=True)
-class Variant:
-    """What one branch of the tick computes: kind "F", "B" or "idle"; with the embedding (virtual stage 0) and/or
-    the output layer and loss (the last virtual stage: its backward in training, its forward in evaluation)."""
+def tick_runs(kinds) -> list[tuple[str, int, int]]:
+    """The table's ticks as runs that one `lax.scan` each executes, with the kind of every tick static:
+    (pattern, first tick, repeats), the pattern "F" or "B" (a run of one kind) or "FB"/"BF" (an alternation, as
+    pairs). GPipe is two runs; 1F1B and interleaving three: the warm-up forwards, the steady alternation, the
+    cool-down backwards."""
+    kinds = "".join(kinds)
+    runs, i, T = [], 0, len(kinds)
+    while i < T:
+        j = i
+        while j < T and kinds[j] == kinds[i]:
+            j += 1
+        if j - i == 1 and j < T:  # an alternation starts here
+            pattern, n = kinds[i:i + 2], 0
+            while kinds[i + 2 * n:i + 2 * n + 2] == pattern:
+                n += 1
+            runs.append((pattern, i, n))
+            i += 2 * n
+        else:
+            runs.append((kinds[i], i, j - i))
+            i = j
+    return runs
 
-    kind: str
-    embed: bool = False
-    head: bool = False
 
-
-def cell_variants(sched: Schedule, branching: str, forward_only: bool = False) -> tuple[list[Variant], np.ndarray]:
-    """The branches a schedule needs and which one each tick ([T], "uniform") or each cell ([T, p], "per-rank")
-    takes. In training the head runs in the last stage's backward (its forward and backward there), never in a
-    forward."""
+def tick_work(sched: Schedule, branching: str, forward_only: bool = False) -> dict[str, np.ndarray]:
+    """Where the embedding and the head (output layer and loss) run: {"embed", "head"} as bool arrays, [T, p] per
+    cell ("per-rank": the rank of virtual stage 0 embeds, in its F and B; the last virtual stage's rank runs the
+    head in its B, or in its F in evaluation) or [T] per tick ("uniform": every rank runs them, masked, on the
+    ticks where some rank needs them)."""
     if branching not in PIPELINE_BRANCHINGS:
         raise ValueError(f"pipeline_branching={branching!r} is not one of {PIPELINE_BRANCHINGS}")
-    p, last = sched.p, sched.p * sched.v - 1
-
-    def needs(kind, cell, rank):
-        if cell.action is None:
-            return Variant("idle")
-        stage = sched.stage(cell.action, rank)
-        return Variant(kind, embed=stage == 0, head=stage == last and (kind == "B" or forward_only))
-
-    per_cell = [[needs(kind, cell, r) for r, cell in enumerate(row)] for kind, row in zip(sched.kinds, sched.cells)]
+    T, p, last = sched.ticks, sched.p, sched.p * sched.v - 1
+    embed, head = np.zeros((T, p), bool), np.zeros((T, p), bool)
+    for t, (kind, row) in enumerate(zip(sched.kinds, sched.cells)):
+        for r, cell in enumerate(row):
+            if cell.action is not None:
+                stage = sched.stage(cell.action, r)
+                embed[t, r] = stage == 0
+                head[t, r] = stage == last and (kind == "B" or forward_only)
     if branching == "uniform":
-        chosen = [Variant(kind, embed=any(c.embed for c in row), head=any(c.head for c in row))
-                  for kind, row in zip(sched.kinds, per_cell)]
-    else:
-        chosen = [c for row in per_cell for c in row]
-    variants = sorted(set(chosen))
-    index = np.array([variants.index(c) for c in chosen], np.int32)
-    return variants, index if branching == "uniform" else index.reshape(sched.ticks, p)
+        return {"embed": embed.any(axis=1), "head": head.any(axis=1)}
+    return {"embed": embed, "head": head}
 
 
 class Cell(NamedTuple):
     """This rank's cell of one tick, as traced scalars."""
 
-    is_forward: jax.Array
     active: jax.Array
     chunk: jax.Array
     microbatch: jax.Array
@@ -133,6 +138,8 @@ class Cell(NamedTuple):
     recv_slot: jax.Array
     is_first: jax.Array  # runs virtual stage 0 (embeds)
     is_last: jax.Array   # runs the last virtual stage (output layer and loss)
+    embed: jax.Array     # the embedding runs in this tick: is_first ("per-rank"), or on some rank ("uniform")
+    head: jax.Array      # the head runs in this tick: likewise
 
 
 class Carry(NamedTuple):
@@ -145,12 +152,14 @@ class Carry(NamedTuple):
     res: list                # recompute none/selective: [activation slots + trash, ...] per stashed vjp residual
 
 
-def read_cell(row: dict, rank, p: int, v: int) -> Cell:
+def read_cell(row: dict, rank, p: int, v: int, uniform: bool) -> Cell:
     c, active = row["chunk"][rank], row["active"][rank] > 0
     stage_id = c * p + rank
-    return Cell(is_forward=row["kind"] > 0, active=active, chunk=c, microbatch=row["microbatch"][rank],
-                in_slot=row["in_slot"][rank], grad_slot=row["grad_slot"][rank], recv_slot=row["recv_slot"][rank],
-                is_first=active & (stage_id == 0), is_last=active & (stage_id == p * v - 1))
+    embed, head = (row["embed"], row["head"]) if uniform else (row["embed"][rank], row["head"][rank])
+    return Cell(active=active, chunk=c, microbatch=row["microbatch"][rank], in_slot=row["in_slot"][rank],
+                grad_slot=row["grad_slot"][rank], recv_slot=row["recv_slot"][rank],
+                is_first=active & (stage_id == 0), is_last=active & (stage_id == p * v - 1), embed=embed > 0,
+                head=head > 0)
 
 
 def _ring(p: int, shift: int):
@@ -191,16 +200,16 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     """shard_map body: this device's (loss sum / total_tokens, float32 gradients) over the whole schedule —
     loss only on the last virtual stage's rank, embedding/output gradients only where those stages run (the
     caller sums them over "pipe" and "data"). `params["layers"]` is the local shard (`sharding.local_chunks`).
-    `forward_only` (evaluation) runs a schedule of F ticks without backward branches. `key` enables dropout with
-    per-microbatch, per-layer masks that do not depend on the layout: microbatch i draws from fold_in(key, i),
-    split into embedding and layer streams, and layer j of the whole stack from fold_in(layer stream, j) — the
-    streams of the scan over microbatches at p = 1; a backward's recomputed forward draws its forward's masks."""
+    `forward_only` (evaluation) runs a schedule of F ticks only, with the head in the last stage's forwards. `key`
+    enables dropout with per-microbatch, per-layer masks that do not depend on the layout: microbatch i draws from
+    fold_in(key, i), split into embedding and layer streams, and layer j of the whole stack from
+    fold_in(layer stream, j) — the streams of the scan over microbatches at p = 1; a backward's recomputed forward
+    draws its forward's masks."""
     p, v = sched.p, sched.v
     t = jax.lax.psum(1, TENSOR)
     rank = jax.lax.axis_index(PIPE)
-    variants, variant_index = cell_variants(sched, branching, forward_only)
-    table = {k: jnp.asarray(a) for k, a in schedule_arrays(sched).items()}
-    table["variant"] = jnp.asarray(variant_index)
+    uniform = branching == "uniform"
+    table = {**schedule_arrays(sched), **tick_work(sched, branching, forward_only)}
     chunks = sharding.local_chunks(params["layers"])  # [v, k, ...]
     shared = {k: val for k, val in params.items() if k != "layers"}
     chunks_c, shared_c = gpt.cast_params(chunks, cfg), gpt.cast_params(shared, cfg)  # once per step
@@ -209,15 +218,13 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     act_shape = (b, S // t if sequence_parallel else S, cfg.hidden_size)
     act_dtype = jnp.dtype(cfg.dtype)
     layers_per_chunk = jax.tree.leaves(chunks)[0].shape[1]
-    # recompute="full": the stash holds chunk inputs and every backward recomputes its chunk's forward once inside
-    # its vjp (Megatron recomputes each layer once; checkpointing each layer inside that vjp as well would recompute
-    # it twice, so the layers run plainly). "none" and "selective": the forward's vjp residuals are stashed
-    # (`stash.Residuals`) and the backward recomputes nothing, or only the attention core.
+    # "none" and "selective": an F stashes its chunk's vjp residuals (`stash.Residuals`) and the B recomputes
+    # nothing, or only the attention core. "full": the stash holds chunk inputs, and the B runs the chunk's forward
+    # again (once: the layers run plainly inside it) to get the same residuals.
     stash_residuals = recompute != "full" and not forward_only
     layer_recompute = "none" if recompute == "full" else recompute
     use_scatter = scatter_gather and not sequence_parallel and t > 1
-    # Shapes and dtypes of one tick's gradients: a chunk's (the accumulator without its chunk dim) and the shared.
-    grad_structs = (_grad_structs(chunks, drop_leading=True), _grad_structs(shared))
+    chunk_grad_structs = _grad_structs(chunks, drop_leading=True)  # a chunk's gradients: [k, ...] in float32
 
     def chunk_index(cell: Cell):
         return cell.chunk if v > 1 else 0  # with one chunk per rank the index is static: no dynamic slice
@@ -243,159 +250,120 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
                                                  cfg.fused_kernels)
         return jnp.sum(jnp.where(mask_MxBxS[cell.microbatch] > 0, losses, 0.0))
 
-    def stage(chunk_params, shared_p, x_stash, cell: Cell, variant: Variant):
-        """Virtual stage function: (embedding on stage 0 | stashed input) -> chunk layers -> (y, loss sum or None).
-        Under "uniform" branching the embedding and the loss run on every rank and are masked here and by the
-        caller; under "per-rank" the masks select what this rank computes anyway."""
-        x = jnp.where(cell.is_first, embed(shared_p, cell), x_stash) if variant.embed else x_stash
-        y = layers(cell)(chunk_params, x)
-        return (y, head(shared_p, y, cell)) if variant.head else (y, None)
-
-    def no_loss(loss_like):
-        return mark_like(jnp.zeros((), acc), loss_like)
-
     def last_stage_loss(cell: Cell, loss):
         return jnp.where(cell.is_last, loss, 0.0).astype(acc)
 
-    def loss_seed(cell: Cell, like):
-        """d loss / d (loss sum): 1/tokens on the last stage, 0 elsewhere."""
-        return mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(like.dtype), like)
+    def only_if(pred, fn, skip, *args):
+        """`fn(*args)` where `pred`, else `skip(*args)`: a `lax.cond` (the one place a tick branches)."""
+        return jax.lax.cond(pred, fn, skip, *args)
 
-    def downstream(cell: Cell, dy, like):
-        """The gradient received from the next virtual stage, zero where there is none (last stage, idle)."""
-        return mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)).astype(like.dtype), like)
+    def active_only(cell: Cell, fn, skip, *args):
+        """A chunk's work: under "uniform" every rank runs it (an idle cell on trash slots, selected away after);
+        under "per-rank" only an active cell does."""
+        return fn(*args) if uniform else only_if(cell.active, fn, skip, *args)
 
-    def zero_grads(chunk_params):
-        return _zeros_like_typed(grad_structs, (chunk_params, shared))
+    # A chunk's work and the head's, each one named call in the jaxpr (the tests and pipeline_flops.py count them).
+    def named(name: str, fn):
+        fn.__name__ = fn.__qualname__ = name
+        return jax.jit(fn)
 
-    def as_grads(d_chunk, d_shared):
-        return jax.tree.map(lambda g, like: g.astype(like.dtype), (d_chunk, d_shared), grad_structs)
+    def chunk_forward(cell: Cell, keep_residuals: bool, name: str = "chunk_forward"):
+        def fn(lc, x):  # (y, the vjp's residual leaves to stash, or none)
+            if not keep_residuals:
+                return layers(cell)(lc, x).astype(act_dtype), []
+            y, vjp = jax.vjp(layers(cell), lc, x)
+            return y.astype(act_dtype), residuals.split(vjp, lc)
 
-    def make_forward(variant: Variant):
-        def forward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
-            y, loss = stage(chunk_params, shared_c, x_in, cell, variant)
-            loss = last_stage_loss(cell, loss) if variant.head else no_loss(loss_like)
-            return y.astype(act_dtype), loss, zero_grads(chunk_params), []
-        return forward
+        def skip(lc, x):
+            return jnp.zeros_like(x), residuals.zeros() if keep_residuals else []
+        return named(name, fn), skip
 
-    def make_backward(variant: Variant):
-        uses_shared = variant.embed or variant.head  # else the shared parameters are not differentiated at all
+    def chunk_backward(cell: Cell):
+        def fn(lc, res, ct_y):  # (the chunk's gradients in float32, dx)
+            d_chunk, dx = residuals.join(lc, res)(ct_y)
+            return jax.tree.map(lambda g, s: g.astype(s.dtype), d_chunk, chunk_grad_structs), dx.astype(act_dtype)
+        return named("chunk_backward", fn)
 
-        def backward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
-            def f(lc, sh, x):
-                y, loss = stage(lc, sh, x, cell, variant)
-                return (y, loss) if variant.head else y
+    def skip_backward(lc, res, ct_y):
+        return _zeros_like_typed(chunk_grad_structs, lc), jnp.zeros_like(ct_y)
 
-            if uses_shared:
-                out, vjp = jax.vjp(f, chunk_params, shared_c, x_in)
-            else:
-                out, vjp = jax.vjp(lambda lc, x: f(lc, shared_c, x), chunk_params, x_in)
-            y = out[0] if variant.head else out
-            ct_y = downstream(cell, dy, y)
-            if variant.head:
-                cotangents, loss = vjp((ct_y, loss_seed(cell, out[1]))), last_stage_loss(cell, out[1])
-            else:
-                cotangents, loss = vjp(ct_y), no_loss(loss_like)
-            if uses_shared:
-                d_chunk, d_shared, dx = cotangents
-            else:
-                (d_chunk, dx), d_shared = cotangents, _zeros_like_typed(grad_structs[1], shared)
-            return dx.astype(act_dtype), loss, as_grads(d_chunk, d_shared), []
-        return backward
+    def head_backward(cell: Cell):
+        def fn(y, ct_y, grads_shared, loss):
+            """The head's forward and backward on y; adds its gradients and loss, and seeds the chunk's backward."""
+            loss_sum, head_vjp = jax.vjp(lambda sh, y: head(sh, y, cell), shared_c, y)
+            seed = mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(loss_sum.dtype), loss_sum)
+            d_shared, dy_head = head_vjp(seed)
+            grads_shared = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads_shared, d_shared)
+            return (jnp.where(cell.is_last, dy_head.astype(ct_y.dtype), ct_y), grads_shared,
+                    loss + last_stage_loss(cell, loss_sum))
+        return named("head_backward", fn)
 
-    def make_forward_stash(variant: Variant):
-        """F with the vjp residuals stashed; the head waits for the backward (the loss is computed there)."""
-        def forward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
-            x = jnp.where(cell.is_first, embed(shared_c, cell), x_in) if variant.embed else x_in
-            y, vjp = jax.vjp(layers(cell), chunk_params, x)
-            return y.astype(act_dtype), no_loss(loss_like), zero_grads(chunk_params), residuals.split(vjp, chunk_params)
-        return forward
+    def embed_backward(cell: Cell):
+        def fn(grads_shared, dx):
+            """The embedding's transpose (a linear function of the word and position rows: nothing stashed)."""
+            (d_embed,) = jax.linear_transpose(lambda sh: embed(sh, cell), shared_c)(
+                jnp.where(cell.is_first, dx, jnp.zeros_like(dx)))
+            return jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads_shared, d_embed)
+        return named("embed_backward", fn)
 
-    def make_backward_stash(variant: Variant):
-        """B from the stashed residuals: the head's forward and backward (its input, the chunk's output, was
-        written into the input slot at the F tick), the chunk's vjp, and the embedding's transpose (a linear
-        function of the word and position rows: nothing of it is stashed or recomputed)."""
-        def backward(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
-            chunk_vjp = residuals.join(chunk_params, res_in)
-            ct_y, loss = downstream(cell, dy, x_in), no_loss(loss_like)
-            d_shared = _zeros_like_typed(grad_structs[1], shared)
-            if variant.head:
-                loss_sum, head_vjp = jax.vjp(lambda sh, y: head(sh, y, cell), shared_c, x_in)
-                d_shared, dy_head = head_vjp(loss_seed(cell, loss_sum))
-                ct_y = jnp.where(cell.is_last, dy_head.astype(ct_y.dtype), ct_y)
-                loss = last_stage_loss(cell, loss_sum)
-            d_chunk, dx = chunk_vjp(ct_y)
-            # An idle cell under "uniform" ran on the trash slot's residuals, which may still be the initial zeros (a
-            # LayerNorm's 1/sqrt backward then gives inf·0): its dx and chunk gradients are selected away.
+    def send(out, shift: int):
+        """The ring, issued by every rank on every tick: F outputs go to rank + 1, B input-gradients to rank − 1."""
+        if use_scatter:
+            out = _scatter(out, t)
+        recv = jax.lax.ppermute(out, PIPE, _ring(p, shift))
+        return _gather(recv) if use_scatter else recv
+
+    def forward_tick(carry: Carry, row) -> Carry:
+        cell = read_cell(row, rank, p, v, uniform)
+        trash = carry.act.shape[0] - 1
+        lc = jax.tree.map(lambda x: x[chunk_index(cell)], chunks_c)
+        x_in = carry.act[cell.in_slot]
+        x = only_if(cell.embed, lambda x_in: jnp.where(cell.is_first, embed(shared_c, cell), x_in), lambda x_in: x_in,
+                    x_in)
+        y, res = active_only(cell, *chunk_forward(cell, stash_residuals), lc, x)
+        loss = carry.loss
+        if forward_only:
+            loss = only_if(cell.head, lambda y, loss: loss + last_stage_loss(cell, head(shared_c, y, cell)),
+                           lambda y, loss: loss, y, loss)
+        recv = send(y, 1)
+        act, stash = carry.act, carry.res
+        if stash_residuals:  # the residuals go to the input's slot (trash for an idle cell), and on the last stage y,
+            stash = [buf.at[cell.in_slot].set(r) for buf, r in zip(carry.res, res, strict=True)]  # the head's input
+            act = act.at[jnp.where(cell.is_last, cell.in_slot, trash)].set(y)
+        elif not forward_only:  # "full": stage 0's chunk input is the embedding's output
+            act = act.at[jnp.where(cell.is_first, cell.in_slot, trash)].set(x)
+        return carry._replace(act=act.at[cell.recv_slot].set(recv), res=stash, loss=loss)
+
+    def backward_tick(carry: Carry, row) -> Carry:
+        cell = read_cell(row, rank, p, v, uniform)
+        c = chunk_index(cell)
+        lc = jax.tree.map(lambda x: x[c], chunks_c)
+        held = carry.act[cell.in_slot]  # stash: the chunk's output on the last stage; "full": the chunk's input
+        dy = carry.grad[cell.grad_slot]
+        ct_y = mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)), held)
+        if stash_residuals:
+            y, res = held, [buf[cell.in_slot] for buf in carry.res]
+        else:  # the chunk's forward once more, from its input: the same residuals
+            y, res = active_only(cell, *chunk_forward(cell, True, "chunk_recompute"), lc, held)
+        ct_y, grads_shared, loss = only_if(cell.head, head_backward(cell), lambda y, ct, g, loss: (ct, g, loss),
+                                           y, ct_y, carry.grads_shared, carry.loss)
+        d_chunk, dx = active_only(cell, chunk_backward(cell), skip_backward, lc, res, ct_y)
+        if uniform:
+            # An idle cell ran on the trash slot's residuals, which may still be the initial zeros (a LayerNorm's
+            # 1/sqrt backward then gives inf·0): its dx and chunk gradients are selected away.
             dx = jnp.where(cell.active, dx, jnp.zeros_like(dx))
-            if variant.embed:
-                (d_embed,) = jax.linear_transpose(lambda sh: embed(sh, cell), shared_c)(
-                    jnp.where(cell.is_first, dx, jnp.zeros_like(dx)))
-                d_shared = jax.tree.map(jnp.add, d_shared, d_embed)
-            # what it read goes back (to the trash slot): fewer copies than writing zeros (139 against 168 in the
-            # compiled p = 1 step, 5% faster)
-            return dx.astype(act_dtype), loss, as_grads(d_chunk, d_shared), list(res_in)
-        return backward
-
-    def idle(cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
-        return (mark_like(jnp.zeros(x_in.shape, act_dtype), x_in), no_loss(loss_like), zero_grads(chunk_params),
-                list(res_in))
+            d_chunk = jax.tree.map(lambda d: jnp.where(cell.active, d, jnp.zeros_like(d)), d_chunk)
+        grads_shared = only_if(cell.embed, embed_backward(cell), lambda g, dx: g, grads_shared, dx)
+        recv = send(dx, -1)
+        return carry._replace(grad=carry.grad.at[cell.recv_slot].set(recv), grads_shared=grads_shared, loss=loss,
+                              grads_chunks=jax.tree.map(lambda g, d: g.at[c].add(d), carry.grads_chunks, d_chunk))
 
     act_ref = mark_varying(jnp.zeros(act_shape, act_dtype), (PIPE,) + tuple(sorted(varying_axes(tokens_MxBxS))))
     if sequence_parallel:
         act_ref = mark_varying(act_ref, (TENSOR,))
-    if stash_residuals:
-        example = read_cell(jax.tree.map(lambda a: a[0], table), rank, p, v)
+    if not forward_only:  # none/selective stash the residuals, "full" recomputes them at the B
+        example = read_cell(jax.tree.map(lambda a: jnp.asarray(a[0]), table), rank, p, v, uniform)
         residuals = Residuals.trace(layers(example), jax.tree.map(lambda x: x[0], chunks_c), act_ref)
-    forward_fn, backward_fn = (make_forward_stash, make_backward_stash) if stash_residuals else (make_forward,
-                                                                                                   make_backward)
-    branches = [idle if vr.kind == "idle" else forward_fn(vr) if vr.kind == "F" else backward_fn(vr)
-                for vr in variants]
-
-    def run_cell(which, cell: Cell, chunk_params, x_in, dy, loss_like, res_in):
-        # Under "uniform" an idle cell runs its tick's branch on chunk 0, microbatch 0 and trash slots; its
-        # cotangent is a `where`-zero and its dx and chunk gradients (stash mode) are selected away, so nothing
-        # reaches the sums. The activation trash only ever holds finite values (received activations and
-        # gradients, dummy outputs), which the head's masked vjp needs.
-        return jax.lax.switch(which, branches, cell, chunk_params, x_in, dy, loss_like, res_in)
-
-    def send(out, cell: Cell):
-        """The ring, issued by every rank on every tick: F outputs go to rank + 1, B input-gradients to rank − 1."""
-        if use_scatter:
-            out = _scatter(out, t)
-        if forward_only:
-            recv = jax.lax.ppermute(out, PIPE, _ring(p, 1))
-        else:
-            recv = jax.lax.cond(cell.is_forward, lambda z: jax.lax.ppermute(z, PIPE, _ring(p, 1)),
-                                lambda z: jax.lax.ppermute(z, PIPE, _ring(p, -1)), out)
-        return _gather(recv) if use_scatter else recv
-
-    def write(carry: Carry, cell: Cell, out, recv, loss, d_chunk, d_shared, res_out) -> Carry:
-        trash_act, trash_grad = carry.act.shape[0] - 1, carry.grad.shape[0] - 1
-        c = chunk_index(cell)
-        act = carry.act
-        res = carry.res
-        if stash_residuals:  # an F keeps its residuals, and its output (the head's input) in its input's slot
-            own = jnp.where(cell.is_forward, cell.in_slot, trash_act)
-            res = [buf.at[own].set(r) for buf, r in zip(carry.res, res_out, strict=True)]
-            act = act.at[own].set(out)
-        return Carry(
-            act=act.at[jnp.where(cell.is_forward, cell.recv_slot, trash_act)].set(recv),
-            grad=carry.grad.at[jnp.where(cell.is_forward, trash_grad, cell.recv_slot)].set(recv),
-            grads_chunks=jax.tree.map(lambda g, d: g.at[c].add(jnp.where(cell.active, d, 0) if stash_residuals
-                                                               else d), carry.grads_chunks, d_chunk),
-            grads_shared=jax.tree.map(jnp.add, carry.grads_shared, d_shared),
-            loss=carry.loss + loss, res=res)
-
-    def tick(carry: Carry, row):
-        cell = read_cell(row, rank, p, v)
-        which = row["variant"] if branching == "uniform" else row["variant"][rank]
-        chunk_params = jax.tree.map(lambda x: x[chunk_index(cell)], chunks_c)
-        x_in, dy = carry.act[cell.in_slot], carry.grad[cell.grad_slot]
-        res_in = [buf[cell.in_slot] for buf in carry.res]
-        out, loss, (d_chunk, d_shared), res_out = run_cell(which, cell, chunk_params, x_in, dy, carry.loss, res_in)
-        recv = send(out, cell)
-        return write(carry, cell, out, recv, loss, d_chunk, d_shared, res_out), None
 
     carry = Carry(
         act=jnp.zeros((sched.num_act_slots + 1, *act_shape), act_dtype) + act_ref[None],
@@ -403,7 +371,17 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         grads_chunks=_accumulators(chunks), grads_shared=_accumulators(shared),
         loss=mark_varying(jnp.zeros((), acc), tuple(sorted(varying_axes(tokens_MxBxS) | {PIPE}))),
         res=residuals.buffers(sched.num_act_slots + 1) if stash_residuals else [])
-    carry, _ = jax.lax.scan(tick, carry, table)
+    for pattern, first, n in tick_runs(sched.kinds):
+        ticks = [forward_tick if kind == "F" else backward_tick for kind in pattern]
+        rows = {k: jnp.asarray(a[first:first + n * len(pattern)].reshape(n, len(pattern), *a.shape[1:]))
+                for k, a in table.items()}
+
+        def run(carry, rows, ticks=ticks):
+            for i, tick in enumerate(ticks):
+                carry = tick(carry, jax.tree.map(lambda a: a[i], rows))
+            return carry, None
+
+        carry, _ = jax.lax.scan(run, carry, rows)
     grads = dict(carry.grads_shared)
     grads["layers"] = sharding.from_local_chunks(carry.grads_chunks)
     return carry.loss / total_tokens, grads

@@ -86,6 +86,10 @@ class Residuals:
         leaves = [param_leaves[i] if where == "param" else stashed[i] for where, i in self.sources]
         return jax.tree.unflatten(self.treedef, leaves)
 
+    def zeros(self) -> list:
+        """Zero stash entries, typed like the leaves (what an idle cell returns under "per-rank")."""
+        return [mark_varying(jnp.zeros(s.shape, s.dtype), a) for s, a in zip(self.structs, self.axes)]
+
     def buffers(self, slots: int) -> list:
         """Zero buffers [slots, ...] typed like the leaves they hold."""
         return [mark_varying(jnp.zeros((slots, *s.shape), s.dtype), a) for s, a in zip(self.structs, self.axes)]

@@ -2,6 +2,7 @@
 and the collectives of one tick."""
 
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from ptd_jax.parallel import sharding
 from ptd_jax.parallel.collectives import jaxpr_collectives, summarize
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.pipeline import build, build_forward_only
-from ptd_jax.parallel.pipeline.executor import Variant, cell_variants
+from ptd_jax.parallel.pipeline.executor import tick_runs, tick_work
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_grad_step,
                                    make_parallel_train_step, pipeline_schedule)
 from ptd_jax.train.reference import accumulate_gradients, make_eval_step
@@ -148,24 +149,55 @@ def test_pipeline_evaluation_equals_the_reference(branching):
 
 # --- collectives of one tick -----------------------------------------------------------------------------------
 
-def _scan_bodies(jaxpr, length):
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for sub in (value if isinstance(value, (list, tuple)) else [value]):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _scans(jaxpr):
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
-            yield eqn.params["jaxpr"]
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (list, tuple)) else [value]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _scan_bodies(inner, length)
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for inner in _sub_jaxprs(eqn):
+            yield from _scans(inner)
+
+
+def tick_bodies(jaxpr, sched):
+    """[(pattern, scan body)] of the executor's runs (`tick_runs`), in order: the scans whose body issues the pipe
+    ring itself (a chunk's layer scan does not)."""
+    found = [e for e in _scans(jaxpr) if any(q.primitive.name == "ppermute" for q in e.params["jaxpr"].jaxpr.eqns)]
+    runs = tick_runs(sched.kinds)
+    assert [e.params["length"] for e in found] == [n for _, _, n in runs]
+    return [(pattern, e.params["jaxpr"].jaxpr) for (pattern, _, _), e in zip(runs, found, strict=True)]
+
+
+def named_calls_in(eqn, name):
+    """The jaxprs of the calls named `name` (the executor's `named` pieces of work) at or inside `eqn`."""
+    if eqn.primitive.name == "jit" and eqn.params["name"] == name:
+        yield eqn.params["jaxpr"].jaxpr
+    for inner in _sub_jaxprs(eqn):
+        yield from named_calls(inner, name)
+
+
+def named_calls(jaxpr, name):
+    for eqn in jaxpr.eqns:
+        yield from named_calls_in(eqn, name)
+
+
+def _calls(eqn, name) -> bool:
+    return any(True for _ in named_calls_in(eqn, name))
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_one_tick_issues_exactly_the_expected_collectives(sp):
-    """The heaviest tick (recompute none, uniform) is the backward that holds the last stage's head and, on another
-    rank, stage 0's embedding: cross-entropy (max + 2 sums), the output layer's input gradient (1; under sequence
+    """A backward tick (recompute none, uniform; conds counted by their larger branch) holds the last stage's head
+    and, on another rank, stage 0's embedding: cross-entropy (max + 2 sums), the output layer's input gradient (1; under sequence
     parallelism its forward all-gather too), k layers' backwards (2 each; under sequence parallelism 2
     reduce-scatters and 2 all-gathers), the embedding's transpose (nothing; under sequence parallelism the
-    all-gather that transposes its reduce-scatter), no recomputed forward; outside the switch one ring ppermute
+    all-gather that transposes its reduce-scatter), no recomputed forward; outside the conds one ring ppermute
     and, with scatter/gather, one all-gather re-assembling the hidden dim. Nothing over "data" and no all-reduce
     over "pipe" inside the loop: a stray one is the silent 2–4x gradient bug of the prototype."""
     p, v, t, k = 2, 2, 2, 1
@@ -178,9 +210,8 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     step = make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, state)
     x = jax.ShapeDtypeStruct((parallel.num_microbatches, 2, S), jnp.int32)
     jaxpr = jax.make_jaxpr(step)(state, x, x, x, jax.random.key(0))
-    ticks = pipeline_schedule(parallel).ticks
-    bodies = list(_scan_bodies(jaxpr.jaxpr, ticks))
-    assert len(bodies) == 1
+    bodies = [body for pattern, body in tick_bodies(jaxpr.jaxpr, pipeline_schedule(parallel)) if pattern == "B"]
+    assert len(bodies) == 1  # the cool-down's backwards: one B tick per step of its scan
     counts = {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[0])).items()}
     if sp:
         expected = {"reduce_scatter@tensor": 1 + 2 * k, "all_gather@tensor": 1 + 2 * k + 1,
@@ -199,54 +230,75 @@ def test_the_head_and_the_embedding_run_only_where_the_table_needs_them(schedule
     embedding only in virtual stage 0's cells, nothing in idle cells. Uniform: a tick runs the head (on every rank)
     exactly when some rank runs the last stage's backward, so m ticks, not every backward tick."""
     sched = build(schedule, p, v, m)
-    variants, index = cell_variants(sched, "per-rank")
-    cells = [[variants[i] for i in row] for row in index]
+    per_rank = tick_work(sched, "per-rank")
     last = p * v - 1
     for t, row in enumerate(sched.cells):
         for r, cell in enumerate(row):
-            work = cells[t][r]
-            if cell.action is None:
-                assert work == Variant("idle")
-                continue
-            stage = sched.stage(cell.action, r)
-            assert work == Variant(sched.kinds[t], embed=stage == 0, head=stage == last and sched.kinds[t] == "B")
-    head_cells = [(t, r) for t, row in enumerate(cells) for r, w in enumerate(row) if w.head]
+            stage = None if cell.action is None else sched.stage(cell.action, r)
+            assert per_rank["embed"][t, r] == (stage == 0)
+            assert per_rank["head"][t, r] == (stage == last and sched.kinds[t] == "B")
+    head_cells = list(zip(*np.nonzero(per_rank["head"])))
     assert len(head_cells) == m and {r for _, r in head_cells} == {p - 1}
-    embed_cells = [(t, r) for t, row in enumerate(cells) for r, w in enumerate(row) if w.embed]
+    embed_cells = list(zip(*np.nonzero(per_rank["embed"])))
     assert len(embed_cells) == 2 * m and {r for _, r in embed_cells} == {0}  # F and B of stage 0, on rank 0
-    uniform, tick_index = cell_variants(sched, "uniform")
-    head_ticks = [t for t, i in enumerate(tick_index) if uniform[i].head]
-    assert sorted(head_ticks) == sorted(t for t, _ in head_cells)
-    assert len(head_ticks) == m < sched.kinds.count("B")  # before: the head ran on every backward tick
-    assert all(uniform[i].kind == sched.kinds[t] for t, i in enumerate(tick_index))
+    uniform = tick_work(sched, "uniform")
+    assert list(np.nonzero(uniform["head"])[0]) == sorted(t for t, _ in head_cells)
+    assert list(np.nonzero(uniform["embed"])[0]) == sorted({t for t, _ in embed_cells})
+    assert uniform["head"].sum() == m < sched.kinds.count("B")  # before: the head ran on every backward tick
 
 
 def test_evaluation_runs_the_head_in_the_last_stages_forwards():
     sched = build_forward_only("interleaved", 4, 2, 8)
-    for branching in ("uniform", "per-rank"):
-        variants, index = cell_variants(sched, branching, forward_only=True)
-        assert {vr.kind for vr in variants} <= {"F", "idle"}
-        heads = sum(variants[i].head for i in np.ravel(index))
-        assert heads == (8 if branching == "per-rank" else len({t for t, row in enumerate(sched.cells)
-                                                                 if any(c.action and sched.stage(c.action, r) == 7
-                                                                        for r, c in enumerate(row))}))
+    assert set(sched.kinds) == {"F"}
+    per_rank, uniform = tick_work(sched, "per-rank", forward_only=True), tick_work(sched, "uniform",
+                                                                                  forward_only=True)
+    assert per_rank["head"].sum() == 8 and set(np.nonzero(per_rank["head"])[1]) == {3}
+    assert list(np.nonzero(uniform["head"])[0]) == sorted(np.nonzero(per_rank["head"])[0])
 
 
-def _dot_output_dims(jaxpr):
+def test_tick_runs_cover_the_table_in_order():
+    for schedule, p, v, m, G in [("gpipe", 4, 1, 8, None), ("1f1b", 4, 1, 8, None), ("interleaved", 4, 2, 8, None),
+                                 ("1f1b", 4, 1, 2, None), ("interleaved", 2, 2, 8, 3), ("interleaved", 2, 3, 6, None)]:
+        kinds = "".join(build(schedule, p, v, m, G).kinds)
+        runs = tick_runs(kinds)
+        assert "".join(pattern * n for pattern, _, n in runs) == kinds
+        assert [first for _, first, _ in runs] == list(np.cumsum([0] + [len(pt) * n for pt, _, n in runs])[:-1])
+    assert tick_runs("FFFBFBFBBB") == [("F", 0, 3), ("BF", 3, 2), ("B", 7, 3)]
+    assert [len(tick_runs(build(s, 4, v, 8).kinds)) for s, v in SCHEDULES] == [2, 3, 3]
+
+
+def _dot_output_dims(jaxpr, skip=None):
+    """Output widths of the matmuls inside `jaxpr`, not counting those inside calls named `skip`."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             yield eqn.outvars[0].aval.shape[-1]
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (list, tuple)) else [value]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _dot_output_dims(inner)
+        if not (eqn.primitive.name == "jit" and eqn.params["name"] == skip):
+            for inner in _sub_jaxprs(eqn):
+                yield from _dot_output_dims(inner, skip)
+
+
+def _inputs_reached(jaxpr, var) -> set[int]:
+    """Indices of `jaxpr`'s inputs that `var` is computed from."""
+    producer = {id(out): eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    inputs = {id(x): i for i, x in enumerate(jaxpr.invars)}
+    reached, todo, seen = set(), [var], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or not hasattr(x, "aval") or type(x).__name__ == "Literal":
+            continue
+        seen.add(id(x))
+        if id(x) in inputs:
+            reached.add(inputs[id(x)])
+        elif id(x) in producer:
+            todo.extend(producer[id(x)].invars)
+    return reached
 
 
 @pytest.mark.parametrize("branching", ["uniform", "per-rank"])
 def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
-    """In the traced tick, the branches of the cell switch that do not hold the last virtual stage contain no
-    output-layer matmul (an output dim of Vp/t) and no cross-entropy pmax; those that do contain both."""
+    """In the traced ticks, the output-layer matmuls (an output dim of Vp/t) and the cross-entropy's pmax appear
+    only inside the backward's `head_backward`, never in a forward tick, and that call sits in a cond whose
+    predicate is computed from the table's head column (and not from "active" or "embed")."""
     p, v, t = 2, 2, 2
     cfg = model_cfg(p, x64=False)
     parallel = layout(1, p, t, "interleaved", v, branching=branching)
@@ -256,18 +308,26 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs)
     jaxpr = jax.make_jaxpr(step)(pp, *batch(parallel.num_microbatches))
     sched = pipeline_schedule(parallel)
-    variants, _ = cell_variants(sched, branching)
-    assert any(vr.head for vr in variants) and any(vr.kind == "B" and not vr.head for vr in variants)
-    body = next(_scan_bodies(jaxpr.jaxpr, sched.ticks))
-    switch = max((e for e in body.eqns if e.primitive.name == "cond"), key=lambda e: len(e.params["branches"]))
-    assert len(switch.params["branches"]) == len(variants)
     vocab_local = cfg.padded_vocab_size(t) // t  # no other matmul of the model has this output width
     assert vocab_local not in {cfg.hidden_size, cfg.ffn_size // t, cfg.head_dim, S}
-    for variant, branch in zip(variants, switch.params["branches"]):
-        assert "ppermute@pipe" not in summarize(jaxpr_collectives(branch))  # the ring stays outside the switch
-        has_pmax = "pmax@tensor" in summarize(jaxpr_collectives(branch))
-        has_head_matmul = vocab_local in set(_dot_output_dims(branch.jaxpr))
-        assert has_pmax == has_head_matmul == variant.head, variant
+    # the scan's rows, flattened in key order, are the body's last inputs
+    columns = sorted([*tick_work(sched, branching), "active", "chunk", "grad_slot", "in_slot", "microbatch",
+                      "recv_slot"])
+    bodies = tick_bodies(jaxpr.jaxpr, sched)
+    assert {pattern for pattern, _ in bodies} == {"F", "BF", "B"}
+    for pattern, body in bodies:
+        first_row = len(body.invars) - len(columns)
+        assert vocab_local not in set(_dot_output_dims(body, skip="head_backward")), pattern
+        outside = SimpleNamespace(eqns=[e for e in body.eqns if not _calls(e, "head_backward")])
+        assert "pmax@tensor" not in summarize(jaxpr_collectives(outside)), pattern
+        heads = [e for e in body.eqns if e.primitive.name == "cond" and _calls(e, "head_backward")]
+        assert len(heads) == pattern.count("B"), pattern
+        for cond in heads:
+            reached = {columns[i - first_row] for i in _inputs_reached(body, cond.invars[0]) if i >= first_row}
+            assert reached == {"head"}, reached
+            (head_branch,) = [br for br in cond.params["branches"] if any(named_calls(br.jaxpr, "head_backward"))]
+            assert vocab_local in set(_dot_output_dims(head_branch.jaxpr))
+            assert "pmax@tensor" in summarize(jaxpr_collectives(head_branch))
 
 
 # --- dropout ------------------------------------------------------------------------------------------------------
@@ -344,44 +404,44 @@ def test_20_iteration_trace_matches_the_reference(small_corpus, tmp_path, d, p, 
 
 # --- recomputation -------------------------------------------------------------------------------------------------
 
-def _branches(recompute):
-    """{variant: (matmuls, tensor collectives)} of each branch of the tick switch; p = 2, t = 2, 1F1B, per-rank
-    (stage 0's cells embed, stage 1's backward runs the head)."""
+def _chunk_work(recompute):
+    """{"forward", "backward"}: (matmuls, tensor collectives) of a chunk's work in a forward tick (`chunk_forward`)
+    and in a backward tick (`chunk_recompute` and `chunk_backward`); p = 2, t = 2, 1F1B, per-rank."""
     cfg = model_cfg(2, x64=False)
     parallel = layout(1, 2, 2, "1f1b", 1, branching="per-rank")
     params = staged(gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=2), 2, 1)
     specs = sharding.param_specs(params, pipelined=True)
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
     jaxpr = jax.make_jaxpr(step)(params, *batch(parallel.num_microbatches))
-    sched = pipeline_schedule(parallel)
-    body = next(_scan_bodies(jaxpr.jaxpr, sched.ticks))
-    switch = max((e for e in body.eqns if e.primitive.name == "cond"), key=lambda e: len(e.params["branches"]))
-    variants, _ = cell_variants(sched, "per-rank")
-    return {vr: (len(list(_dot_output_dims(br.jaxpr))),
-                 sum(c["count"] for c in summarize(jaxpr_collectives(br)).values()))
-            for vr, br in zip(variants, switch.params["branches"], strict=True)}
+    bodies = dict(tick_bodies(jaxpr.jaxpr, pipeline_schedule(parallel)))
+
+    def count(body, names):
+        calls = [call for name in names for call in named_calls(body, name)]
+        return (sum(len(list(_dot_output_dims(c))) for c in calls),
+                sum(e["count"] for c in calls for e in summarize(jaxpr_collectives(c)).values()))
+    return {"forward": count(bodies["F"], ["chunk_forward"]),
+            "backward": count(bodies["B"], ["chunk_recompute", "chunk_backward"])}
 
 
 def test_recomputation_runs_what_megatron_runs():
-    """Megatron's semantics, counted in the traced branches (a layer's matmuls appear once, in the scan body):
+    """Megatron's semantics, counted in the traced ticks (a layer's matmuls appear once, in the layer scan's body):
     - none: a backward runs 2 matmuls per forward matmul (input and weight gradients) and recomputes nothing;
     - selective: plus the attention core's scores matmul (the backward needs the softmax, not the context, so
       autodiff recomputes only q·kᵀ; Megatron re-runs the core's second matmul too), and not one collective
       more than none;
-    - full: plus the whole forward once (3 per forward matmul; before the fix, each layer was recomputed twice),
-      with its 2 collectives per layer and the embedding's all-reduce. The stage-0 backward (embedding, no head)
-      is the branch compared."""
-    counts = {r: _branches(r) for r in ("none", "selective", "full")}
-    fwd_dots = counts["none"][Variant("F")][0]
+    - full: plus the whole forward once (3 per forward matmul; an earlier version recomputed each layer twice),
+      with its 2 collectives per layer (stage 0's embedding output is kept with the chunk input: not recomputed)."""
+    counts = {r: _chunk_work(r) for r in ("none", "selective", "full")}
+    fwd_dots = counts["none"]["forward"][0]
     assert fwd_dots == 6  # qkv, scores, context, projection, fc1, fc2
     for r in counts:
-        assert counts[r][Variant("F")] == counts["none"][Variant("F")]  # forwards are the same everywhere
-    dots = {r: counts[r][Variant("B", embed=True)][0] for r in counts}
+        assert counts[r]["forward"] == counts["none"]["forward"]  # forwards are the same everywhere
+    dots = {r: counts[r]["backward"][0] for r in counts}
     assert dots == {"none": 2 * fwd_dots, "selective": 2 * fwd_dots + 1, "full": 3 * fwd_dots}
-    collectives = {r: counts[r][Variant("B", embed=True)][1] for r in counts}
+    collectives = {r: counts[r]["backward"][1] for r in counts}
     k = 2  # layers per chunk; collectives are counted per layer (the scan's length times its body)
     assert collectives["selective"] == collectives["none"] == 2 * k  # the transposes of each layer's two f's
-    assert collectives["full"] == collectives["none"] + 2 * k + 1
+    assert collectives["full"] == collectives["none"] + 2 * k
 
 
 @pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.slow)])
