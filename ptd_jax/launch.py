@@ -5,6 +5,8 @@ Each child gets the coordinator's address and its place in the environment (`PTD
 `parallel/multiprocess.py`) and runs in its own session, so that a terminal's Ctrl-C reaches it once, forwarded
 from here. On CPU the processes talk over gloo: with `--fake-devices K` each simulates K devices, N·K in all.
 
+The children's stdout is relayed line by line without gloo's connection notices ("[Gloo] Rank 0 is connected
+to 1 peer ranks", printed by XLA's CPU collectives), so that the last line is still process 0's JSON summary.
 When a child fails (exit code != 0, or killed by a signal), the launcher says which in one line, stops the others
 (SIGTERM, then SIGKILL after `--grace-period` seconds) and exits with that child's code (128 + the signal's number
 for a signal). SIGINT, SIGTERM and SIGHUP are forwarded to every child. Pure Python: JAX runs in the children only.
@@ -18,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from ptd_jax.argparsing import OneLineParser, positive_float, positive_int
@@ -72,6 +75,7 @@ def run(argv=None) -> int:
     port = args.coordinator_port or free_port(args.coordinator_host)
     address = f"{args.coordinator_host}:{port}"
     children: list[subprocess.Popen] = []
+    relays: list[threading.Thread] = []
 
     def forward(signum, frame):
         for child in children:
@@ -84,15 +88,26 @@ def run(argv=None) -> int:
             env = {**os.environ, "PTD_COORDINATOR_ADDRESS": address, "PTD_NUM_PROCESSES": str(args.nproc),
                    "PTD_PROCESS_ID": str(rank)}
             try:
-                children.append(subprocess.Popen(command, env=env, start_new_session=True))
+                children.append(subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE))
             except OSError as err:
                 print(f"{PROG}: error: cannot start {command[0]!r}: {err.strerror}", file=sys.stderr)
                 _stop(children, args.grace_period)
                 return 2
+            relays.append(threading.Thread(target=_relay, args=(children[-1].stdout,), daemon=True))
+            relays[-1].start()
         return _watch(children, args.grace_period)
     finally:
+        for relay in relays:
+            relay.join(timeout=5)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _relay(stream) -> None:
+    for line in iter(stream.readline, b""):
+        if not line.startswith(b"[Gloo] "):
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
 
 
 def _watch(children: list[subprocess.Popen], grace: float) -> int:

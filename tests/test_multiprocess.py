@@ -102,6 +102,37 @@ def test_the_global_batch_is_assembled_from_each_data_ranks_rows():
         np.testing.assert_array_equal(np.asarray(shard.data), whole[:, rank * 2:(rank + 1) * 2])
 
 
+@pytest.mark.slow
+def test_a_save_converted_on_the_devices_is_the_host_paths_checkpoint(tmp_path):
+    """What a multi-process save does (the canonical form taken on the devices, each process writing its shards),
+    here in one process: the same canonical arrays as the host path, bitwise, restoring into another layout."""
+    from ptd_jax.config import TrainConfig
+    from ptd_jax.optimizer import make_optimizer
+    from ptd_jax.parallel import sharding
+    from ptd_jax.parallel.step import init_sharded_state
+    from tests.train.test_checkpoint import MODEL, layout, random_state
+
+    optimizer = make_optimizer(TrainConfig())
+    source = layout(2, 2, 2, 1)
+    state, mesh = random_state(source, optimizer)
+    meta = checkpoint.run_meta(MODEL, source, TrainConfig(), consumed_samples=0, rng_key=jax.random.key(0),
+                               data_config={})
+    for name, on_devices in (("host", False), ("devices", True)):
+        with checkpoint.Checkpointer(tmp_path / name, optimizer=optimizer, model_cfg=MODEL, parallel=source,
+                                     mesh=mesh, on_devices=on_devices) as saver:
+            saver.save(1, state, meta)
+    host, devices = (checkpoint.read_params(tmp_path / name)[1] for name in ("host", "devices"))
+    jax.tree.map(np.testing.assert_array_equal, host, devices)
+    dest = layout(1, 4, 2, 2)
+    dest_mesh = make_mesh(dest)
+    like = init_sharded_state(jax.random.key(9), MODEL, optimizer, dest_mesh, dest)
+    restored = checkpoint.restore(tmp_path / "devices", 1, like, optimizer=optimizer, model_cfg=MODEL, parallel=dest,
+                                  mesh=dest_mesh)
+    want = sharding.to_canonical(optimizer, state, MODEL.vocab_size, True)
+    have = sharding.to_canonical(optimizer, restored, MODEL.vocab_size, True)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), want, have)
+
+
 # --- ptd-launch ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
