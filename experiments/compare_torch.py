@@ -26,7 +26,7 @@ up to 60x slower (3.2 s against 0.05 s on the 2-core development machine). On a 
 of one run rather than absolute numbers.
 
 Usage: python -m experiments.compare_torch [--rounds 3] [--iters 10]
-       [--layouts serial p2-1f1b p2-gpipe p2v2-interleaved] [--out experiments/results/compare_torch.json]
+       [--layouts serial p2-1f1b p2-1f1b-per-rank p2-gpipe p2v2-interleaved] [--out experiments/results/compare_torch.json]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257)
 TRAIN = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0)
 MICRO_BATCH, MICROBATCHES = 2, 4
-LAYOUT_NAME = re.compile(r"^(serial|p(\d+)(?:v(\d+))?-(gpipe|1f1b|interleaved))$")
+LAYOUT_NAME = re.compile(r"^(serial|p(\d+)(?:v(\d+))?-(gpipe|1f1b|interleaved)(-per-rank)?)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +57,17 @@ class Layout:
     p: int = 1
     v: int = 1
     schedule: str = "1f1b"
+    branching: str = "uniform"
+    """ptd_jax's --pipeline-branching (torch runs the same schedule either way)."""
 
     @classmethod
     def parse(cls, name: str) -> "Layout":
         match = LAYOUT_NAME.match(name)
         if match is None:
-            raise SystemExit(f"layout {name!r}: expected 'serial' or p<P>[v<V>]-<gpipe|1f1b|interleaved>")
+            raise SystemExit(f"layout {name!r}: expected 'serial' or p<P>[v<V>]-<gpipe|1f1b|interleaved>[-per-rank]")
         if match[1] == "serial":
             return cls(name)
-        return cls(name, int(match[2]), int(match[3] or 1), match[4])
+        return cls(name, int(match[2]), int(match[3] or 1), match[4], "per-rank" if match[5] else "uniform")
 
 
 def schedule_lr_factor(step: int, train: dict, iters: int) -> float:
@@ -101,6 +103,10 @@ def run_jax(spec: dict) -> dict:
     import jax
     import numpy as np
 
+    # Rounds after the first load their executables from the run's cache (compile_s is then the load time).
+    jax.config.update("jax_compilation_cache_dir", spec["jax_cache"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
     from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
     from ptd_jax.interop import from_hf
     from ptd_jax.optimizer import make_optimizer, new_state
@@ -116,7 +122,8 @@ def run_jax(spec: dict) -> dict:
     out = {}
     for layout in layouts:
         parallel = ParallelConfig(pipeline_model_parallel_size=layout.p, virtual_pipeline_stages=layout.v,
-                                  pipeline_schedule=layout.schedule, micro_batch_size=spec["micro_batch"],
+                                  pipeline_schedule=layout.schedule, pipeline_branching=layout.branching,
+                                  micro_batch_size=spec["micro_batch"],
                                   global_batch_size=spec["micro_batch"] * spec["microbatches"])
         parallel.check_model(cfg)
         mesh = make_mesh(parallel)
@@ -346,7 +353,7 @@ def _plot(result: dict, path: str) -> None:
         ax.plot(its, row["loss_torch"], "x--", label=f"torch ({row['torch_engine']})")
         ax.plot(its, result["loss_torch_eager"], ":", label="torch eager")
         ax.set(title=name, xlabel="iteration", ylabel="loss")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper right")
         ax = axes[1][i]
         rel = [abs(x - y) / abs(y) for x, y in zip(row["loss_jax"], row["loss_torch"])]
         ax.semilogy(its, [max(r, 1e-10) for r in rel], "o-")
@@ -385,7 +392,7 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
         np.save(work / "data.npy", make_data(iters, micro_batch * microbatches, cfg.seq_length, seed))
         spec = {"model": model, "train": TRAIN, "iters": iters, "micro_batch": micro_batch,
                 "microbatches": microbatches, "threads": threads, "weights": str(work / "weights"),
-                "data": str(work / "data.npy")}
+                "data": str(work / "data.npy"), "jax_cache": str(work / "jax_cache")}
         by_p = sorted({x.p for x in layouts if x.p > 1})
         runs = []
         for _ in range(rounds):
@@ -417,6 +424,7 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
         result["layouts"][layout.name] = {
             "data_parallel_size": 1, "pipeline_model_parallel_size": layout.p, "tensor_model_parallel_size": 1,
             "virtual_pipeline_stages": layout.v, "schedule": layout.schedule if layout.p > 1 else None,
+            "pipeline_branching": layout.branching if layout.p > 1 else None,
             "torch_engine": engine,
             "loss_max_rel_diff": max(_max_rel_diff(j["losses"], t["losses"]) for j, t in zip(jax_runs, torch_runs)),
             "loss_max_rel_diff_jax_vs_eager": max(_max_rel_diff(j["losses"], r["eager"]["losses"])
@@ -424,7 +432,7 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
             "loss_max_rel_diff_torch_vs_eager": max(_max_rel_diff(t["losses"], r["eager"]["losses"])
                                                     for t, r in zip(torch_runs, runs)),
             "jax_tokens_per_s": jax_tps, "torch_tokens_per_s": torch_tps, "jax_over_torch": jax_tps / torch_tps,
-            "jax_compile_s": statistics.median(j["compile_s"] for j in jax_runs),
+            "jax_compile_s": jax_runs[0]["compile_s"],
             "jax_step_s_per_round": jax_rounds, "torch_step_s_per_round": torch_rounds,
             "loss_jax": jax_runs[0]["losses"], "loss_torch": torch_runs[0]["losses"],
         }
@@ -433,7 +441,8 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
 
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-gpipe", "p2v2-interleaved"])
+    parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-1f1b-per-rank", "p2-gpipe",
+                                                          "p2v2-interleaved"])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=MICRO_BATCH)
