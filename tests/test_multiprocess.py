@@ -147,12 +147,12 @@ def test_ptd_launch_bad_input_is_one_line_and_exit_2(argv, message):
 
 
 def test_ptd_launch_stops_the_others_and_exits_with_the_failed_childs_code(tmp_path):
-    """Child 1 exits 3 at once; child 0 would sleep for a minute and writes its pid: it is stopped, and the
-    launcher's code is 3, with one line naming process 1. Each child sees its place in the environment."""
+    """Child 1 exits 3 at once; child 0 would sleep for a minute: it is stopped, and the launcher's code is 3,
+    with one line naming process 1. Each child sees its place in the environment."""
     script = ("import os, sys, time\n"
               "rank = os.environ['PTD_PROCESS_ID']\n"
               f"open(os.path.join({str(tmp_path)!r}, rank), 'w').write(os.environ['PTD_NUM_PROCESSES'] + ' ' + "
-              "os.environ['PTD_COORDINATOR_ADDRESS'])\n"
+              "os.environ['PTD_COORDINATOR_ADDRESS'] + ' ' + str(os.getpid()))\n"
               "if rank == '1':\n    time.sleep(0.5); sys.exit(3)\n"
               "time.sleep(60)\n")
     start = time.monotonic()
@@ -163,7 +163,9 @@ def test_ptd_launch_stops_the_others_and_exits_with_the_failed_childs_code(tmp_p
     assert "ptd-launch: error: process 1 (pid " in out.stderr and "exited with code 3; stopping the other 1" in \
         out.stderr
     seen = [(tmp_path / r).read_text().split() for r in ("0", "1")]
-    assert seen[0] == seen[1] and seen[0][0] == "2" and seen[0][1].startswith("127.0.0.1:")
+    assert seen[0][:2] == seen[1][:2] and seen[0][0] == "2" and seen[0][1].startswith("127.0.0.1:")
+    with pytest.raises(ProcessLookupError):  # child 0 is gone
+        os.kill(int(seen[0][2]), 0)
 
 
 # --- runs of several processes ------------------------------------------------------------------------------------
