@@ -100,11 +100,9 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    parser = figures.cli(__doc__.splitlines()[0])
-    args = parser.parse_args(argv)
-    rounds = 1 if args.smoke else args.rounds
+    args = figures.parse_args(__doc__.splitlines()[0], argv)
     figures.fake_devices(4)
-    result = {"predicted": predicted(), "measured": measured(rounds, args.smoke), "paper_text": PAPER_TEXT,
+    result = {"predicted": predicted(), "measured": measured(args.rounds, args.smoke), "paper_text": PAPER_TEXT,
               "paper_best_b_fig16": PAPER_BEST_B_FIG16, "timing_note": figures.TIMING_NOTE}
     figures.write("fig07_08_16_microbatch", result, plot, args.out)
     meas = result["measured"]

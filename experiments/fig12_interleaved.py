@@ -72,12 +72,10 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    parser = figures.cli(__doc__.splitlines()[0])
-    args = parser.parse_args(argv)
+    args = figures.parse_args(__doc__.splitlines()[0], argv)
     ms = [4, 8] if args.smoke else [4, 8, 16]
-    rounds = 1 if args.smoke else args.rounds
     figures.fake_devices(P)
-    result = {"predicted": predicted(), "measured": measured(ms, rounds, args.smoke), "paper_text": PAPER_TEXT,
+    result = {"predicted": predicted(), "measured": measured(ms, args.rounds, args.smoke), "paper_text": PAPER_TEXT,
               "timing_note": figures.TIMING_NOTE}
     figures.write("fig12_interleaved", result, plot, args.out)
     print(json.dumps({"measured": result["measured"]["rows"],

@@ -100,11 +100,9 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    parser = figures.cli(__doc__.splitlines()[0])
-    args = parser.parse_args(argv)
-    rounds = 1 if args.smoke else args.rounds
+    args = figures.parse_args(__doc__.splitlines()[0], argv)
     figures.fake_devices(4)
-    result = {"predicted": predicted(), "measured": measured(rounds, args.smoke), "paper_text": PAPER_TEXT,
+    result = {"predicted": predicted(), "measured": measured(args.rounds, args.smoke), "paper_text": PAPER_TEXT,
               "timing_note": figures.TIMING_NOTE}
     figures.write("fig13_15_parallelism", result, plot, args.out)
     best = {fig: max(rows, key=lambda r: r["tflops_per_gpu"] if r["fits"] else -1) for fig, rows in

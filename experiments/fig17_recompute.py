@@ -82,12 +82,10 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    parser = figures.cli(__doc__.splitlines()[0])
-    args = parser.parse_args(argv)
+    args = figures.parse_args(__doc__.splitlines()[0], argv)
     ms = [4] if args.smoke else [4, 16]
-    rounds = 1 if args.smoke else args.rounds
     figures.fake_devices(P)
-    result = {"predicted": predicted(), "measured": measured(ms, rounds, args.smoke), "paper_text": PAPER_TEXT,
+    result = {"predicted": predicted(), "measured": measured(ms, args.rounds, args.smoke), "paper_text": PAPER_TEXT,
               "paper_small_batch_loss": 0.33, "paper_large_batch_gain": 2.0, "timing_note": figures.TIMING_NOTE}
     figures.write("fig17_recompute", result, plot, args.out)
     pred = result["predicted"]

@@ -66,12 +66,10 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    parser = figures.cli(__doc__.splitlines()[0])
-    args = parser.parse_args(argv)
+    args = figures.parse_args(__doc__.splitlines()[0], argv)
     ms = [4] if args.smoke else [4, 8]
-    rounds = 1 if args.smoke else args.rounds
     figures.fake_devices(4)
-    result = {"predicted": predicted(), "measured": measured(ms, rounds, args.smoke), "paper_text": PAPER_TEXT,
+    result = {"predicted": predicted(), "measured": measured(ms, args.rounds, args.smoke), "paper_text": PAPER_TEXT,
               "paper_up_to_speedup": 1 + PAPER_UP_TO, "timing_note": figures.TIMING_NOTE}
     figures.write("fig18_scatter_gather", result, plot, args.out)
     print(json.dumps({"measured": result["measured"]["rows"],

@@ -7,7 +7,7 @@ p = 4 on 4 fake devices for each m; per schedule the step times are fitted as T(
 and the measured bubble at m is (T(m) − m·t_mb)/(m·t_mb), the paper's t_pb/t_id (the same split as the loop's
 measured bubble, `ptd_jax/train/bubble.py`; c also holds per-step fixed costs, so it is an upper bound).
 
-Usage: python -m experiments.fig_bubble [--rounds 3] [--ms 4 8 16] [--smoke] [--out PATH]
+Usage: python -m experiments.fig_bubble [--rounds 5] [--ms 4 8 16 24] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -82,11 +82,10 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    parser = figures.cli(__doc__.splitlines()[0], rounds=3)
-    parser.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16])
-    args = parser.parse_args(argv)
+    args = figures.parse_args(__doc__.splitlines()[0], argv, extra=lambda parser: parser.add_argument(
+        "--ms", type=int, nargs="+", default=[4, 8, 16, 24]))
     if args.smoke:
-        args.rounds, args.ms = 1, [4, 8]
+        args.ms = [4, 8]
     figures.fake_devices(P)
     result = {"simulated": simulated(), "measured": measured(args.ms, args.rounds, args.smoke),
               "timing_note": figures.TIMING_NOTE,

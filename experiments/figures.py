@@ -122,12 +122,18 @@ def write(name: str, result: dict, plot, out: str | None = None) -> Path:
     return path
 
 
-def cli(description: str, rounds: int = 5):
-    """The scripts' common flags: --rounds, --out, --smoke (tiny shapes, one round: checks that it runs)."""
+def parse_args(description: str, argv=None, rounds: int = 5, extra=None):
+    """The scripts' common flags: --rounds, --out, --smoke (tiny shapes and one round: checks that it runs);
+    `extra(parser)` adds a script's own."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and one round: checks that it runs")
-    return parser
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds = 1
+    return args
