@@ -5,11 +5,10 @@ Each child gets the coordinator's address and its place in the environment (`PTD
 `parallel/multiprocess.py`) and runs in its own session, so that a terminal's Ctrl-C reaches it once, forwarded
 from here. On CPU the processes talk over gloo: with `--fake-devices K` each simulates K devices, N·K in all.
 
-The children's stdout is relayed line by line without gloo's connection notices ("[Gloo] Rank 0 is connected
-to 1 peer ranks", printed by XLA's CPU collectives), so that the last line is still process 0's JSON summary.
 When a child fails (exit code != 0, or killed by a signal), the launcher says which in one line, stops the others
 (SIGTERM, then SIGKILL after `--grace-period` seconds) and exits with that child's code (128 + the signal's number
-for a signal). SIGINT, SIGTERM and SIGHUP are forwarded to every child. Pure Python: JAX runs in the children only.
+for a signal). SIGINT, SIGTERM and SIGHUP are forwarded to every child, and the launcher then waits for them to
+stop (ptd-train: all at one agreed step, `multiprocess.stop_agreed`). Pure Python: JAX runs in the children only.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from ptd_jax.argparsing import OneLineParser, positive_float, positive_int
@@ -75,9 +73,11 @@ def run(argv=None) -> int:
     port = args.coordinator_port or free_port(args.coordinator_host)
     address = f"{args.coordinator_host}:{port}"
     children: list[subprocess.Popen] = []
-    relays: list[threading.Thread] = []
+
+    signalled = []
 
     def forward(signum, frame):
+        signalled.append(signum)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
@@ -88,32 +88,27 @@ def run(argv=None) -> int:
             env = {**os.environ, "PTD_COORDINATOR_ADDRESS": address, "PTD_NUM_PROCESSES": str(args.nproc),
                    "PTD_PROCESS_ID": str(rank)}
             try:
-                children.append(subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE))
+                children.append(subprocess.Popen(command, env=env, start_new_session=True))
             except OSError as err:
                 print(f"{PROG}: error: cannot start {command[0]!r}: {err.strerror}", file=sys.stderr)
                 _stop(children, args.grace_period)
                 return 2
-            relays.append(threading.Thread(target=_relay, args=(children[-1].stdout,), daemon=True))
-            relays[-1].start()
-        return _watch(children, args.grace_period)
+        return _watch(children, args.grace_period, signalled)
     finally:
-        for relay in relays:
-            relay.join(timeout=5)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _relay(stream) -> None:
-    for line in iter(stream.readline, b""):
-        if not line.startswith(b"[Gloo] "):
-            sys.stdout.buffer.write(line)
-            sys.stdout.buffer.flush()
-
-
-def _watch(children: list[subprocess.Popen], grace: float) -> int:
-    """Wait for every child; on the first failure, stop the rest and return its code."""
+def _watch(children: list[subprocess.Popen], grace: float, signalled: list) -> int:
+    """Wait for every child; on the first failure, stop the rest and return its code. After a forwarded signal
+    the children stop by themselves (ptd-train: at one agreed step): wait for all, and return the first non-zero
+    code."""
     while True:
         codes = [child.poll() for child in children]
+        if signalled:
+            for child in children:
+                child.wait()
+            return next((_exit_code(c.returncode) for c in children if c.returncode), 0)
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 others = sum(c is None for c in codes)

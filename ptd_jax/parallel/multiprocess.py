@@ -13,6 +13,9 @@ Where the settings come from, first match wins:
 - SLURM (`srun` with more than one task) or Open MPI (`mpirun -n N`, N > 1): JAX's own cluster detection;
 - otherwise one process, and nothing is initialised.
 
+Stopping: SIGTERM (a preemption) or Ctrl-C in any process stops all of them after one step they agree on
+(`stop_agreed`, JAX's preemption sync point), as Ctrl-C stops one process.
+
 Faults: the coordination service declares a process dead once it misses heartbeats for `heartbeat_timeout_s`
 and then stops every other process (XLA aborts them). A collective with a dead peer fails sooner, as soon as
 its socket closes (`is_peer_failure`); the CLI then exits at once with one line, without the exit barrier that
@@ -99,6 +102,7 @@ def initialize(group: ProcessGroup, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _quiet_native_stdout()
     try:
         jax.distributed.initialize(
             coordinator_address=group.coordinator_address, num_processes=group.num_processes,
@@ -117,6 +121,18 @@ def initialize(group: ProcessGroup, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT
         end(1)
 
     sys.excepthook = uncaught
+
+
+def _quiet_native_stdout() -> None:
+    """Gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks ..." on file descriptor 1, from several threads at
+    once and in pieces, into the lines of the run; native code gets /dev/null as its stdout, Python's `sys.stdout`
+    keeps the real one (so the last line stays the JSON summary)."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = os.fdopen(real, "w", buffering=1)
 
 
 def end(code: int) -> int:
@@ -159,6 +175,20 @@ def exit_if_peer_failed(err: BaseException, prog: str) -> None:
           f"was killed ({str(err).splitlines()[0][:200]}); stopping (rerun with --load to resume from the newest "
           f"checkpoint)", file=sys.stderr)
     end(1)
+
+
+def stop_agreed(step: int) -> bool:
+    """In a multi-process run, whether to stop before `step`: True on every process at the same step once any
+    of them got SIGTERM (a scheduler's preemption, or a Ctrl-C, which ptd-train turns into one), by JAX's
+    preemption sync point. Stopping wherever each process saw its own signal would leave the others waiting in
+    a collective. False in a one-process run."""
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return False
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
 
 
 def local_data_ranks(mesh) -> tuple[int, ...]:

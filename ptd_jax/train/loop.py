@@ -226,7 +226,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     ctrl_c = _CtrlC()
     try:
         for iteration, batch in zip(range(start, train_cfg.train_iters), batches):
-            if ctrl_c.requested:  # checked between steps: a checkpoint being written is finished first
+            # checked between steps: a checkpoint being written is finished first; several processes stop at one
+            if ctrl_c.requested or multiprocess.stop_agreed(iteration):  # agreed step (after a SIGTERM)
                 raise KeyboardInterrupt
             state, metrics = train_step(state, *batch, dropout_key)
             skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
@@ -395,15 +396,23 @@ class _CtrlC:
         import threading
 
         self.requested = False
+        self._forwarded = False
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        if self.requested:
+        import os
+        import signal
+
+        if self.requested or self._forwarded:
             raise KeyboardInterrupt
-        self.requested = True
         print("ptd_jax: Ctrl-C: stopping after this step (again to stop at once)", file=sys.stderr)
+        if jax.distributed.is_initialized():  # the processes agree on the step: JAX's preemption sync, on SIGTERM
+            self._forwarded = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self.requested = True
 
     def restore(self) -> None:
         import signal
