@@ -63,7 +63,8 @@ def plot(result, plt):
         ms = [r["m"] for r in rows]
         a1.plot(ms, [r["bubble"] for r in rows], "o-", ms=3, color=colors[name], label=f"{name}: lockstep simulated")
         a1.plot(ms, [r["formula"] for r in rows], ":", color=colors[name], label=f"{name}: formula")
-    a1.set(xlabel="microbatches m", ylabel="bubble fraction t_pb / t_id", title=f"simulated, p={P} (GPipe and 1F1B coincide)", ylim=(-0.4, 1.6))
+    a1.set(xlabel="microbatches m", ylabel="bubble fraction t_pb / t_id", ylim=(-0.4, 1.6),
+           title=f"simulated, p={P} (GPipe and 1F1B coincide)")
     a1.legend(fontsize=7)
     meas = result["measured"]
     for name, fit in meas["fits"].items():
