@@ -241,9 +241,11 @@ def read_params(directory, step: int | None = None):
     if step is None:
         raise ConfigError(f"{directory} holds no checkpoint")
     meta = read_meta(directory, step)
-    try:
+    try:  # numpy targets: the saved shardings name devices (another process's, say) that need not exist here
+        saved = ocp.StandardCheckpointer().metadata(Path(directory).absolute() / str(step) / "params").item_metadata
+        target = jax.tree.map(lambda leaf: np.empty(leaf.shape, leaf.dtype), saved)
         with _manager(directory, create=False) as manager:
-            params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+            params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{directory} step {step} has no readable parameters ({type(err).__name__}: "
                           f"{err})".splitlines()[0]) from None
