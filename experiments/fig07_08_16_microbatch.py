@@ -96,6 +96,12 @@ def plot(result, plt):
     axes[1][2].plot([int(b) for b in seq], list(seq.values()), "s-")
     axes[1][2].set(xscale="log", xlabel="b", ylabel="sequences/s",
                    title="Fig. 16 measured: p=4 1F1B, batch 16, fake CPU devices")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    for ax in fig.axes:  # b on a log-2 axis with plain labels
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
 
 
