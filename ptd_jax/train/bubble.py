@@ -13,8 +13,9 @@ share of the step spent outside the ideal. The same two-point figure taken on th
 makespans is `simulated_two_point`: it equals the simulated bubble whenever the bubble does not depend on m.
 Honest limits: c also holds what every step pays once (the gradient reduction, the optimizer update), so the
 measured figure is an upper bound of the pipeline's own bubble; and on fake CPU devices the devices share the
-host's cores, so step time follows the work that every rank executes (`--pipeline-branching uniform` computes
-masked dummies in idle cells, which then cost time; `per-rank` idle cells cost nothing there, unlike a GPU's).
+host's cores, so step time follows the total work of all ranks and a bubble need not show at all: an idle rank
+frees the cores for the busy ones (experiments/fig_bubble.py measured T(m) proportional to m at p = 4). The
+figure means what the paper's does on real devices only.
 `time_alternating` and `two_point` also serve experiments/ (the bubble figure, on gradient steps).
 """
 
@@ -121,8 +122,8 @@ def describe(result: dict, fake_devices: bool) -> str:
             f"gradient reduction, optimizer); "
             f"{result['measurement_s']:.1f} s, not counted in step times")
     if fake_devices:
-        line += (f"; fake CPU devices share the cores, so this follows the work all ranks execute "
-                 f"(branching {result['branching']})")
+        line += (f"; on fake CPU devices, which share the host's cores, time follows the total work of all ranks "
+                 f"(branching {result['branching']}) and a bubble need not show: meaningful on real devices")
     return line
 
 
