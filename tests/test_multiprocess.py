@@ -228,12 +228,12 @@ def test_a_killed_process_ends_the_other_within_60_s_and_the_run_resumes(small_c
 
 @pytest.mark.slow
 def test_ctrl_c_to_ptd_launch_stops_every_process_after_the_same_step(small_corpus, tmp_path):
-    """SIGINT to the launcher reaches each process once; they agree on a step (JAX's preemption sync point), both
-    stop after it with exit 130 (each says so, naming the same iteration), and the launcher exits 130."""
+    """SIGINT to the launcher reaches each process once; they agree on a step (JAX's preemption sync point), save
+    it and both stop there with exit 130 (each says so, naming the same iteration); the launcher exits 130."""
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", *TRAIN, *TINY, "--data-path", small_corpus,
                              "--micro-batch-size", "4", "--global-batch-size", "8", "--fake-devices", "1",
-                             "--train-iters", "100000", "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
+                             "--train-iters", "100000", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000",
                              "--metrics-file", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
@@ -250,6 +250,8 @@ def test_ctrl_c_to_ptd_launch_stops_every_process_after_the_same_step(small_corp
     assert proc.returncode == 130, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("ptd-train: interrupted (Ctrl-C) after iteration ")]
     assert len(said) == 2 and said[0].split(";")[0] == said[1].split(";")[0], err[-3000:]
+    stopped = int(said[0].split(";")[0].rsplit(" ", 1)[1])
+    assert checkpoint.all_steps(tmp_path / "ckpt")[-1] == stopped  # saved where both stopped
     assert out == ""  # no summary from an interrupted run, and no gloo notices
 
 

@@ -14,7 +14,7 @@ Where the settings come from, first match wins:
 - otherwise one process, and nothing is initialised.
 
 Stopping: SIGTERM (a preemption) or Ctrl-C in any process stops all of them after one step they agree on
-(`stop_agreed`, JAX's preemption sync point), as Ctrl-C stops one process.
+(`stop_agreed`, JAX's preemption sync point), where the loop saves a checkpoint.
 
 Faults: the coordination service declares a process dead once it misses heartbeats for `heartbeat_timeout_s`
 and then stops every other process (XLA aborts them). A collective with a dead peer fails sooner, as soon as

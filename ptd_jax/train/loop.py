@@ -226,8 +226,11 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     ctrl_c = _CtrlC()
     try:
         for iteration, batch in zip(range(start, train_cfg.train_iters), batches):
-            # checked between steps: a checkpoint being written is finished first; several processes stop at one
-            if ctrl_c.requested or multiprocess.stop_agreed(iteration):  # agreed step (after a SIGTERM)
+            if multiprocess.stop_agreed(iteration):  # several processes: a SIGTERM, all stop at this step
+                if saver and done > start and not (train_cfg.save_interval and done % train_cfg.save_interval == 0):
+                    save(done)  # a preempted run resumes from here
+                raise KeyboardInterrupt
+            if ctrl_c.requested:  # checked between steps: a checkpoint being written is finished first
                 raise KeyboardInterrupt
             state, metrics = train_step(state, *batch, dropout_key)
             skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
