@@ -91,7 +91,7 @@ def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelCo
     from ptd_jax.parallel.step import make_parallel_train_step, pipeline_schedule
 
     start = time.perf_counter()
-    twice = tuple(np.concatenate([x, x]) for x in batch)
+    twice = tuple(_twice(x) for x in batch)
     step_2m = make_parallel_train_step(mesh, model_cfg, doubled(parallel), train_cfg, optimizer, state)
 
     def fresh(b):
@@ -109,6 +109,16 @@ def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelCo
                   branching=parallel.pipeline_branching, measurement_s=time.perf_counter() - start,
                   method=DESCRIPTION)
     return result
+
+
+def _twice(x):
+    """The batch twice along M; a global array stays one (several processes: no host gather)."""
+    import jax
+    import jax.numpy as jnp
+
+    if isinstance(x, jax.Array):
+        return jax.jit(lambda y: jnp.concatenate([y, y]), out_shardings=x.sharding)(x)
+    return np.concatenate([x, x])
 
 
 def describe(result: dict, fake_devices: bool) -> str:

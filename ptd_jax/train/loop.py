@@ -72,7 +72,7 @@ class RunOptions:
     poison_steps: tuple[int, ...] = ()
     """Test hook (Python API only): steps whose loss and gradients are made non-finite (`loss_scale.poison`)."""
     measure_bubble: bool | None = None
-    """After the first step, time the pipelined layout's gradient step at m and 2m and log the measured bubble
+    """After the first step, time the run's train step at m and the same step at 2m and log the measured bubble
     (`train/bubble.py`); None: when p > 1 and at least `bubble.AUTO_MIN_ITERATIONS` iterations remain."""
     on_record: object = None
     """Called with each logged training record (Python API only: e.g. a notebook's live loss plot)."""
