@@ -8,9 +8,15 @@ s 128, b 4, 4 microbatches); vocabulary 257 (the byte tokenizer's). Both engines
 alternate step by step (rounds of `--steps` steps each; an engine's round time is the median of its steps), so the
 ratio compares the same moments of a machine shared with other work; the reported times are medians over rounds.
 Torch gets all cores as threads with OMP_WAIT_POLICY=PASSIVE (set before torch is imported), XLA its default
-pool. `--xla-flags` appends XLA:CPU flags, for trying them.
+pool. The benchmark runs twice, each time in a fresh process: "glibc_default", the step as it was before
+`ptd_jax.parallel.host_memory` (glibc's default malloc: XLA's temporaries are a fresh mmap every step), and
+"kept", with `keep_freed_host_memory()` called before JAX starts (glibc's setting is process-wide and its arena
+limit binds only threads not yet started, so the two cannot alternate in one process; torch, in both processes, is
+the common yardstick). `--profile` adds, per case, an XLA:CPU profile of both jax variants (leaf ops by
+kind, the top ones with their HLO, minor page faults per step) and a torch profile. `--xla-flags` appends XLA:CPU
+flags, for trying them.
 
-Usage: python -m experiments.bench_cpu_step [--rounds 7] [--steps 3] [--cases wide small]
+Usage: python -m experiments.bench_cpu_step [--rounds 7] [--steps 3] [--cases wide small] [--profile]
        [--out experiments/results/bench_cpu_step.json]
 """
 
@@ -113,12 +119,16 @@ def profile_jax(run, hlo_text: str, steps: int = 3, top: int = 15) -> dict:
 
     from experiments.profile_executor import leaf_times
 
+    import resource
+
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             for _ in range(steps):
                 run()
             wall = (time.perf_counter() - t0) / steps
+            faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
         trace_file = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
         kinds, counts = leaf_times(trace_file, [(-float("inf"), float("inf"))])
         names = collections.defaultdict(float)
@@ -128,7 +138,8 @@ def profile_jax(run, hlo_text: str, steps: int = 3, top: int = 15) -> dict:
     lines = {m[2]: m[0].strip() for m in re.finditer(r"^\s*(ROOT\s+)?%?([\w.-]+) = .*$", hlo_text, re.M)}
     by_name = sorted(names.items(), key=lambda kv: -kv[1])
     leaf = [(n, ms) for n, ms in by_name if n in lines][:top]
-    return {"wall_ms_per_step": wall * 1e3, "leaf_ms_per_step": sum(kinds.values()) / steps,
+    return {"wall_ms_per_step": wall * 1e3, "minor_page_faults_per_step": faults,
+            "leaf_ms_per_step": sum(kinds.values()) / steps,
             "by_kind_ms_per_step": {k: round(v / steps, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top_ops": [{"name": n, "ms_per_step": round(ms, 3), "hlo": lines[n][:300]} for n, ms in leaf]}
 
@@ -145,6 +156,33 @@ def profile_torch(run, steps: int = 3, top: int = 15) -> dict:
 
 
 def main(argv=None) -> dict:
+    """Both modes, each in its own process; their results side by side."""
+    import subprocess
+    import sys
+    import tempfile
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--mode" in argv:
+        return run_mode(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="experiments/results/bench_cpu_step.json")
+    known, rest = parser.parse_known_args(argv)
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("glibc_default", "kept"):
+            out = Path(tmp) / f"{mode}.json"
+            subprocess.run([sys.executable, "-m", "experiments.bench_cpu_step", *rest, "--mode", mode, "--out",
+                            str(out)], check=True, cwd=Path(__file__).resolve().parents[1])
+            result[mode] = json.loads(out.read_text())
+    result["summary"] = {name: {f"{mode}_jax_speedup_over_torch": result[mode]["cases"][name]["jax_speedup_over_torch"]
+                                for mode in ("glibc_default", "kept")} for name in result["kept"]["cases"]}
+    print(json.dumps(result["summary"]))
+    Path(known.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(known.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_mode(argv) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--rounds", type=int, default=7)
@@ -152,14 +190,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before JAX starts")
     parser.add_argument("--profile", action="store_true", help="add an XLA:CPU and a torch profile of each case")
-    parser.add_argument("--out", default="experiments/results/bench_cpu_step.json")
+    parser.add_argument("--mode", choices=["glibc_default", "kept"], required=True)
+    parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.mode == "kept":  # before JAX starts: its worker threads must not have picked their arenas yet
+        from ptd_jax.parallel.host_memory import keep_freed_host_memory
+
+        assert keep_freed_host_memory()
+    else:
+        os.environ["PTD_JAX_KEEP_HOST_MEMORY"] = "0"  # the step builders call it too (late: partial effect)
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     from experiments.compare_torch import make_data
 
-    result = {"threads": args.threads, "rounds": args.rounds, "steps_per_round": args.steps,
+    result = {"mode": args.mode, "threads": args.threads, "rounds": args.rounds, "steps_per_round": args.steps,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "train": TRAIN, "cases": {}}
     for name in args.cases:
         case = CASES[name]
@@ -186,7 +231,7 @@ def main(argv=None) -> dict:
             **case, "jax_step_s": jax_s, "torch_step_s": torch_s, "jax_speedup_over_torch": torch_s / jax_s,
             "jax_tokens_per_s": tokens_per_step / jax_s, "torch_tokens_per_s": tokens_per_step / torch_s,
             "first_step_loss": first, "jax_compile_s": compile_s,
-            "jax_round_s": rounds["jax"], "torch_round_s": rounds["torch"]}
+            "round_s": rounds}
         if args.profile:
             result["cases"][name]["profile"] = {"jax": profile_jax(run_jax, hlo_text),
                                                 "torch": profile_torch(run_torch)}
