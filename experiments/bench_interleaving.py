@@ -87,8 +87,32 @@ def reference_step(cfg, recompute, m=M):
     return step.lower(*args).compile(), args
 
 
-def measure(model_name, rounds, smoke=False, recompute="none"):
+def time_step(compiled, args) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one step. The CPU time sums the work of every XLA thread, so on a
+    shared, loaded machine it follows the work executed better than the wall time (both are reported)."""
     import jax
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def alternate(steps: dict, rounds: int) -> dict:
+    """{name: {"wall": [s...], "cpu": [s...]}} from alternating rounds (after one warm-up run of each)."""
+    import jax
+
+    for compiled, args in steps.values():
+        jax.block_until_ready(compiled(*args))
+    times = {name: {"wall": [], "cpu": []} for name in steps}
+    for _ in range(rounds):  # alternating rounds: the machine is shared and noisy
+        for name, (compiled, args) in steps.items():
+            wall, cpu = time_step(compiled, args)
+            times[name]["wall"].append(wall)
+            times[name]["cpu"].append(cpu)
+    return times
+
+
+def measure(model_name, rounds, smoke=False, recompute="none"):
 
     from ptd_jax.config import ModelConfig
 
@@ -96,23 +120,18 @@ def measure(model_name, rounds, smoke=False, recompute="none"):
     cfg = ModelConfig(seq_length=seq, **shape)
     steps = {f"{s} v={v} {b}": pipeline_step(cfg, s, v, b, recompute) for s, v, b in CASES}
     steps["reference"] = reference_step(cfg, recompute)
-    times = {name: [] for name in steps}
-    for compiled, args in steps.values():  # warm up
-        jax.block_until_ready(compiled(*args))
-    for _ in range(rounds):  # alternating rounds: the machine is shared and noisy
-        for name, (compiled, args) in steps.items():
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times[name].append(time.perf_counter() - start)
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    ref = median["reference"]
-    ratios = {}
-    for branching in ("uniform", "per-rank"):
-        one_f_one_b = median[f"1f1b v=1 {branching}"]
-        ratios[f"interleaved/1f1b ({branching})"] = median[f"interleaved v=2 {branching}"] / one_f_one_b
-        ratios[f"1f1b/reference ({branching})"] = one_f_one_b / ref
+    times = alternate(steps, rounds)
+    median = {name: statistics.median(ts["wall"]) for name, ts in times.items()}
+    median_cpu = {name: statistics.median(ts["cpu"]) for name, ts in times.items()}
+    ratios, ratios_cpu = {}, {}
+    for out, med in ((ratios, median), (ratios_cpu, median_cpu)):
+        for branching in ("uniform", "per-rank"):
+            one_f_one_b = med[f"1f1b v=1 {branching}"]
+            out[f"interleaved/1f1b ({branching})"] = med[f"interleaved v=2 {branching}"] / one_f_one_b
+            out[f"1f1b/reference ({branching})"] = one_f_one_b / med["reference"]
     return {"model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1}, "recompute": recompute,
-            "median_step_s": median, "all_step_s": times, "ratios": ratios,
+            "median_step_s": median, "median_cpu_s": median_cpu, "all_step_s": times, "ratios": ratios,
+            "ratios_cpu_time": ratios_cpu,
             "ideal_interleaved_over_1f1b": (M + (P - 1) / 2) / (M + P - 1),
             "bubble_only_1f1b_over_reference": (M + P - 1) / M}
 
@@ -133,8 +152,8 @@ def main(argv=None) -> None:
     result = {}
     for name in args.models:
         result[name] = measure(name, args.rounds, args.smoke, args.recompute)
-        print(json.dumps({name: {"median_step_s": result[name]["median_step_s"], "ratios": result[name]["ratios"]}}),
-              flush=True)
+        print(json.dumps({name: {"median_step_s": result[name]["median_step_s"], "ratios": result[name]["ratios"],
+                                 "ratios_cpu_time": result[name]["ratios_cpu_time"]}}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

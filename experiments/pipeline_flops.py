@@ -1,11 +1,13 @@
 """Matmul FLOPs the pipeline executor runs per device per step, against what Megatron's schedule runs (paper §2.2,
 §3.5), counted from the traced step without compiling or running it.
 
-For each branch of the executor's cell switch, the matmul FLOPs of its jaxpr are summed (2·M·N·K per dot_general,
-loops multiplied by their trip counts, the larger branch of any inner conditional). The schedule table says which
-branch each tick (uniform) or cell (per-rank) runs, so:
-- executed FLOPs of rank r = Σ over ticks of the FLOPs of the branch r runs (under "uniform" idle cells run their
-  tick's branch on a dummy, so every rank executes the same FLOPs);
+For each named piece of the executor's work (`chunk_forward`, `chunk_backward`, `head_backward`: one call each in
+the jaxpr), the matmul FLOPs of its jaxpr are summed (2·M·N·K per dot_general, loops multiplied by their trip counts,
+the larger branch of any inner conditional). The schedule table says what each tick (uniform) or cell (per-rank)
+runs (`executor.tick_work`: where the head runs), so:
+- executed FLOPs of rank r = Σ over ticks of what r runs: a chunk's forward or backward, plus the head where the
+  table puts it (under "uniform" an idle cell runs its tick's chunk work on a dummy, and every rank runs the head
+  on the ticks where some rank needs it, so every rank executes the same FLOPs);
 - critical path = Σ over ticks of the largest cell's FLOPs (a lockstep tick lasts as long as its busiest rank);
 - Megatron, analytically (not from this code): every forward of a chunk of k layers costs
   k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that, plus a recomputed forward under recompute="full" or the
@@ -63,15 +65,16 @@ def dot_flops(jaxpr) -> float:
     return total
 
 
-def scan_body(jaxpr, length):
+def named_call(jaxpr, name):
+    """The jaxpr of the first call named `name` inside `jaxpr` (the executor's `named` work), or None."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
+        if eqn.primitive.name == "jit" and eqn.params["name"] == name:
             return eqn.params["jaxpr"].jaxpr
         for value in eqn.params.values():
             for sub in (value if isinstance(value, (list, tuple)) else [value]):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    found = scan_body(inner, length)
+                    found = named_call(inner, name)
                     if found is not None:
                         return found
     return None
@@ -95,7 +98,7 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
     from ptd_jax.config import ModelConfig, ParallelConfig, model_preset
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.pipeline.executor import cell_variants
+    from ptd_jax.parallel.pipeline.executor import tick_work
     from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
 
     cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
@@ -113,23 +116,21 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
         step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
         batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
         jaxpr = jax.make_jaxpr(step)(abstract, batch, batch, batch)
-        body = scan_body(jaxpr.jaxpr, sched.ticks)
-        switch = max((e for e in body.eqns if e.primitive.name == "cond"), key=lambda e: len(e.params["branches"]))
-        branch_flops = [dot_flops(b.jaxpr) for b in switch.params["branches"]]
-        variants, index = cell_variants(sched, branching)
-        if branching == "uniform":
-            per_tick = np.array([branch_flops[i] for i in index])
-            executed = [float(per_tick.sum())] * p
-            critical = float(per_tick.sum())
+        work = {name: dot_flops(named_call(jaxpr.jaxpr, name))
+                for name in ("chunk_forward", "chunk_backward", "head_backward")}
+        where = tick_work(sched, branching)
+        chunk = np.array([[work["chunk_forward" if kind == "F" else "chunk_backward"]] * p for kind in sched.kinds])
+        active = np.array([[c.action is not None for c in row] for row in sched.cells])
+        if branching == "uniform":  # every rank runs its tick's chunk work, and the head on the head's ticks
+            per_cell = chunk + work["head_backward"] * where["head"][:, None]
         else:
-            per_cell = np.array([[branch_flops[i] for i in tick] for tick in index])  # [T, p]
-            executed = [float(x) for x in per_cell.sum(axis=0)]
-            critical = float(per_cell.max(axis=1).sum())
+            per_cell = chunk * active + work["head_backward"] * where["head"]
+        executed = [float(x) for x in per_cell.sum(axis=0)]
+        critical = float(per_cell.max(axis=1).sum())
         row[branching] = {"ticks": sched.ticks, "executed_flops_per_rank": executed,
                           "executed_over_megatron_per_rank": [e / g for e, g in zip(executed, megatron)],
                           "executed_over_megatron_last_rank": executed[-1] / megatron[-1],
-                          "critical_path_flops": critical,
-                          "branches": {str(vr): f for vr, f in zip(variants, branch_flops)}}
+                          "critical_path_flops": critical, "work_flops": work}
     row["megatron_flops_per_rank"] = megatron
     return row
 

@@ -2,10 +2,10 @@
 in-flight microbatches by p, GPipe holds all m), from XLA's `memory_analysis()` of the compiled gradient step.
 
 For GPipe and 1F1B at p = 4 and m ∈ {8, 32}, and interleaved (v = 2), with `--recompute-granularity` none
-(Megatron's default: every F stashes its chunk's vjp residuals, nothing is recomputed) and full (the stash holds
-chunk inputs, every B recomputes its chunk): temp bytes per device of the compiled step next to the table's peak
-stash × bytes per slot (none: the residuals of one chunk and microbatch, as `stash.Residuals` traces them; full:
-one chunk input, b·s·h activations). Compiled, not run, on fake CPU devices. The rest of the temp bytes is one
+(Megatron's default: every F stashes each layer's vjp residuals, nothing is recomputed) and full (each layer is
+checkpointed: the stash holds each layer's input, every B recomputes its layers): temp bytes per device of the
+compiled step next to the table's peak stash × bytes per slot (the residuals of one chunk's k layers and one
+microbatch, as `stash.Residuals` traces a layer: under full, k layer inputs of b·s·h). Compiled, not run, on fake CPU devices. The rest of the temp bytes is one
 tick's working set, which does not grow with m. Megatron's activation formula (Korthikanti et al. 2022, per layer
 and 16-bit activations: s·b·h·(34 + 5·a·s/h) bytes) is printed next to the residual bytes for scale.
 
@@ -25,7 +25,8 @@ P = 4
 
 
 def residual_slot_bytes(cfg, layers_per_chunk: int, recompute: str) -> int:
-    """Bytes of one stash slot under `recompute` none/selective: the traced vjp residuals of a chunk (b = 1)."""
+    """Bytes of one stash slot under `recompute`: k times the traced vjp residuals of one layer (b = 1), the layer
+    checkpointed as the executor does it (`model.remat_layer`)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, PartitionSpec
@@ -48,8 +49,9 @@ def residual_slot_bytes(cfg, layers_per_chunk: int, recompute: str) -> int:
 
     def body(lc, x):
         lc, x = jax.tree.map(lambda a: mark_varying(a, ("pipe",)), (lc, x))
-        found["bytes"] = Residuals.trace(lambda lc, x: tp.run_layers(lc, x, cfg, False, recompute=recompute),
-                                         lc, x).slot_bytes
+        layer = gpt.remat_layer(lambda lp, h, k: tp.transformer_layer(lp, h, cfg, False, k, recompute), recompute)
+        one = jax.tree.map(lambda a: a[0], lc)
+        found["bytes"] = layers_per_chunk * Residuals.trace(lambda lp, h: layer(lp, h, None), one, x).slot_bytes
         return x
 
     jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, PartitionSpec()),
@@ -83,7 +85,7 @@ def measure(schedule, v, m, recompute):
     temp = compiled.memory_analysis().temp_size_in_bytes
     k = cfg.num_layers // (P * v)
     act_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # one chunk input, b = 1
-    slot_bytes = act_bytes if recompute == "full" else residual_slot_bytes(cfg, k, recompute)
+    slot_bytes = residual_slot_bytes(cfg, k, recompute)
     s_, h, a = cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
     return {"schedule": schedule, "recompute": recompute, "p": P, "v": v, "m": m, "ticks": sched.ticks,
             "peak_stash": sched.peak_stash, "activation_slots": sched.num_act_slots,
@@ -91,7 +93,7 @@ def measure(schedule, v, m, recompute):
             "megatron_16bit_bytes_per_chunk": k * s_ * h * (34 + 5 * a * s_ / h) if recompute != "full"
             else k * 2 * s_ * h,
             "stash_bytes_rank0": sched.peak_stash[0] * slot_bytes,
-            "buffer_bytes_rank0": (sched.num_act_slots + 1) * (slot_bytes + (act_bytes if recompute != "full" else 0)),
+            "buffer_bytes_rank0": (sched.num_act_slots + 1) * (slot_bytes + act_bytes),
             "temp_bytes_per_device": temp}
 
 

@@ -70,23 +70,27 @@ def selective_recompute_flops(cfg: ModelConfig, tokens: float) -> float:
     return 2 * tokens * cfg.seq_length * cfg.hidden_size
 
 
+def layer_recompute_flops(cfg: ModelConfig, tokens: float, recompute: str) -> float:
+    """The extra forward work of `--recompute-granularity` (paper §3.5) per layer, in the reference step and the
+    pipeline alike: selective Q·Kᵀ, full the layer's forward except fc2, whose output the backward does not need
+    (JAX's remat drops it)."""
+    return {"none": 0.0, "selective": selective_recompute_flops(cfg, tokens),
+            "full": layer_forward_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size}[recompute]
+
+
 def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recompute: str) -> float:
-    """The extra forward work of `--recompute-granularity` (paper §3.5) in the single-stage step (p = 1): selective
-    Q·Kᵀ, full the layer's forward except fc2, whose output the backward does not need (JAX's remat drops it)."""
-    tokens = global_batch_size * cfg.seq_length
-    per_layer = {"none": 0.0, "selective": selective_recompute_flops(cfg, tokens),
-                 "full": layer_forward_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size}[recompute]
-    return cfg.num_layers * per_layer
+    """The extra forward work of `--recompute-granularity` in the single-stage step (p = 1)."""
+    return cfg.num_layers * layer_recompute_flops(cfg, global_batch_size * cfg.seq_length, recompute)
 
 
 def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None,
                                  recompute: str = "none", sched=None, branching: str = "uniform") -> float:
     """FLOPs executed by all devices in one iteration. Without a pipeline schedule (p = 1): model FLOPs plus the
     recomputation. With one (a `parallel.pipeline.Schedule`): summed over its ticks as the lockstep executor runs
-    them — a forward cell runs its chunk; a backward cell runs the chunk's backward (2×) after recomputing its
-    whole forward under "full" (the stash holds chunk inputs; `jax.vjp` keeps the chunk's output) or Q·Kᵀ under
-    "selective" (the stash holds the vjp residuals), plus the output layer (forward and backward, 3× its forward) on the last virtual stage;
-    under "uniform" every rank runs its tick's branch, idle ones on a dummy."""
+    them — a forward cell runs its chunk; a backward cell runs the chunk's backward (2×) and what `recompute`
+    recomputes (`layer_recompute_flops`, each layer checkpointed as in the reference), plus the output layer
+    (forward and backward, 3× its forward) on the last virtual stage; under "uniform" every rank runs its tick's
+    chunk work, idle ones on a dummy, and the head on the ticks where some rank needs it."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
     if sched is None:
         return model_flops_per_iteration(cfg, global_batch_size, V) + recompute_flops_per_iteration(
@@ -94,8 +98,7 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
     tokens = global_batch_size * cfg.seq_length / sched.m  # one microbatch, over all data-parallel replicas
     layers = cfg.num_layers / (sched.p * sched.v)
     chunk_f = layers * layer_forward_flops(cfg, tokens)
-    recomputed = {"none": 0.0, "selective": layers * selective_recompute_flops(cfg, tokens), "full": chunk_f}
-    chunk_b = 2 * chunk_f + recomputed[recompute]
+    chunk_b = 2 * chunk_f + layers * layer_recompute_flops(cfg, tokens, recompute)
     head_b = 3 * head_forward_flops(cfg, tokens, V)
     last = sched.p * sched.v - 1
     total = 0.0

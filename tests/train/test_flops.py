@@ -80,9 +80,9 @@ BENCH = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6
     # Matmul FLOPs counted on the traced executor's jaxpr by experiments/pipeline_flops.py (recompute full:
     # results/pipeline_flops.json; none and selective: the same `measure` with the step's recompute set), per
     # device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
-    (BENCH, "1f1b", 4, 1, 8, 1, "full", 102810779648.0, [60129542144.0] * 3 + [80262201344.0]),
-    (BENCH, "interleaved", 4, 2, 8, 1, "full", 91536490496.0, [60129542144.0] * 3 + [80262201344.0]),
-    ("1.3b", "1f1b", 4, 1, 16, 2, "full", 64991445123072.0, [46179488366592.0] * 3 + [56332791054336.0]),
+    (BENCH, "1f1b", 4, 1, 8, 1, "full", 96905199616.0, [55834574848.0] * 3 + [75967234048.0]),
+    (BENCH, "interleaved", 4, 2, 8, 1, "full", 86436216832.0, [55834574848.0] * 3 + [75967234048.0]),
+    ("1.3b", "1f1b", 4, 1, 16, 2, "full", 61074434949120.0, [42880953483264.0] * 3 + [53034256171008.0]),
     (BENCH, "1f1b", 4, 1, 8, 1, "none", 82141249536.0, [45097156608.0] * 3 + [65229815808.0]),
     (BENCH, "1f1b", 4, 1, 8, 1, "selective", 83617644544.0, [46170898432.0] * 3 + [66303557632.0]),
 ])
@@ -103,13 +103,13 @@ def test_pipeline_hardware_flops_equal_the_traced_executor(case):
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
 def test_per_rank_pipeline_runs_the_model_flops_plus_the_recomputation_only(schedule, v):
     """Under "per-rank" branching no idle cell computes, so a pipeline executes what one device would: the model
-    FLOPs, plus the recomputation of the policy (none: the stashed vjp residuals, nothing again); under "full" the
-    pipeline recomputes each chunk's whole forward (fc2 included: `jax.vjp` keeps the output)."""
+    FLOPs, plus the recomputation of the policy (none: the stashed vjp residuals, nothing again; selective and full:
+    each layer checkpointed as in the reference)."""
     from ptd_jax.parallel.pipeline import build
 
     cfg = model_preset("gpt2-small")
     sched = build(schedule, 4, v, 8)
-    for recompute in ("none", "selective"):
+    for recompute in ("none", "selective", "full"):
         assert hardware_flops_per_iteration(cfg, 16, None, recompute, sched, "per-rank") == pytest.approx(
             hardware_flops_per_iteration(cfg, 16, None, recompute), rel=1e-12)
     assert hardware_flops_per_iteration(cfg, 16, None, "none", sched, "uniform") > model_flops_per_iteration(cfg, 16)

@@ -1,42 +1,42 @@
 """The lockstep pipeline executor (paper §2.2): one SPMD program runs a schedule table tick by tick.
 
-The table (`lockstep.Schedule`) is turned into integer arrays before tracing; `lax.scan` runs over its rows. One
-tick reads like the schedule: each pipeline rank
+The table (`lockstep.Schedule`) is turned into integer arrays before tracing. Every tick has one kind for all ranks
+(F or B), so the ticks are cut into runs of a static pattern (`tick_runs`: the warm-up's forwards, the steady
+state's F/B pairs, the cool-down's backwards) and each run is one `lax.scan` whose body knows each tick's kind: a
+forward tick builds no gradients and reads no stash, a backward tick writes none, and the ring's direction is
+fixed. In a tick each pipeline rank
 
-1. reads its cell of the row and its inputs from the stash (before the switch: a buffer read and written inside a
-   conditional is kept twice by XLA);
-2. runs the cell (a branch of `lax.switch`, see below). With `--recompute-granularity` none or selective
-   (Megatron's default, nothing or only the attention core recomputed):
-   - F: x = embedding (virtual stage 0) or the received activation; y, vjp = `jax.vjp(chunk, x)`; the vjp's
-     residuals go to the cell's stash slot (`stash.Residuals`: the weights among them are not stored but put back
-     at B), and y into its input's slot (on the last stage, the head's input);
-   - B: the last stage runs the head's forward and backward on y (its loss value is computed here), every stage
-     rebuilds the chunk's vjp from its residuals and applies it to the cotangent dy (received from the next
-     virtual stage, or the head's), and stage 0 transposes the embedding (a linear map of the word and position
-     rows: nothing stashed); parameter gradients accumulate per chunk in float32;
-   With `full` the stash holds chunk inputs and a B is `jax.vjp` of the whole stage on it: its chunk's forward
-   recomputed once (with the loss on the last stage).
-   Idle cells compute nothing ("per-rank") or a masked dummy ("uniform"); either way they write to a trash slot
-   and add nothing;
+1. reads its cell of the row (chunk, microbatch, slots) and its input from the activation or gradient slots;
+2. F: embeds (where virtual stage 0 runs; a `lax.cond`), then runs its chunk's layers, each under `jax.vjp`,
+   writing layer j's residuals in place into the stash buffers at (its slot, j) (`stash.Residuals.forward`: the
+   weights among them are not stored but put back at B); on the last stage y goes to the slot too (the head's
+   input);
+   B: on the last stage the head's forward and backward on y (`head_backward`, in a cond: its loss is computed
+   here), then the chunk's layers' backwards in reverse from the residuals at (slot, j), each layer's parameter
+   gradient added in place to the float32 accumulator (`stash.Residuals.backward`), then, on stage 0, the
+   embedding's transpose (`embed_backward`, in a cond: a linear map of the word and position rows, nothing
+   stashed);
+   `--recompute-granularity`: none recomputes nothing; selective checkpoints the attention core
+   (`model.core_attention`) inside each layer; full checkpoints each layer, so its residuals are its input and its
+   backward runs its forward once more (Megatron's uniform method, one layer per checkpoint);
 3. sends: y to rank + 1 over "pipe" (rank p−1 -> 0 carries it into its next chunk: the ring that makes
-   interleaving work), dx to rank − 1. Every rank issues the ring on every tick (docs/architecture.md, "Pipeline");
-4. writes what it received into the table's slot, and adds its gradients to the chunk's accumulator.
+   interleaving work), dx to rank − 1. Every rank issues the ring on every tick (docs/architecture.md,
+   "Pipeline");
+4. writes what it received into the table's slot.
 
-What a cell computes is decided per cell kind (`cell_variants`), before tracing, from the table: the embedding
-only where virtual stage 0 runs, the output layer and loss only where the last virtual stage runs its backward
-(or, in evaluation, its forward). Two ways to branch (`ParallelConfig.pipeline_branching`):
-- "uniform": one branch per tick for all ranks (its index comes from the replicated table): the embedding and the
-  head run on every rank, masked, but only on the ticks where some rank needs them; idle cells compute a masked
-  dummy. No collective ever sits in a pipe-divergent branch.
-- "per-rank": each rank takes its own branch of a `lax.switch`: only the rank of virtual stage 0 embeds, only the
-  last stage's rank runs the head, and an idle cell runs no layer (it still returns zero gradients, which are
-  added to the accumulators like every cell's). Its tensor-parallel collectives sit in
-  pipe-divergent branches, which XLA:CPU runs correctly (measured; docs/architecture.md, "Pipeline"); the ring
-  stays outside the switch, uniform.
+Where the embedding and the head run is decided before tracing, from the table (`tick_work`). Two ways to branch
+(`ParallelConfig.pipeline_branching`):
+- "uniform": the predicates are per tick, the same on every rank: the embedding and the head run on every rank,
+  masked, but only on the ticks where some rank needs them, and an idle cell runs its tick's chunk work on trash
+  slots (selected away after). No collective ever sits in a pipe-divergent branch.
+- "per-rank": the predicates are per cell: only the rank of virtual stage 0 embeds, only the last stage's rank runs
+  the head, and an idle cell runs no layer (a `lax.cond` on the cell's activity). Its tensor-parallel collectives
+  sit in pipe-divergent branches, which XLA:CPU runs correctly (measured; docs/architecture.md, "Pipeline"); the
+  ring stays outside every cond, uniform.
 On a GPU both are expected to take about the same lockstep wall time (a tick lasts as long as its busiest rank;
 not yet measured); on fake CPU devices, which share the cores, "per-rank" does less total work.
 
-The parameters are cast to the compute dtype once per step, before the scan (with `--bf16` and float32 master
+The parameters are cast to the compute dtype once per step, before the scans (with `--bf16` and float32 master
 weights, a bf16 copy of the rank's layers lives through the step: half their float32 size).
 
 Scatter/gather (§4.1): with t > 1 and no sequence parallelism, each tensor rank sends 1/t of the hidden dim; the
@@ -86,17 +86,20 @@ def schedule_arrays(sched: Schedule) -> dict[str, np.ndarray]:
 
 def tick_runs(kinds) -> list[tuple[str, int, int]]:
     """The table's ticks as runs that one `lax.scan` each executes, with the kind of every tick static:
-    (pattern, first tick, repeats), the pattern "F" or "B" (a run of one kind) or "FB"/"BF" (an alternation, as
-    pairs). GPipe is two runs; 1F1B and interleaving three: the warm-up forwards, the steady alternation, the
-    cool-down backwards."""
+    (pattern, first tick, repeats), the pattern "F" or "B" (a run of one kind) or "FB" (an alternation, as pairs).
+    GPipe is two runs; 1F1B and interleaving four: the warm-up forwards, the steady state's first backward, its
+    F/B pairs, the cool-down backwards. Pairs start with the F: then the B reads the stash after the F has written
+    it in place (with B first, XLA kept a second copy of the whole stash: the two ticks are independent, so the
+    F's in-place writes were not ordered after the B's reads: the bench model's 1F1B step held 942 MB of temp
+    memory per device, against 488 MB)."""
     kinds = "".join(kinds)
     runs, i, T = [], 0, len(kinds)
     while i < T:
         j = i
         while j < T and kinds[j] == kinds[i]:
             j += 1
-        if j - i == 1 and j < T:  # an alternation starts here
-            pattern, n = kinds[i:i + 2], 0
+        if j - i == 1 and j < T and kinds[i] == "F":  # an alternation starts here
+            pattern, n = "FB", 0
             while kinds[i + 2 * n:i + 2 * n + 2] == pattern:
                 n += 1
             runs.append((pattern, i, n))
@@ -177,20 +180,9 @@ def _gather(slice_BxSxDt):
     return jax.lax.all_gather(slice_BxSxDt, TENSOR, axis=-1, tiled=True, to="invarying")
 
 
-def _zeros_like_typed(structs, like):
-    """Zeros of the shapes/dtypes in `structs`, typed varying like the leaves of `like`."""
-    return jax.tree.map(lambda d, ref: mark_like(jnp.zeros(d.shape, d.dtype), ref), structs, like)
-
-
 def _accumulators(tree):
     """float32 (or float64) zero accumulators typed like `tree`'s leaves."""
     return jax.tree.map(lambda x: mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x), tree)
-
-
-def _grad_structs(tree, drop_leading: bool = False):
-    """Shapes and accumulation dtypes of `tree`'s gradients (without the leading dim: one chunk of [v, k, ...])."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:] if drop_leading else x.shape,
-                                                       jnp.promote_types(x.dtype, jnp.float32)), tree)
 
 
 def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
@@ -218,13 +210,10 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     act_shape = (b, S // t if sequence_parallel else S, cfg.hidden_size)
     act_dtype = jnp.dtype(cfg.dtype)
     layers_per_chunk = jax.tree.leaves(chunks)[0].shape[1]
-    # "none" and "selective": an F stashes its chunk's vjp residuals (`stash.Residuals`) and the B recomputes
-    # nothing, or only the attention core. "full": the stash holds chunk inputs, and the B runs the chunk's forward
-    # again (once: the layers run plainly inside it) to get the same residuals.
-    stash_residuals = recompute != "full" and not forward_only
-    layer_recompute = "none" if recompute == "full" else recompute
+    # An F stashes each layer's vjp residuals (`stash.Residuals`); the B recomputes nothing ("none"), the attention
+    # core ("selective": `model.core_attention` is checkpointed) or each layer ("full": the layer is checkpointed, so
+    # its residuals are its input, and the B runs its forward once more: Megatron's uniform method, one layer).
     use_scatter = scatter_gather and not sequence_parallel and t > 1
-    chunk_grad_structs = _grad_structs(chunks, drop_leading=True)  # a chunk's gradients: [k, ...] in float32
 
     def chunk_index(cell: Cell):
         return cell.chunk if v > 1 else 0  # with one chunk per rank the index is static: no dynamic slice
@@ -241,7 +230,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         """The chunk's layers as a function of (chunk parameters, input), with its layers' dropout streams."""
         first_layer = (cell.chunk * p + rank) * layers_per_chunk  # this virtual stage's first layer in the stack
         return lambda lc, x: tp.run_layers(lc, x, cfg, sequence_parallel, key=keys(cell)[1],
-                                           recompute=layer_recompute, first_layer=first_layer)
+                                           first_layer=first_layer)
 
     def head(shared_p, y, cell: Cell):
         """Output layer and loss: the sum of the microbatch's masked token losses."""
@@ -262,30 +251,50 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         under "per-rank" only an active cell does."""
         return fn(*args) if uniform else only_if(cell.active, fn, skip, *args)
 
+    def layer(cell: Cell):
+        """One layer of the cell's chunk as a function of (its parameters, h, its index j in the chunk), drawing
+        dropout from the stream of layer first_layer + j of the whole stack (as `layers` does)."""
+        first_layer = (cell.chunk * p + rank) * layers_per_chunk
+        stream = keys(cell)[1]
+        fn = gpt.remat_layer(lambda lp, h, k: tp.transformer_layer(lp, h, cfg, sequence_parallel, k, recompute),
+                             recompute)
+        return lambda lp, h, j: fn(lp, h, jax.random.fold_in(stream, first_layer + j) if key is not None else None)
+
     # A chunk's work and the head's, each one named call in the jaxpr (the tests and pipeline_flops.py count them).
     def named(name: str, fn):
         fn.__name__ = fn.__qualname__ = name
         return jax.jit(fn)
 
-    def chunk_forward(cell: Cell, keep_residuals: bool, name: str = "chunk_forward"):
-        def fn(lc, x):  # (y, the vjp's residual leaves to stash, or none)
-            if not keep_residuals:
-                return layers(cell)(lc, x).astype(act_dtype), []
-            y, vjp = jax.vjp(layers(cell), lc, x)
-            return y.astype(act_dtype), residuals.split(vjp, lc)
+    def chunk_forward(cell: Cell):
+        """(chunks, x, buffers, slot) -> (y, buffers with each layer's residuals at (slot, j))."""
+        def fn(chunks, x, bufs, slot):
+            y, bufs = residuals.forward(layer(cell), chunks, chunk_index(cell), x, bufs, slot)
+            return y.astype(act_dtype), bufs
+
+        def skip(chunks, x, bufs, slot):
+            return jnp.zeros_like(x), bufs
+        return named("chunk_forward", fn), skip
+
+    def plain_forward(cell: Cell):
+        """(lc, x) -> y, keeping nothing (evaluation)."""
+        def fn(lc, x):
+            return layers(cell)(lc, x).astype(act_dtype)
 
         def skip(lc, x):
-            return jnp.zeros_like(x), residuals.zeros() if keep_residuals else []
-        return named(name, fn), skip
+            return jnp.zeros_like(x)
+        return named("chunk_forward", fn), skip
 
     def chunk_backward(cell: Cell):
-        def fn(lc, res, ct_y):  # (the chunk's gradients in float32, dx)
-            d_chunk, dx = residuals.join(lc, res)(ct_y)
-            return jax.tree.map(lambda g, s: g.astype(s.dtype), d_chunk, chunk_grad_structs), dx.astype(act_dtype)
-        return named("chunk_backward", fn)
+        """(chunks, buffers, slot, dy, accumulators) -> (dx, accumulators + the chunk's gradients, layer by
+        layer)."""
+        def fn(chunks, bufs, slot, ct_y, grads):
+            dx, grads = residuals.backward(chunks, chunk_index(cell), bufs, slot, ct_y, grads,
+                                           keep=cell.active if uniform else None)
+            return dx.astype(act_dtype), grads
 
-    def skip_backward(lc, res, ct_y):
-        return _zeros_like_typed(chunk_grad_structs, lc), jnp.zeros_like(ct_y)
+        def skip(chunks, bufs, slot, ct_y, grads):
+            return jnp.zeros_like(ct_y), grads
+        return named("chunk_backward", fn), skip
 
     def head_backward(cell: Cell):
         def fn(y, ct_y, grads_shared, loss):
@@ -316,61 +325,56 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     def forward_tick(carry: Carry, row) -> Carry:
         cell = read_cell(row, rank, p, v, uniform)
         trash = carry.act.shape[0] - 1
-        lc = jax.tree.map(lambda x: x[chunk_index(cell)], chunks_c)
         x_in = carry.act[cell.in_slot]
         x = only_if(cell.embed, lambda x_in: jnp.where(cell.is_first, embed(shared_c, cell), x_in), lambda x_in: x_in,
                     x_in)
-        y, res = active_only(cell, *chunk_forward(cell, stash_residuals), lc, x)
+        if forward_only:
+            lc = jax.tree.map(lambda a: a[chunk_index(cell)], chunks_c)
+            y, stash = active_only(cell, *plain_forward(cell), lc, x), carry.res
+        else:  # layer j's parameters are sliced inside the layer loop: no copy of the chunk's first
+            y, stash = active_only(cell, *chunk_forward(cell), chunks_c, x, carry.res, cell.in_slot)
         loss = carry.loss
         if forward_only:
             loss = only_if(cell.head, lambda y, loss: loss + last_stage_loss(cell, head(shared_c, y, cell)),
                            lambda y, loss: loss, y, loss)
         recv = send(y, 1)
-        act, stash = carry.act, carry.res
-        if stash_residuals:  # the residuals go to the input's slot (trash for an idle cell), and on the last stage y,
-            stash = [buf.at[cell.in_slot].set(r) for buf, r in zip(carry.res, res, strict=True)]  # the head's input
-            act = act.at[jnp.where(cell.is_last, cell.in_slot, trash)].set(y)
-        elif not forward_only:  # "full": stage 0's chunk input is the embedding's output
-            act = act.at[jnp.where(cell.is_first, cell.in_slot, trash)].set(x)
+        act = carry.act
+        if not forward_only:  # the residuals went to the input's slot (trash for an idle cell); on the last stage y,
+            act = act.at[jnp.where(cell.is_last, cell.in_slot, trash)].set(y)  # the head's input, goes there too
         return carry._replace(act=act.at[cell.recv_slot].set(recv), res=stash, loss=loss)
 
     def backward_tick(carry: Carry, row) -> Carry:
         cell = read_cell(row, rank, p, v, uniform)
-        c = chunk_index(cell)
-        lc = jax.tree.map(lambda x: x[c], chunks_c)
-        held = carry.act[cell.in_slot]  # stash: the chunk's output on the last stage; "full": the chunk's input
+        y = carry.act[cell.in_slot]  # the chunk's output on the last stage: the head's input
         dy = carry.grad[cell.grad_slot]
-        ct_y = mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)), held)
-        if stash_residuals:
-            y, res = held, [buf[cell.in_slot] for buf in carry.res]
-        else:  # the chunk's forward once more, from its input: the same residuals
-            y, res = active_only(cell, *chunk_forward(cell, True, "chunk_recompute"), lc, held)
+        ct_y = mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)), y)
         ct_y, grads_shared, loss = only_if(cell.head, head_backward(cell), lambda y, ct, g, loss: (ct, g, loss),
                                            y, ct_y, carry.grads_shared, carry.loss)
-        d_chunk, dx = active_only(cell, chunk_backward(cell), skip_backward, lc, res, ct_y)
+        dx, grads_chunks = active_only(cell, *chunk_backward(cell), chunks_c, carry.res, cell.in_slot, ct_y,
+                                       carry.grads_chunks)
         if uniform:
             # An idle cell ran on the trash slot's residuals, which may still be the initial zeros (a LayerNorm's
-            # 1/sqrt backward then gives inf·0): its dx and chunk gradients are selected away.
+            # 1/sqrt backward then gives inf·0): its dx and (in `chunk_backward`) chunk gradients are selected away.
             dx = jnp.where(cell.active, dx, jnp.zeros_like(dx))
-            d_chunk = jax.tree.map(lambda d: jnp.where(cell.active, d, jnp.zeros_like(d)), d_chunk)
         grads_shared = only_if(cell.embed, embed_backward(cell), lambda g, dx: g, grads_shared, dx)
         recv = send(dx, -1)
         return carry._replace(grad=carry.grad.at[cell.recv_slot].set(recv), grads_shared=grads_shared, loss=loss,
-                              grads_chunks=jax.tree.map(lambda g, d: g.at[c].add(d), carry.grads_chunks, d_chunk))
+                              grads_chunks=grads_chunks)
 
     act_ref = mark_varying(jnp.zeros(act_shape, act_dtype), (PIPE,) + tuple(sorted(varying_axes(tokens_MxBxS))))
     if sequence_parallel:
         act_ref = mark_varying(act_ref, (TENSOR,))
-    if not forward_only:  # none/selective stash the residuals, "full" recomputes them at the B
+    if not forward_only:
         example = read_cell(jax.tree.map(lambda a: jnp.asarray(a[0]), table), rank, p, v, uniform)
-        residuals = Residuals.trace(layers(example), jax.tree.map(lambda x: x[0], chunks_c), act_ref)
+        residuals = Residuals.trace(layer(example), jax.tree.map(lambda x: x[0, 0], chunks_c), act_ref,
+                                    jnp.zeros((), jnp.int32))
 
     carry = Carry(
         act=jnp.zeros((sched.num_act_slots + 1, *act_shape), act_dtype) + act_ref[None],
         grad=jnp.zeros((sched.num_grad_slots + 1, *act_shape), act_dtype) + act_ref[None],
         grads_chunks=_accumulators(chunks), grads_shared=_accumulators(shared),
         loss=mark_varying(jnp.zeros((), acc), tuple(sorted(varying_axes(tokens_MxBxS) | {PIPE}))),
-        res=residuals.buffers(sched.num_act_slots + 1) if stash_residuals else [])
+        res=[] if forward_only else residuals.buffers(sched.num_act_slots + 1, layers_per_chunk))
     for pattern, first, n in tick_runs(sched.kinds):
         ticks = [forward_tick if kind == "F" else backward_tick for kind in pattern]
         rows = {k: jnp.asarray(a[first:first + n * len(pattern)].reshape(n, len(pattern), *a.shape[1:]))

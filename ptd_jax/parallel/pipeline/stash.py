@@ -1,9 +1,11 @@
-"""Backward without recomputation: a chunk's `jax.vjp` residuals, kept in slot buffers from its F tick to its B tick.
+"""Backward without recomputation: each layer's `jax.vjp` residuals, kept in slot buffers from its F tick to its B tick.
 
 `jax.vjp` returns a closure that is a pytree whose leaves are the residuals the backward needs; their shapes and the
-tree structure are fixed at trace time. So an F tick can write the leaves into scan-carried buffers
-[slots + trash, ...] and a later B tick can unflatten them into the same closure (docs/architecture.md,
-"Recomputation: Megatron's semantics"). Two refinements over storing every leaf:
+tree structure are fixed at trace time. So an F tick's scan over its chunk's layers can write layer j's leaves
+straight into scan-carried buffers [slots + trash, k, ...] at (slot, j), in place, and a later B tick's reverse
+scan can read them at (slot, j) and unflatten them into the same closure (docs/architecture.md, "Recomputation:
+Megatron's semantics"): the same traffic as autodiff's own stacked residuals, with no copy into or out of a slot.
+Two refinements over storing every leaf:
 - leaves that *are* the chunk's parameters (a matmul's weight, passed through unchanged) are not stashed: the B
   tick puts its own copy of the same parameters back in their place, so no slot holds a weight;
 - PRNG keys (selective recomputation re-draws attention dropout from its key) are stored as their raw key data.
@@ -38,11 +40,12 @@ class Residuals:
     key_impls: tuple         # per stash entry: the PRNG impl of a key leaf, else None
 
     @classmethod
-    def trace(cls, fn: Callable, params, x) -> "Residuals":
+    def trace(cls, fn: Callable, params, x, *extra) -> "Residuals":
+        """The residuals of `vjp(lambda params, x: fn(params, x, *extra), params, x)`."""
         found = {}
 
-        def probe(params, x):
-            _, vjp = jax.vjp(fn, params, x)
+        def probe(params, x, *extra):
+            _, vjp = jax.vjp(lambda params, x: fn(params, x, *extra), params, x)
             leaves, treedef = jax.tree.flatten(vjp)
             param_leaves = jax.tree.leaves(params)
             sources, stashed, axes, impls = [], [], [], []
@@ -58,7 +61,7 @@ class Residuals:
             found.update(treedef=treedef, sources=tuple(sources), axes=tuple(axes), impls=tuple(impls))
             return stashed
 
-        shapes = jax.eval_shape(probe, params, x)
+        shapes = jax.eval_shape(probe, params, x, *extra)
         structs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes)
         return cls(found["treedef"], found["sources"], structs, found["axes"], found["impls"])
 
@@ -86,10 +89,40 @@ class Residuals:
         leaves = [param_leaves[i] if where == "param" else stashed[i] for where, i in self.sources]
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def zeros(self) -> list:
-        """Zero stash entries, typed like the leaves (what an idle cell returns under "per-rank")."""
-        return [mark_varying(jnp.zeros(s.shape, s.dtype), a) for s, a in zip(self.structs, self.axes)]
+    def buffers(self, slots: int, layers: int) -> list:
+        """Zero buffers [slots, layers, ...] typed like the leaves they hold."""
+        return [mark_varying(jnp.zeros((slots, layers, *s.shape), s.dtype), a)
+                for s, a in zip(self.structs, self.axes)]
 
-    def buffers(self, slots: int) -> list:
-        """Zero buffers [slots, ...] typed like the leaves they hold."""
-        return [mark_varying(jnp.zeros((slots, *s.shape), s.dtype), a) for s, a in zip(self.structs, self.axes)]
+    def forward(self, layer: Callable, chunks, chunk, x, buffers: list, slot):
+        """Run `layer(params_j, h, j)` over the layers of `chunks[chunk]` ([v, k, ...]: layer j's parameters are
+        sliced inside the loop, once) from x, writing layer j's residuals to the buffers at (slot, j). Returns
+        (y, buffers)."""
+        def body(carry, j):
+            h, bufs = carry
+            params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
+            h, vjp = jax.vjp(lambda prm, h: layer(prm, h, j), params_j, h)
+            bufs = [buf.at[slot, j].set(r) for buf, r in zip(bufs, self.split(vjp, params_j), strict=True)]
+            return (h, bufs), None
+
+        (y, buffers), _ = jax.lax.scan(body, (x, buffers), jnp.arange(_num_layers(chunks)))
+        return y, buffers
+
+    def backward(self, chunks, chunk, buffers: list, slot, ct_y, grads, keep=None):
+        """The layers' backwards in reverse from the residuals at (slot, j): returns (dx, grads), layer j's
+        parameter gradients added to `grads[chunk, j]` (zeros where `keep` is false: an idle cell's)."""
+        def body(carry, j):
+            ct, acc = carry
+            params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
+            d_params, ct = self.join(params_j, [buf[slot, j] for buf in buffers])(ct)
+            if keep is not None:
+                d_params = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros_like(d)), d_params)
+            acc = jax.tree.map(lambda g, d: g.at[chunk, j].add(d.astype(g.dtype)), acc, d_params)
+            return (ct, acc), None
+
+        (dx, grads), _ = jax.lax.scan(body, (ct_y, grads), jnp.arange(_num_layers(chunks)), reverse=True)
+        return dx, grads
+
+
+def _num_layers(chunks) -> int:
+    return jax.tree.leaves(chunks)[0].shape[1]
