@@ -199,7 +199,7 @@ def run_mode(argv) -> dict:
 
         assert keep_freed_host_memory()
     else:
-        os.environ["PTD_JAX_KEEP_HOST_MEMORY"] = "0"  # the step builders call it too (late: partial effect)
+        os.environ["PTD_JAX_KEEP_HOST_MEMORY"] = "0"  # glibc's defaults throughout
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     from experiments.compare_torch import make_data

@@ -1,5 +1,5 @@
 """The pipeline executor forced to p = 1 against the reference step, with the same recomputation policy: what the
-executor's machinery (the tick scan, the stash, the switch, the accumulators) costs when there is no pipeline.
+executor's machinery (the tick scans, the stash, the conds, the accumulators) costs when there is no pipeline.
 
 One device, the 1F1B table at p = 1 (the F and the B of each microbatch in turn),
 8 layers, h 128, s 128, b 1, m 8 (the model of `bench_pipeline.py`). For each of `--recompute` none and full:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~560 s:
-# at most 420 s of kernels and 90 s of the executor).
+# at most 420 s of kernels, 90 s of the executor and, on one GPU, seconds for the probe's "skipped"; with 4 GPUs
+# the probe and the pipeline benchmark add up to 360 s: set BENCH_TIMEOUT_S lower).
 # Everything lands under $OUT (or experiments/results/ without it); each step's JSON is written as it goes,
 # so a run cut short still brings back what it measured.
 set -uo pipefail
@@ -14,9 +15,21 @@ export PYTHONPATH=.
 timeout "${BENCH_TIMEOUT_S:-420}" "${PYTHON:-python}" experiments/bench_kernels.py --out "$out/bench_kernels.json" \
     --plot "$out/bench_kernels.png" 2>&1 | tail -n 40
 echo "bench exit: ${PIPESTATUS[0]}"
-# 3. the pipeline executor's own machinery at p = 1 (tick scan, residual stash, cell switch) against the reference
-#    step, recompute none and full: the one pipeline measurement a single GPU can make (pipe-divergent collectives
-#    and the p > 1 benchmarks need several devices)
+# 3. the pipeline executor's own machinery at p = 1 (tick scans, residual stash, conds) against the reference
+#    step, recompute none and full: the one pipeline measurement a single GPU can make
 timeout "${EXECUTOR_TIMEOUT_S:-90}" "${PYTHON:-python}" experiments/bench_executor_p1.py --rounds 5 \
     --out "$out/bench_executor_p1.json" 2>&1 | tail -n 5
 echo "executor bench exit: ${PIPESTATUS[0]}"
+# 4. pipe-divergent branches (per-rank) against uniform on 4 devices, with a hang timeout; with fewer than 4 GPUs it
+#    says "skipped" at once. 5. the p = 4 pipeline benchmark (interleaved vs 1F1B, both branchings), when 4 GPUs
+#    exist; skipped otherwise.
+timeout "${PROBE_TIMEOUT_S:-120}" "${PYTHON:-python}" -m experiments.probe_divergent_branches --timeout-s 90 \
+    --out "$out/probe_divergent_branches.json" 2>&1 | tail -n 3
+echo "divergent-branches probe exit: ${PIPESTATUS[0]}"
+if "${PYTHON:-python}" -c "import jax, sys; sys.exit(len(jax.devices()) < 4)" 2>/dev/null; then
+  timeout "${PIPELINE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench_interleaving --rounds 3 \
+      --out "$out/bench_interleaving_gpu.json" 2>&1 | tail -n 3
+  echo "pipeline bench exit: ${PIPESTATUS[0]}"
+else
+  echo "pipeline bench: skipped (needs 4 devices)"
+fi

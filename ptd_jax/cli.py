@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -346,6 +347,10 @@ def run(argv=None) -> dict:
         raise ConfigError(f"heartbeat_timeout={args.heartbeat_timeout} must be at least 1 (seconds)")
 
     def join_processes():  # before JAX starts its backend
+        if os.environ.get("PTD_JAX_KEEP_HOST_MEMORY") == "1":  # opt-in (parallel/host_memory.py)
+            from ptd_jax.parallel.host_memory import keep_freed_host_memory
+
+            keep_freed_host_memory()
         if group is not None:
             multiprocess.initialize(group, args.heartbeat_timeout)
 

@@ -7,8 +7,10 @@ from here. On CPU the processes talk over gloo: with `--fake-devices K` each sim
 
 When a child fails (exit code != 0, or killed by a signal), the launcher says which in one line, stops the others
 (SIGTERM, then SIGKILL after `--grace-period` seconds) and exits with that child's code (128 + the signal's number
-for a signal). SIGINT, SIGTERM and SIGHUP are forwarded to every child, and the launcher then waits for them to
-stop (ptd-train: all at one agreed step, `multiprocess.stop_agreed`). Pure Python: JAX runs in the children only.
+for a signal). SIGINT and SIGTERM are forwarded to every child (SIGHUP as SIGTERM: ptd-train stops on that), and
+the launcher then waits for them to stop (ptd-train: all at one agreed step, `multiprocess.stop_agreed`); once one
+has exited, the others get `--grace-period` seconds before SIGTERM and SIGKILL, so a child stuck in a collective
+with a dead peer cannot hang the launcher. Pure Python: JAX runs in the children only.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def run(argv=None) -> int:
         signalled.append(signum)
         for child in children:
             if child.poll() is None:
-                child.send_signal(signum)
+                child.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
@@ -106,9 +108,11 @@ def _watch(children: list[subprocess.Popen], grace: float, signalled: list) -> i
     while True:
         codes = [child.poll() for child in children]
         if signalled:
-            for child in children:
-                child.wait()
-            return next((_exit_code(c.returncode) for c in children if c.returncode), 0)
+            if any(code is not None for code in codes):  # one has stopped: the rest get the grace period
+                _wait_or_stop(children, grace)
+                return next((_exit_code(c.returncode) for c in children if c.returncode), 0)
+            time.sleep(0.05)
+            continue
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 others = sum(c is None for c in codes)
@@ -119,6 +123,14 @@ def _watch(children: list[subprocess.Popen], grace: float, signalled: list) -> i
         if all(code == 0 for code in codes):
             return 0
         time.sleep(0.05)
+
+
+def _wait_or_stop(children: list[subprocess.Popen], grace: float) -> None:
+    """Wait up to `grace` seconds for every child, then stop those still running."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(child.poll() is None for child in children):
+        time.sleep(0.05)
+    _stop(children, grace)
 
 
 def _stop(children: list[subprocess.Popen], grace: float) -> None:

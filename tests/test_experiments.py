@@ -39,12 +39,12 @@ def test_bench_interleaving_smoke_runs_every_case(tmp_path):
                                      "interleaved/1f1b (per-rank)", "1f1b/reference (per-rank)"}
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
     """The traced executor's matmul FLOPs (its named pieces of work times the table's counts) equal the analytic
-    count of Megatron's schedule on every rank, for per-rank branching, less (under full) the fc2 matmul that JAX's
-    checkpoint does not recompute (its output is not needed by the backward; Megatron reruns it); uniform adds the
-    bubble's dummy cells."""
+    count of Megatron's schedule on every rank, for per-rank branching, less what JAX's checkpoint does not
+    recompute because the backward does not need its output (Megatron reruns it): under full the fc2 matmul, under
+    selective the attention core's context matmul; uniform adds the bubble's dummy cells."""
     from experiments.pipeline_flops import measure
 
     model = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
@@ -52,7 +52,8 @@ def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
         row = measure("tiny", model, schedule, p, v, m, t, recompute)
         fc2 = 2 * 32 * 64 * 256 / t  # one layer's fc2 over one microbatch (b = 1, s = 32, h = 64, 4h = 256)
-        skipped = m * v * (8 // (p * v)) * fc2 if recompute == "full" else 0.0
+        context = 2 * 32 * 32 * 64 / t  # one layer's scores·V over one microbatch (2·s·s·h)
+        skipped = m * v * (8 // (p * v)) * {"none": 0.0, "selective": context, "full": fc2}[recompute]
         assert row["per-rank"]["executed_flops_per_rank"] == pytest.approx(
             [g - skipped for g in row["megatron_flops_per_rank"]], rel=1e-12)
         assert row["uniform"]["executed_flops_per_rank"][0] > 1.05 * row["per-rank"]["executed_flops_per_rank"][0]
@@ -123,3 +124,13 @@ def test_figure_script_smoke_runs(tmp_path, script):
     result = json.loads(out.read_text())
     assert all(t > 0 for t in result["measured"]["median_step_s"].values())
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_divergent_branches_probe_agrees_with_uniform(tmp_path):
+    """The GPU probe, run here on fake CPU devices: per-rank (pipe-divergent conds) equals uniform."""
+    from experiments.probe_divergent_branches import main
+
+    result = main(["--out", str(tmp_path / "probe.json")])
+    assert result["status"] == "ok" and result["max_rel_diff"] <= 1e-5
+    assert json.loads((tmp_path / "probe.json").read_text()) == result

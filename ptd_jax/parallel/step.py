@@ -25,7 +25,6 @@ from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import learning_rate_schedule, new_state
 from ptd_jax.parallel import distributed_optimizer as zero
-from ptd_jax.parallel.host_memory import keep_freed_host_memory
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
@@ -173,9 +172,7 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
     A non-finite loss or gradient skips the update (`loss_scale.guarded_update`).
 
     `state` (or its abstract shape) fixes the pytree structure of the in/out specifications. `poison_steps`: a
-    test hook (`loss_scale.poison`). On CPU, freed host memory is kept for the next step (`host_memory`)."""
-    if jax.default_backend() == "cpu":
-        keep_freed_host_memory()
+    test hook (`loss_scale.poison`)."""
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
     sched = pipeline_schedule(parallel)

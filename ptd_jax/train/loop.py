@@ -239,9 +239,13 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
                 jax.block_until_ready(metrics)
                 compile_time = time.perf_counter() - window_start
                 first_loss = float(metrics["lm_loss"])
-                measured_bubble = bubble.after_first_step(
-                    options.measure_bubble, train_step, state, batch, dropout_key, mesh, model_cfg, parallel,
-                    train_cfg, optimizer, train_cfg.train_iters - done, logger.message)
+                try:  # a second copy of the state and the step at 2m: it may not fit where the run does
+                    measured_bubble = bubble.after_first_step(
+                        options.measure_bubble, train_step, state, batch, dropout_key, mesh, model_cfg, parallel,
+                        train_cfg, optimizer, train_cfg.train_iters - done, logger.message)
+                except Exception as err:  # noqa: BLE001 - a measurement, never a reason to stop training
+                    logger.message(f"pipeline: measured bubble skipped ({type(err).__name__}: "
+                                   f"{str(err).splitlines()[0] if str(err) else ''})")
                 window_start, window_iters = time.perf_counter(), 0
             logger.advance()
             done = iteration + 1

@@ -17,7 +17,6 @@ from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, TrainConfig
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import State, global_norm, learning_rate_schedule, new_state
-from ptd_jax.parallel.host_memory import keep_freed_host_memory
 
 
 def init_state(key: jax.Array, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
@@ -61,10 +60,7 @@ def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_c
 def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: optax.GradientTransformation, *,
                     poison_steps: tuple[int, ...] = ()):
     """jit(state, tokens, labels, mask [M, b, S], key) -> (state, metrics); the state is donated. A non-finite
-    loss or gradient skips the update (`loss_scale.guarded_update`); `poison_steps` is its test hook. On CPU,
-    freed host memory is kept for the next step (`parallel.host_memory`: no page faults on XLA's temporaries)."""
-    if jax.default_backend() == "cpu":
-        keep_freed_host_memory()
+    loss or gradient skips the update (`loss_scale.guarded_update`); `poison_steps` is its test hook."""
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
 

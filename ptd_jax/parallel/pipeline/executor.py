@@ -146,13 +146,13 @@ class Cell(NamedTuple):
 
 
 class Carry(NamedTuple):
-    act: jax.Array           # [activation slots + trash, B, S or S/t, D]: chunk inputs (none/selective: the
-                             # chunk's output after its F, which the last stage's head reads at the B)
+    act: jax.Array           # [activation slots + trash, B, S or S/t, D]: chunk inputs, and on the last stage
+                             # the chunk's output after its F (the head's input, read at the B)
     grad: jax.Array          # [gradient slots + trash, B, S or S/t, D]: gradients received from the next stage
     grads_chunks: dict       # float32 accumulators [v, k, ...] of this rank's chunks
     grads_shared: dict       # float32 accumulators of the embeddings and final LayerNorm
     loss: jax.Array          # sum of the last stage's token losses (accumulation dtype; / total tokens at the end)
-    res: list                # recompute none/selective: [activation slots + trash, ...] per stashed vjp residual
+    res: list                # [activation slots + trash, k, ...] per stashed leaf of a layer's vjp (training)
 
 
 def read_cell(row: dict, rank, p: int, v: int, uniform: bool) -> Cell:
@@ -302,6 +302,8 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
             loss_sum, head_vjp = jax.vjp(lambda sh, y: head(sh, y, cell), shared_c, y)
             seed = mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(loss_sum.dtype), loss_sum)
             d_shared, dy_head = head_vjp(seed)
+            if uniform:  # another rank's head ran on its own slot or the trash: selected away, not multiplied by 0
+                d_shared = jax.tree.map(lambda d: jnp.where(cell.is_last, d, jnp.zeros_like(d)), d_shared)
             grads_shared = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads_shared, d_shared)
             return (jnp.where(cell.is_last, dy_head.astype(ct_y.dtype), ct_y), grads_shared,
                     loss + last_stage_loss(cell, loss_sum))

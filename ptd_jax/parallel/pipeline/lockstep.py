@@ -37,7 +37,7 @@ class Schedule:
     cells: list[list[Cell]] = field(default_factory=list)   # [tick][rank]
     num_act_slots: int = 0
     num_grad_slots: int = 0
-    peak_stash: list[int] = field(default_factory=list)     # per rank: most chunk inputs held at once
+    peak_stash: list[int] = field(default_factory=list)     # per rank: most microbatches held at once (a slot each)
 
     @property
     def ticks(self) -> int:
