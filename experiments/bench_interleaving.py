@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 P, M, SEQ = 4, 8, 256
@@ -87,29 +86,15 @@ def reference_step(cfg, recompute, m=M):
     return step.lower(*args).compile(), args
 
 
-def time_step(compiled, args) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one step. The CPU time sums the work of every XLA thread, so on a
-    shared, loaded machine it follows the work executed better than the wall time (both are reported)."""
-    import jax
-
-    wall, cpu = time.perf_counter(), time.process_time()
-    jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def alternate(steps: dict, rounds: int) -> dict:
-    """{name: {"wall": [s...], "cpu": [s...]}} from alternating rounds (after one warm-up run of each)."""
-    import jax
+    """{name: {"wall": [s...], "cpu": [s...]}} from alternating rounds after one warm-up run of each
+    (`train.bubble.time_alternating`; the CPU time sums every XLA thread's work, so on a shared, loaded machine it
+    follows the work executed better than the wall time: both are reported)."""
+    from ptd_jax.train.bubble import time_alternating
 
-    for compiled, args in steps.values():
-        jax.block_until_ready(compiled(*args))
-    times = {name: {"wall": [], "cpu": []} for name in steps}
-    for _ in range(rounds):  # alternating rounds: the machine is shared and noisy
-        for name, (compiled, args) in steps.items():
-            wall, cpu = time_step(compiled, args)
-            times[name]["wall"].append(wall)
-            times[name]["cpu"].append(cpu)
-    return times
+    cpu = {}
+    wall = time_alternating(steps, rounds, cpu_times=cpu)
+    return {name: {"wall": wall[name], "cpu": cpu[name]} for name in steps}
 
 
 def measure(model_name, rounds, smoke=False, recompute="none"):

@@ -60,10 +60,12 @@ def doubled(parallel: ParallelConfig) -> ParallelConfig:
     return replace(parallel, global_batch_size=2 * parallel.global_batch_size)
 
 
-def time_alternating(steps: dict, rounds: int) -> dict[str, list[float]]:
+def time_alternating(steps: dict, rounds: int, cpu_times: dict | None = None) -> dict[str, list[float]]:
     """{name: [seconds per round]} of each `(fn, args)` in `steps` (`args` a tuple, or a function returning a fresh
     tuple for each call, untimed: a step that donates its input), called once to warm up, then in alternating
-    rounds (the machine may be shared: every step sees the same load)."""
+    rounds (the machine may be shared: every step sees the same load). A `cpu_times` dict receives the process CPU
+    seconds of the same calls ({name: [...]}: every XLA thread's work, which follows the work executed better than
+    the wall time on a loaded machine)."""
     import jax
 
     def args_of(args):
@@ -72,12 +74,16 @@ def time_alternating(steps: dict, rounds: int) -> dict[str, list[float]]:
     for fn, args in steps.values():
         jax.block_until_ready(fn(*args_of(args)))
     times = {name: [] for name in steps}
+    cpu = {name: [] for name in steps}
     for _ in range(rounds):
         for name, (fn, args) in steps.items():
             call_args = jax.block_until_ready(args_of(args))
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*call_args))
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    if cpu_times is not None:
+        cpu_times.update(cpu)
     return times
 
 

@@ -299,11 +299,11 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     def head_backward(cell: Cell):
         def fn(y, ct_y, grads_shared, loss):
             """The head's forward and backward on y; adds its gradients and loss, and seeds the chunk's backward."""
+            if uniform:  # another rank's head runs on its own slot or the trash: on zeros, so that its zero seed gives
+                y = jnp.where(cell.is_last, y, jnp.zeros_like(y))  # exact zeros (never 0 times a non-finite value)
             loss_sum, head_vjp = jax.vjp(lambda sh, y: head(sh, y, cell), shared_c, y)
             seed = mark_like(jnp.where(cell.is_last, 1.0 / total_tokens, 0.0).astype(loss_sum.dtype), loss_sum)
             d_shared, dy_head = head_vjp(seed)
-            if uniform:  # another rank's head ran on its own slot or the trash: selected away, not multiplied by 0
-                d_shared = jax.tree.map(lambda d: jnp.where(cell.is_last, d, jnp.zeros_like(d)), d_shared)
             grads_shared = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads_shared, d_shared)
             return (jnp.where(cell.is_last, dy_head.astype(ct_y.dtype), ct_y), grads_shared,
                     loss + last_stage_loss(cell, loss_sum))
