@@ -6,21 +6,26 @@ branching, at (t, p, d) = (1,4,1) (2,2,1) (4,1,1) [Fig. 13], (1,4,1) (1,2,2) (1,
 (1,1,4) [Fig. 15]: throughput relative to the best of each figure. On fake devices every rank's work shares the
 host's cores, so pipeline parallelism pays for its bubble's dummy cells and tensor/data parallelism for copies;
 no link is slower than another.
-Predicted: `ptd_jax.perf` at the paper's scale on A100-80GB nodes, full recomputation, b = 1:
-- Fig. 13: a ~160B stand-in (96 layers, h 11776, 64 heads: the paper's 162.2B shape is not in the text we cite) on
-  64 GPUs, (t, p) = (2,32) (4,16) (8,8) (16,4) (32,2), batch 32 and 128;
+Predicted: `ptd_jax.perf` at the paper's scale on A100-80GB nodes, fp16 mixed precision (the paper's runs: 20 bytes
+per parameter, fp16 gradients), full recomputation, b = 1, plain 1F1B:
+- Fig. 13: the paper's 161B model as §5.4.1 states it ("32 transformer layers to support pipeline-parallel size of
+  32, 128 attention heads, hidden size of 20480"; eq. 2 gives 161.1B) on 64 GPUs, (t, p) = (2,32) (4,16) (8,8)
+  (16,4) (32,2), batch 32 and 128. (The first version used a 96-layer, h 11776, 64-head stand-in: at h 11776 a
+  layer's tensor all-reduces cost 20480/11776 = 1.74x more per FLOP, which made t = 4 win at batch 128.);
 - Figs. 14, 15: the paper's 5.9B model (32 layers, h 3840, 32 heads) on 64 GPUs, (p, d) and (t, d) ∈ (2,32) (4,16)
   (8,8) (16,4) (32,2), batch 32, 128 and 512 (layouts that do not fit in 80 GB are marked).
 Paper (text, qualitative): tensor parallelism is best within a node (t up to 8) and pipeline parallelism across
 nodes (Takeaway #1, Fig. 13's best is t = 8); for a model that fits, throughput falls as the pipeline size (Fig. 14)
 or the tensor size (Fig. 15) grows at the expense of data parallelism (Takeaway #2).
 
-Usage: python -m experiments.fig13_15_parallelism [--rounds 5] [--smoke] [--out PATH]
+Usage: python -m experiments.fig13_15_parallelism [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
+(--predicted-only recomputes the predicted half and keeps the measured half of the existing JSON.)
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from experiments import figures
 
@@ -40,9 +45,17 @@ def layout_name(t, p, d):
     return f"t={t} p={p} d={d}"
 
 
+FIG13_SHAPE = {"num_layers": 32, "hidden_size": 20480, "num_attention_heads": 128}
+"""Paper §5.4.1: the 161-billion-parameter model of Fig. 13."""
+
+
+def fig13_model():
+    return figures.paper_model("5.9b").replace(**FIG13_SHAPE, dtype="float16")
+
+
 def predicted() -> dict:
     out = {}
-    big, small = figures.paper_model("162b-standin"), figures.paper_model("5.9b")
+    big, small = fig13_model(), figures.paper_model("5.9b").replace(dtype="float16")
     specs = {"fig13": (big, (32, 128), lambda a, b: (a, b, 1)),
              "fig14": (small, (32, 128, 512), lambda a, b: (1, a, b)),
              "fig15": (small, (32, 128, 512), lambda a, b: (a, 1, b))}
@@ -100,10 +113,19 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    args = figures.parse_args(__doc__.splitlines()[0], argv)
-    figures.fake_devices(4)
-    result = {"predicted": predicted(), "measured": measured(args.rounds, args.smoke), "paper_text": PAPER_TEXT,
-              "timing_note": figures.TIMING_NOTE}
+    def extra(parser):
+        parser.add_argument("--predicted-only", action="store_true",
+                            help="recompute the predicted half; keep the measured half of the existing JSON")
+
+    args = figures.parse_args(__doc__.splitlines()[0], argv, extra=extra)
+    if args.predicted_only:
+        old = json.loads(Path(args.out or figures.RESULTS / "fig13_15_parallelism.json").read_text())
+        measured_half, timing_note = old["measured"], old["timing_note"]
+    else:
+        figures.fake_devices(4)
+        measured_half, timing_note = measured(args.rounds, args.smoke), figures.TIMING_NOTE
+    result = {"predicted": predicted(), "measured": measured_half, "paper_text": PAPER_TEXT,
+              "timing_note": timing_note, "fig13_model": {**FIG13_SHAPE, "source": "paper §5.4.1"}}
     figures.write("fig13_15_parallelism", result, plot, args.out)
     best = {fig: max(rows, key=lambda r: r["tflops_per_gpu"] if r["fits"] else -1) for fig, rows in
             result["predicted"].items()}

@@ -2,9 +2,10 @@
 (a100-80gb: Selene's DGX A100 nodes), next to the throughput the paper published. The model is not fitted to these
 numbers: its efficiencies come from datasheets and microbenchmarks (ptd_jax/perf/hardware.py).
 
-Each row runs the paper's (t, p, N, B) with full recomputation (what eq. 3 counts), b = 1 and plain 1F1B — Table 1
-gives neither the micro-batch size nor the interleaving — and, beside it, the planner's best (b, k) at the same
-(t, p) among the layouts that fit.
+Each row runs the paper's (t, p, N, B) in fp16 mixed precision (the paper's runs, §5 "mixed precision"; Megatron-LM's
+examples/pretrain_gpt3_175B.sh passes --fp16: 20 bytes per parameter, fp16 gradients), with full recomputation
+(what eq. 3 counts), b = 1 and plain 1F1B — Table 1 gives neither the micro-batch size nor the interleaving — and,
+beside it, the planner's best (b, k) at the same (t, p) among the layouts that fit.
 
 Usage: python -m experiments.table1_plan [--out experiments/results/table1_plan.json]
 """
@@ -33,7 +34,7 @@ def predict_row(row, micro_batch_size: int = 1, layers_per_virtual_stage: int | 
             "--tensor-model-parallel-size", str(row.tensor_model_parallel_size),
             "--pipeline-model-parallel-size", str(row.pipeline_model_parallel_size),
             "--micro-batch-size", str(micro_batch_size), "--global-batch-size", str(row.global_batch_size),
-            "--num-gpus", str(row.num_gpus), "--json"]
+            "--num-gpus", str(row.num_gpus), "--fp16", "--json"]
     if layers_per_virtual_stage is not None:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_virtual_stage)]
     with contextlib.redirect_stdout(io.StringIO()) as out:
@@ -44,7 +45,7 @@ def predict_row(row, micro_batch_size: int = 1, layers_per_virtual_stage: int | 
 def best_at_papers_t_p(row) -> dict | None:
     from ptd_jax.config import model_preset
 
-    cfg = model_preset(f"paper-{row.name.lower()}")
+    cfg = model_preset(f"paper-{row.name.lower()}").replace(dtype="float16")
     result = search(cfg, row.num_gpus, row.global_batch_size, HARDWARE["a100-80gb"])
     same = [r for r in result["layouts"] if r["tensor_model_parallel_size"] == row.tensor_model_parallel_size
             and r["pipeline_model_parallel_size"] == row.pipeline_model_parallel_size]
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results/table1_plan.json")
     args = parser.parse_args(argv)
-    result = {"hardware": "a100-80gb", "recompute_granularity": "full", "rows": rows()}
+    result = {"hardware": "a100-80gb", "precision": "fp16", "recompute_granularity": "full", "rows": rows()}
     errors = [r["error"] for r in result["rows"]]
     result["max_abs_error"] = max(abs(e) for e in errors)
     result["mean_error"] = sum(errors) / len(errors)

@@ -4,6 +4,8 @@
         [--num-layers-per-virtual-pipeline-stage K] --micro-batch-size b --global-batch-size B --num-gpus N
         --hardware a100-80gb [--json]
     ptd-plan search <model flags> --num-gpus N --global-batch-size B --hardware H [--top 10] [--json]
+    both: [--fp16 | --bf16] (precision: 20 or 18 bytes of state per parameter, fp16 or fp32 gradient all-reduce;
+    default --bf16; the paper's runs were fp16)
 
 Model flags are ptd-train's (Megatron's names; unset ones come from --model-preset, default paper-1.7b, whose
 sequence 2048 is the paper's; its GPT-2 vocabulary of 50,257 pads to the paper's 51,200 at t = 8, as Megatron pads). `tflops_per_gpu` is the paper's eq. (3) figure (comparable
@@ -43,6 +45,11 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", choices=sorted(HARDWARE), default="a100-80gb")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default="full",
                    help="full: the paper's runs (eq. 3 counts it)")
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true",
+                           help="fp16 params and grads: 20 bytes per parameter, fp16 gradient all-reduce (the paper)")
+    precision.add_argument("--bf16", action="store_true",
+                           help="bf16 params, fp32 grads: 18 bytes per parameter, fp32 gradient all-reduce (default)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
@@ -73,7 +80,7 @@ def model_config(args) -> ModelConfig:
                  ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                   "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by")
                  if getattr(args, name) is not None}
-    return base.replace(**overrides, dtype="bfloat16")
+    return base.replace(**overrides, dtype="float16" if args.fp16 else "bfloat16")
 
 
 def layout_flags(args) -> dict:

@@ -2,9 +2,14 @@
 pipeline schedule stashes under a recompute policy (paper §3.5; Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", §4).
 
-State (mixed-precision Adam, Megatron's accounting): 16-bit weights 2 + fp32 gradients 4 + fp32 master weights 4 +
-Adam's two moments 4 + 4 = 18 bytes per parameter; the distributed optimizer shards the last three over the d
-data-parallel ranks: 6 + 12/d.
+State (mixed-precision Adam), Megatron-LM's documented bytes per parameter (README, "Distributed Optimizer"; d the
+data-parallel size):
+    fp16 params, fp16 grads (`--fp16`, the paper's runs)   20    distributed optimizer  4 + 16/d
+    bf16 params, fp32 grads (`--bf16`)                     18                           6 + 12/d
+fp16: weights 2 + gradients 2 + the optimizer's fp32 master weights 4, fp32 gradient copy 4, Adam's moments 4 + 4.
+bf16: weights 2 + fp32 gradients 4 (Megatron's arguments.py forces `accumulate_allreduce_grads_in_fp32` for bf16)
++ master weights 4 + moments 8. `ModelConfig.dtype` "float16" selects fp16; any other dtype is planned as bf16
+mixed precision (the presets' peaks are 16-bit).
 
 Activations at 16 bits, per layer and microbatch, per GPU (Korthikanti et al., Table 2; s sequence, b micro batch,
 h hidden, a heads, t tensor-parallel size):
@@ -44,11 +49,21 @@ def params_per_gpu(cfg: ModelConfig, parallel: ParallelConfig) -> dict[str, floa
     return {"first": first, "last": last}
 
 
-def state_bytes_per_param(parallel: ParallelConfig) -> float:
-    """18 bytes without the distributed optimizer, 6 + 12/d with it."""
-    if parallel.use_distributed_optimizer:
-        return 6 + 12 / parallel.data_parallel_size
-    return 18.0
+def is_fp16(cfg: ModelConfig) -> bool:
+    return cfg.dtype == "float16"
+
+
+def grad_bytes_per_param(cfg: ModelConfig) -> int:
+    """The gradient buffer Megatron accumulates and all-reduces: fp16 under --fp16, fp32 under --bf16."""
+    return 2 if is_fp16(cfg) else 4
+
+
+def state_bytes_per_param(parallel: ParallelConfig, cfg: ModelConfig | None = None) -> float:
+    """fp16: 20 bytes, 4 + 16/d with the distributed optimizer; bf16 (the default without `cfg`): 18, 6 + 12/d."""
+    d = parallel.data_parallel_size
+    if cfg is not None and is_fp16(cfg):
+        return 4 + 16 / d if parallel.use_distributed_optimizer else 20.0
+    return 6 + 12 / d if parallel.use_distributed_optimizer else 18.0
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
@@ -82,7 +97,7 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     ("state" = weights + gradients + optimizer state of the stage's parameters)."""
     t, b, s = parallel.tensor_model_parallel_size, parallel.micro_batch_size, cfg.seq_length
     params = params_per_gpu(cfg, parallel)
-    per_param = state_bytes_per_param(parallel)
+    per_param = state_bytes_per_param(parallel, cfg)
     layer = activation_bytes_per_layer(cfg, parallel, recompute)
     # the layer being recomputed under "full" holds its full activations meanwhile
     extra = activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0

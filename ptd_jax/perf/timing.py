@@ -7,18 +7,29 @@ Per microbatch, on the bottleneck pipeline rank (the last: its l/p layers plus t
 - elementwise kernels, memory-bound: Megatron's fused LayerNorms, bias+dropout+residual, bias+GeLU and
   scaled-masked softmax + dropout move s b h (22 + 16/t) + 9 a s² b/t bytes per layer forward (LayerNorm and
   bias-dropout-add ÷ t with sequence parallelism), the backward twice that;
-- recomputation: "full" runs each layer's forward again (GEMMs, elementwise, its tensor all-reduces),
-  "selective" the attention core (scores, softmax, context);
-- tensor parallelism: 2 all-reduces of b·s·h 16-bit values per layer forward and 2 backward (§3.2), a ring on
-  NVLink when t fits in a node, on InfiniBand otherwise; with sequence parallelism reduce-scatter + all-gather,
-  the same bytes;
+- recomputation: "full" runs each layer's forward again (GEMMs, elementwise, its tensor all-reduces: Megatron's
+  checkpoint re-runs the layer's forward, g operators included), "selective" the attention core (scores, softmax,
+  context). Its FLOPs per GPU do not depend on t; what does is the elementwise part that every tensor rank repeats
+  (LayerNorms, bias-dropout-adds: 22 s·b·h bytes whatever t, run m = B/(b·d) times, and d = N/(t·p)) and its two
+  all-reduces. `details["recompute_split_s"]` gives the three parts;
+- tensor parallelism: 2 all-reduces of b·s·h 16-bit values per layer forward and 2 backward (§3.2), plus the
+  output layer's backward all-reduce (its f operator) on the last stage (and the embedding's at p = 1), a ring on NVLink when t fits in a node,
+  on InfiniBand otherwise, at NCCL's bus bandwidth and latency (hardware.py); with sequence parallelism
+  reduce-scatter + all-gather, the same bytes;
+- gradient accumulation: each microbatch's weight gradients are added into the gradient buffer, a memory-bound
+  pass over all of the GPU's parameters (Megatron-LM's DDP hook `param.main_grad.add_(param.grad.data)`, or
+  PyTorch's AccumulateGrad without contiguous buffers): read the new gradient (2 bytes) and the buffer, write the
+  buffer (fp16: 2 + 2 + 2 bytes per parameter; bf16 with fp32 gradients: 2 + 4 + 4), m times per iteration;
+  m·params per GPU = B·P/(b·N): the same for every (t, p), smaller with a larger b (Megatron's later
+  `--gradient-accumulation-fusion` writes the GEMM's output into the buffer and removes it; not modelled);
 - pipeline p2p: the activation forward and its gradient backward at every chunk boundary, b·s·h values (÷ t
   with scatter/gather, plus an all-gather of the slices on NVLink, §4.1), on InfiniBand when pipeline neighbours
   sit on different nodes (Megatron's rank order: tensor innermost, then data, then pipeline).
 An iteration = (m + (p−1)/v) such microbatch slots (the bubble, §2.2: (p−1)/(v·m) of the ideal time; every
-chunk boundary pays its p2p, v times per microbatch), then the data-parallel gradient all-reduce (16-bit, a ring
-over d, not overlapped — the paper's 2021 code; reduce-scatter + all-gather with the distributed optimizer: same
-bytes) and the optimizer step (memory-bound, the 18 or 6 + 12/d bytes of state read and written).
+chunk boundary pays its p2p, v times per microbatch), then the data-parallel gradient all-reduce (a ring over d, not
+overlapped — the paper's 2021 code — of the gradient buffer: fp16 under --fp16, fp32 under --bf16; with the
+distributed optimizer a reduce-scatter of it and an all-gather of the 16-bit weights) and the optimizer step
+(memory-bound, the state bytes of memory.py read and written).
 """
 
 from __future__ import annotations
@@ -26,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ptd_jax.config import ModelConfig, ParallelConfig
-from ptd_jax.perf.hardware import Hardware, allgather_seconds, ring_allreduce_seconds
-from ptd_jax.perf.memory import memory_per_gpu, state_bytes_per_param
+from ptd_jax.perf.hardware import Hardware
+from ptd_jax.perf.memory import grad_bytes_per_param, memory_per_gpu, state_bytes_per_param
 from ptd_jax.train.flops import flops_per_iteration, hardware_flops_per_iteration, model_flops_per_iteration
 
 HALF = 2  # bytes per 16-bit value
@@ -72,9 +83,8 @@ def layer_elementwise_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> dict[
 def tensor_allreduce_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
     """One of the layer's tensor-parallel all-reduces (b·s·h 16-bit values) over t GPUs."""
     t = parallel.tensor_model_parallel_size
-    bandwidth, latency = hw.link(within_node=t <= hw.gpus_per_node)
     nbytes = HALF * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
-    return ring_allreduce_seconds(nbytes, t, bandwidth, latency)
+    return hw.allreduce_seconds(nbytes, t, within_node=t <= hw.gpus_per_node)
 
 
 def p2p_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
@@ -84,20 +94,23 @@ def p2p_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> flo
     tick waits for the slowest."""
     t, p = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     nbytes = HALF * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
-    bandwidth, latency = hw.link(within_node=t * p <= hw.gpus_per_node)
+    within = t * p <= hw.gpus_per_node
     if parallel.scatter_gather and t > 1:
-        nv_bw, nv_lat = hw.link(within_node=True)
-        return nbytes / t / bandwidth + latency + allgather_seconds(nbytes, t, nv_bw, nv_lat)
-    return nbytes / bandwidth + latency
+        return hw.p2p_seconds(nbytes / t, within) + hw.allgather_seconds(nbytes, t, within_node=True)
+    return hw.p2p_seconds(nbytes, within)
 
 
-def data_parallel_seconds(params: float, parallel: ParallelConfig, hw: Hardware) -> float:
-    """The gradient all-reduce over d of a GPU's 16-bit gradients; on InfiniBand once the ring leaves the node."""
+def data_parallel_seconds(params: float, parallel: ParallelConfig, hw: Hardware, grad_bytes: int = 4) -> float:
+    """The gradient all-reduce over d of a GPU's gradient buffer (`grad_bytes` per parameter); with the distributed
+    optimizer a reduce-scatter of it and an all-gather of the 16-bit weights. On InfiniBand once the ring leaves the
+    node."""
     t, p, d = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                parallel.data_parallel_size)
     # data-parallel peers differ in their data coordinate only, which is outermost: they are p·t devices apart
-    bandwidth, latency = hw.link(within_node=t * p * d <= hw.gpus_per_node)
-    return ring_allreduce_seconds(HALF * params, d, bandwidth, latency)
+    within = t * p * d <= hw.gpus_per_node
+    if parallel.use_distributed_optimizer:  # a reduce-scatter takes an all-gather's time (hardware.py)
+        return hw.allgather_seconds(grad_bytes * params, d, within) + hw.allgather_seconds(HALF * params, d, within)
+    return hw.allreduce_seconds(grad_bytes * params, d, within)
 
 
 def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute: str = "full") -> Prediction:
@@ -110,27 +123,34 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
 
     gemm = layer_gemm_seconds(cfg, parallel, hw)
     elem = layer_elementwise_bytes(cfg, parallel)
-    fwd_compute = gemm["dense"] + gemm["attention"] + hw.memory_seconds(elem["linear"] + elem["softmax"])
     allreduce = tensor_allreduce_seconds(cfg, parallel, hw)
-    recompute_compute = {"none": 0.0, "full": fwd_compute,
-                         "selective": gemm["attention"] + hw.memory_seconds(elem["softmax"])}[recompute]
-    recompute_comm = 2 * allreduce if recompute == "full" else 0.0
+    recompute_split = {  # one layer's recomputed forward: its GEMMs, its elementwise kernels, its all-reduces
+        "none": {"gemm": 0.0, "elementwise": 0.0, "tensor_comm": 0.0},
+        "full": {"gemm": gemm["dense"] + gemm["attention"],
+                 "elementwise": hw.memory_seconds(elem["linear"] + elem["softmax"]), "tensor_comm": 2 * allreduce},
+        "selective": {"gemm": gemm["attention"], "elementwise": hw.memory_seconds(elem["softmax"]),
+                      "tensor_comm": 0.0}}[recompute]
+    memory = memory_per_gpu(cfg, parallel, recompute)
+    params_last = memory["params"]  # the bottleneck stage's (the fuller of the first and the last)
+    grad_bytes = grad_bytes_per_param(cfg)
     vocab = cfg.padded_vocab_size(t)
     head = 3 * hw.gemm_seconds(s * b, vocab / t, cfg.hidden_size) + 3 * hw.memory_seconds(4 * s * b * vocab / t)
     per_mb = {  # one microbatch on the last pipeline rank
         "gemm": layers * 3 * (gemm["dense"] + gemm["attention"]) + head,
         "elementwise": layers * 3 * hw.memory_seconds(elem["linear"] + elem["softmax"]),
-        "recompute": layers * (recompute_compute + recompute_comm),
-        "tensor_comm": layers * 4 * allreduce,
+        "recompute": layers * sum(recompute_split.values()),
+        # + the output layer's input-gradient all-reduce (its f operator), and at p = 1 also the vocab-parallel
+        # embedding's forward all-reduce (on the first stage otherwise, off the bottleneck rank)
+        "tensor_comm": (layers * 4 + (2 if p == 1 else 1)) * allreduce,
         "pipeline_p2p": 2 * v * p2p_seconds(cfg, parallel, hw) if p > 1 else 0.0,
+        "grad_accumulation": hw.memory_seconds((HALF + 2 * grad_bytes) * params_last),
     }
     slot = sum(per_mb.values())
     bubble_slots = (p - 1) / v
-    params_last = memory_per_gpu(cfg, parallel, recompute)["params"]
-    state_bytes = state_bytes_per_param(parallel)
+    state_bytes = state_bytes_per_param(parallel, cfg)
     terms = {name: m * x for name, x in per_mb.items()}
     terms["bubble"] = bubble_slots * slot
-    terms["data_parallel_comm"] = data_parallel_seconds(params_last, parallel, hw)
+    terms["data_parallel_comm"] = data_parallel_seconds(params_last, parallel, hw, grad_bytes)
     terms["optimizer"] = hw.memory_seconds(2 * state_bytes * params_last)
     total = sum(terms.values())
     B = parallel.global_batch_size
@@ -138,5 +158,6 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
              "hardware": hardware_flops_per_iteration(cfg, B, vocab, recompute),
              "eq3": flops_per_iteration(cfg, B, vocab)}
     return Prediction(iteration_time_s=total, terms=terms, bubble_fraction=bubble_slots / m,
-                      memory=memory_per_gpu(cfg, parallel, recompute), flops=flops, num_gpus=parallel.num_devices,
-                      details={"microbatch_slot_s": slot, "microbatches": m, "per_microbatch_s": per_mb})
+                      memory=memory, flops=flops, num_gpus=parallel.num_devices,
+                      details={"microbatch_slot_s": slot, "microbatches": m, "per_microbatch_s": per_mb,
+                               "recompute_split_s": {k: m * layers * x for k, x in recompute_split.items()}})
