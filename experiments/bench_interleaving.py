@@ -34,8 +34,9 @@ CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per
 def pipeline_step(cfg, schedule, v, branching, recompute, p=P, m=M, *, t=1, d=1, b=1, table_at_p1=True,
                   **parallel_fields):
     """(compiled grad step, its arguments) for the layout (d, p, t, v, b) on the first d·p·t devices; the executor
-    runs the table even at p = 1 unless `table_at_p1` is False (then p = 1 is the plain scan over microbatches, as
-    in a training run). `parallel_fields`: further `ParallelConfig` fields (scatter_gather, sequence_parallel)."""
+    runs the table even at p = 1 unless `table_at_p1` is False (then p = 1 is the training run's step: the layers
+    unstaged, `parallel.step.accumulation_schedule`). `parallel_fields`: further `ParallelConfig` fields
+    (scatter_gather, sequence_parallel)."""
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as PS
@@ -45,7 +46,7 @@ def pipeline_step(cfg, schedule, v, branching, recompute, p=P, m=M, *, t=1, d=1,
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.pipeline import build
-    from ptd_jax.parallel.step import loss_and_grads
+    from ptd_jax.parallel.step import accumulation_schedule, loss_and_grads
 
     parallel = ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
                               virtual_pipeline_stages=v, pipeline_schedule=schedule if p > 1 or table_at_p1 else "1f1b",
@@ -58,7 +59,7 @@ def pipeline_step(cfg, schedule, v, branching, recompute, p=P, m=M, *, t=1, d=1,
         params = {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
     specs = sharding.param_specs(params, pipelined=pipelined)
     params = jax.device_put(params, sharding.named(mesh, specs))
-    sched = build(schedule, p, v, m) if pipelined else None
+    sched = build(schedule, p, v, m) if pipelined else accumulation_schedule(parallel)
 
     def body(prm, tokens, labels, mask):
         return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute=recompute,

@@ -1,12 +1,33 @@
-"""Bytes per parameter per device with and without the distributed optimizer (Megatron-LM's ZeRO-1 table:
-bf16 params + fp32 grads + fp32 master weights and Adam moments = 18 bytes without it, 6 + 12/d with it), from
-XLA's `memory_analysis()` of the compiled training step (compiled, not run, on fake CPU devices).
+"""Bytes per parameter per device with and without the distributed optimizer, against Megatron-LM's table, from
+XLA's `memory_analysis()` of the compiled training step (compiled, not run).
 
-The model is wide and the batch tiny (b = 1, s = 16) so that the parameter state dominates: bytes per parameter =
-(argument bytes + temp bytes) / parameters per device; the arguments are the training state (donated, so the
-outputs alias them), the temps the float32 gradients, the gathered bf16 copy and the activations.
+Megatron's table (bytes per parameter; d = data-parallel size):
 
-Usage: python -m experiments.bench_optimizer_memory [--out experiments/results/optimizer_memory.json]
+| params, grads        | without | with the distributed optimizer |
+|----------------------|---------|--------------------------------|
+| 16-bit, fp32 grads   | 18      | 6 + 12/d                       |
+| fp32, fp32 grads     | 16      | 8 + 8/d                        |
+
+Bytes per parameter = (argument bytes + temp bytes) / parameters per device: the arguments are the training state
+(donated: the outputs alias them), the temps the float32 gradient accumulators, the gathered 16-bit copy and the
+activations. The model is wide and the batch tiny (b = 1) so that the parameter state dominates, and the
+activations are taken out exactly: every configuration is compiled at two sequence lengths s and 2s, and the
+activation-free bytes are the intercept 2·T(s) − T(2s) (activations grow linearly in s; the s² attention scores
+are 0.05% of the state at s = 32).
+
+Three compute dtypes, because the CPU backend changes what a 16-bit step holds:
+- float16 (the 16-bit row): XLA:CPU computes float16 natively, so the step holds what Megatron's bf16/fp16 step
+  holds (16-bit params, float32 gradients accumulated in place: our float16 keeps Megatron's main_grad);
+- bfloat16: XLA:CPU has no bfloat16 dot, so it converts the gathered weights to float32 copies before the matmuls
+  (4 bytes per parameter where the GPU holds 2); measured for the record, and on a GPU by `gpu_check.sh`;
+- float32 (the fp32 row).
+
+On XLA:CPU an all-reduce is out of place (XLA:GPU runs NCCL's in place), so without the distributed optimizer the
+step holds a second float32 gradient while the data-parallel all-reduce runs, also at d = 1 (a one-device
+all-reduce that XLA:CPU keeps as a copy): +4 bytes per parameter on CPU.
+
+Usage: python -m experiments.bench_optimizer_memory [--dtypes float16 bfloat16 float32] [--data-sizes 1 2 4 8]
+       [--microbatches 1 4] [--out experiments/results/optimizer_memory.json]
 """
 
 from __future__ import annotations
@@ -15,19 +36,17 @@ import argparse
 import json
 from pathlib import Path
 
-MODEL = dict(num_layers=2, hidden_size=512, num_attention_heads=8, seq_length=16, vocab_size=1024)
-DATA_SIZES = (1, 2, 4, 8)
-MICROBATCHES = (1, 4)
-MICROBATCHES_NOTE = ("m = 1 holds one float32 gradient; m > 1 also the microbatch's gradient before it is added to "
-                     "the accumulator (Megatron adds into main_grad inside the backward): 4 bytes per parameter more "
-                     "than Megatron's table")
+MODEL = dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=1024)
+SEQ_LENGTHS = (16, 32)
 
 
-def megatron_bytes(d: int, distributed: bool) -> float:
+def megatron_bytes(dtype: str, d: int, distributed: bool) -> float:
+    if dtype == "float32":
+        return 8 + 8 / d if distributed else 16.0
     return 6 + 12 / d if distributed else 18.0
 
 
-def measure(d: int, distributed: bool, m: int) -> dict:
+def compiled_memory(dtype: str, d: int, distributed: bool, m: int, seq_length: int, model: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -37,7 +56,7 @@ def measure(d: int, distributed: bool, m: int) -> dict:
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
 
-    cfg = ModelConfig(**MODEL, dtype="bfloat16")
+    cfg = ModelConfig(**model, seq_length=seq_length, dtype=dtype)
     parallel = ParallelConfig(data_parallel_size=d, micro_batch_size=1, global_batch_size=d * m,
                               use_distributed_optimizer=distributed)
     train_cfg = TrainConfig()
@@ -45,33 +64,54 @@ def measure(d: int, distributed: bool, m: int) -> dict:
     mesh = make_mesh(parallel)
     state = init_sharded_state(jax.random.key(0), cfg, opt, mesh, parallel, shapes_only=True, train_cfg=train_cfg)
     step = make_parallel_train_step(mesh, cfg, parallel, train_cfg, opt, state)
-    batch = jax.ShapeDtypeStruct((m, d, cfg.seq_length), jnp.int32)
-    compiled = step.lower(state, batch, batch, batch, jax.random.key(0)).compile()
-    mem = compiled.memory_analysis()
-    n = gpt.count_params(state["params"])
-    per_param = (mem.argument_size_in_bytes + mem.temp_size_in_bytes) / n
-    return {"d": d, "m": m, "distributed_optimizer": distributed, "params": n,
-            "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-            "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
-            "state_bytes_per_param": mem.argument_size_in_bytes / n, "temp_bytes_per_param": mem.temp_size_in_bytes / n,
-            "bytes_per_param": per_param, "megatron_bytes_per_param": megatron_bytes(d, distributed),
-            "relative_error": per_param / megatron_bytes(d, distributed) - 1}
+    batch = jax.ShapeDtypeStruct((m, d, seq_length), jnp.int32)
+    mem = step.lower(state, batch, batch, batch, jax.random.key(0)).compile().memory_analysis()
+    return {"params": gpt.count_params(state["params"]), "argument_bytes": mem.argument_size_in_bytes,
+            "temp_bytes": mem.temp_size_in_bytes}
+
+
+def measure(dtype: str, d: int, distributed: bool, m: int, model: dict = MODEL) -> dict:
+    """One row: bytes per parameter of the compiled step with the activations taken out, against Megatron's."""
+    short, long = (compiled_memory(dtype, d, distributed, m, s, model) for s in SEQ_LENGTHS)
+    n = short["params"]
+    temp = 2 * short["temp_bytes"] - long["temp_bytes"]  # activations extrapolated to zero
+    per_param = (short["argument_bytes"] + temp) / n
+    megatron = megatron_bytes(dtype, d, distributed)
+    return {"dtype": dtype, "d": d, "m": m, "distributed_optimizer": distributed, "params": n,
+            "argument_bytes": short["argument_bytes"],
+            "temp_bytes": {str(s): r["temp_bytes"] for s, r in zip(SEQ_LENGTHS, (short, long))},
+            "activation_bytes_per_param_at_s16": (short["temp_bytes"] - temp) / n,
+            "state_bytes_per_param": short["argument_bytes"] / n, "temp_bytes_per_param": temp / n,
+            "bytes_per_param": per_param, "megatron_bytes_per_param": megatron,
+            "relative_error": per_param / megatron - 1}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"],
+                        choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--data-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--microbatches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--out", default="experiments/results/optimizer_memory.json")
     args = parser.parse_args(argv)
+    import jax
+
     from ptd_jax.parallel.mesh import set_fake_devices
 
-    set_fake_devices(max(DATA_SIZES))
-    rows = [measure(d, distributed, m) for m in MICROBATCHES for d in DATA_SIZES for distributed in (False, True)]
-    for r in rows:
-        print(f"m={r['m']} d={r['d']} distributed={r['distributed_optimizer']!s:5}: {r['bytes_per_param']:6.2f} bytes/param "
-              f"(state {r['state_bytes_per_param']:.2f} + temp {r['temp_bytes_per_param']:.2f}); Megatron "
-              f"{r['megatron_bytes_per_param']:.2f} ({100 * r['relative_error']:+.1f}%)")
-    out = {"model": {**MODEL, "dtype": "bfloat16"}, "micro_batch_size": 1, "rows": rows,
-           "note": MICROBATCHES_NOTE}
+    set_fake_devices(max(args.data_sizes))
+    backend = jax.default_backend()
+    rows = []
+    for dtype in args.dtypes:
+        for m in args.microbatches:
+            for d in args.data_sizes:
+                for distributed in (False, True) if d > 1 else (False,):
+                    r = measure(dtype, d, distributed, m)
+                    rows.append(r)
+                    print(f"{dtype} m={m} d={d} distributed={distributed!s:5}: {r['bytes_per_param']:6.2f} bytes/param "
+                          f"(state {r['state_bytes_per_param']:.2f} + temp {r['temp_bytes_per_param']:.2f}; "
+                          f"activations at s=16 {r['activation_bytes_per_param_at_s16']:.2f} taken out); Megatron "
+                          f"{r['megatron_bytes_per_param']:.2f} ({100 * r['relative_error']:+.1f}%)", flush=True)
+    out = {"backend": backend, "model": MODEL, "seq_lengths": SEQ_LENGTHS, "micro_batch_size": 1, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return out

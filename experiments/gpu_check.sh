@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~560 s:
-# at most 420 s of kernels, 90 s of the executor and, on one GPU, seconds for the probe's "skipped"; with 4 GPUs
+# at most 360 s of kernels, 90 s of the executor, 60 s of the memory bench and, on one GPU, seconds for the
+# probe's "skipped"; with 4 GPUs
 # the probe and the pipeline benchmark add up to 360 s: set BENCH_TIMEOUT_S lower).
 # Everything lands under $OUT (or experiments/results/ without it); each step's JSON is written as it goes,
 # so a run cut short still brings back what it measured.
@@ -12,7 +13,7 @@ export PYTHONPATH=.
   "${PYTHON:-python}" -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/gpu_env.txt"
 # 1. kernels at the 1.3B widths, compiled: values and all gradients against the references (seconds)
 # 2. attention vs XLA and cuDNN over sequence lengths, LayerNorm and loss vs XLA, the 1.3B step (5 variants)
-timeout "${BENCH_TIMEOUT_S:-420}" "${PYTHON:-python}" experiments/bench_kernels.py --out "$out/bench_kernels.json" \
+timeout "${BENCH_TIMEOUT_S:-360}" "${PYTHON:-python}" experiments/bench_kernels.py --out "$out/bench_kernels.json" \
     --plot "$out/bench_kernels.png" 2>&1 | tail -n 40
 echo "bench exit: ${PIPESTATUS[0]}"
 # 3. the pipeline executor's own machinery at p = 1 (tick scans, residual stash, conds) against the reference
@@ -20,6 +21,11 @@ echo "bench exit: ${PIPESTATUS[0]}"
 timeout "${EXECUTOR_TIMEOUT_S:-90}" "${PYTHON:-python}" experiments/bench_executor_p1.py --rounds 5 \
     --out "$out/bench_executor_p1.json" 2>&1 | tail -n 5
 echo "executor bench exit: ${PIPESTATUS[0]}"
+# 3b. the training step's bytes per parameter on the GPU (bfloat16, d = 1, m = 1 and 4, compiled, not run): what
+#     XLA:GPU holds where XLA:CPU converts bf16 weights to float32 and runs its all-reduce out of place
+timeout "${MEMORY_TIMEOUT_S:-60}" "${PYTHON:-python}" -m experiments.bench_optimizer_memory --dtypes bfloat16 \
+    --data-sizes 1 --out "$out/optimizer_memory_gpu.json" 2>&1 | tail -n 3
+echo "memory bench exit: ${PIPESTATUS[0]}"
 # 4. pipe-divergent branches (per-rank) against uniform on 4 devices, with a hang timeout; with fewer than 4 GPUs it
 #    says "skipped" at once. 5. the p = 4 pipeline benchmark (interleaved vs 1F1B, both branchings), when 4 GPUs
 #    exist; skipped otherwise.

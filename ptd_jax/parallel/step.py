@@ -2,14 +2,15 @@
 
 Per iteration, on every device (paper §2.3 for tensor, §2.1 for data parallelism):
 1. take this data rank's b rows of each of the M microbatches (in_specs split the batch over "data");
-2. accumulate float32 gradients of the tensor-parallel loss over the M microbatches (`lax.scan`); parameters are
-   first marked varying over "data" (and, under sequence parallelism, the tensor-replicated ones over "tensor")
-   so that autodiff does not all-reduce them once per microbatch;
+2. accumulate float32 gradients of the tensor-parallel loss over the M microbatches: with M > 1 through the
+   pipeline executor's 1F1B table at p = 1 (`accumulation_schedule`: each layer's gradient added in place into
+   the accumulators, Megatron's main_grad), with M = 1 by one `jax.value_and_grad`; parameters are first marked
+   varying over "data" (and, under sequence parallelism, the tensor-replicated ones over "tensor") so that
+   autodiff does not all-reduce them once per microbatch;
 3. all-reduce the gradients over "data" once (and the sequence-parallel replicated ones over "tensor" once);
 4. clip by a global norm that counts each parameter once, then AdamW on the local shards.
 
-With p > 1, step 2 is the pipeline executor (`pipeline/executor.py`) running the schedule table instead of the
-scan over microbatches. Initialisation shards the serial `model.init_params` (jit with out_shardings), so a run
+With p > 1, step 2 is the pipeline executor (`pipeline/executor.py`) running the layout's schedule table. Initialisation shards the serial `model.init_params` (jit with out_shardings), so a run
 at t = 4 starts from exactly the weights of t = 1.
 """
 
@@ -30,7 +31,7 @@ from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
 from ptd_jax.parallel.pipeline.executor import pipeline_accumulate
 from ptd_jax.parallel.pipeline.lockstep import build, build_forward_only, validate
-from ptd_jax.parallel.vma import mark_like, mark_tree, mark_varying
+from ptd_jax.parallel.vma import mark_tree, mark_varying
 
 DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
 
@@ -68,36 +69,29 @@ def state_specs(optimizer, state, parallel: ParallelConfig | None, pipelined: bo
     return {**specs, "params": params, "opt_state": sharding.opt_state_specs(optimizer, state["opt_state"], params)}
 
 
-def _accumulate(params, tokens, labels, mask, model_cfg, parallel, recompute, key, scale):
-    """Per-rank float32 sums over microbatches of the loss and its gradient (not yet reduced over data), both
-    multiplied by the loss scale (dividing by total_tokens / scale seeds the backward with scale / total_tokens)."""
-    sequence_parallel = parallel.sequence_parallel
+def _one_microbatch(params, tokens, labels, mask, model_cfg, parallel, recompute, key, scale):
+    """Per-rank float32 loss and gradient of the one microbatch (not yet reduced over data), both multiplied by
+    the loss scale (dividing by total_tokens / scale seeds the backward with scale / total_tokens). More
+    microbatches run through the executor's table (`accumulation_schedule`)."""
+    if tokens.shape[0] != 1:
+        raise ValueError(f"{tokens.shape[0]=} microbatches need a schedule table (`accumulation_schedule`)")
     acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
     total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
 
-    def micro_loss(p, t, l, m, k):
-        return tp.loss_sum(p, t, l, m, model_cfg, sequence_parallel=sequence_parallel, key=k,
+    def loss_fn(p):
+        return tp.loss_sum(p, tokens[0], labels[0], mask[0], model_cfg, sequence_parallel=parallel.sequence_parallel,
+                           key=jax.random.fold_in(key, 0) if key is not None else None,
                            recompute=recompute) / total_tokens
 
-    grad_fn = jax.value_and_grad(micro_loss)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(jnp.promote_types(x.dtype, jnp.float32)), grads,
+                                          params)
 
-    def body(carry, xs):
-        loss_acc, grad_acc = carry
-        index, t, l, m = xs
-        k = jax.random.fold_in(key, index) if key is not None else None
-        loss, grads = grad_fn(params, t, l, m, k)
-        return (loss_acc + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)), None
 
-    if tokens.shape[0] == 1:  # one microbatch: no accumulator (it would hold a second float32 gradient)
-        loss, grads = grad_fn(params, tokens[0], labels[0], mask[0], jax.random.fold_in(key, 0) if key is not None
-                              else None)
-        return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(jnp.promote_types(x.dtype, jnp.float32)), grads,
-                                              params)
-    zeros = jax.tree.map(lambda x: mark_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x),
-                         params)
-    loss0 = mark_varying(jnp.zeros((), acc), (DATA,))
-    (loss, grads), _ = jax.lax.scan(body, (loss0, zeros), (jnp.arange(tokens.shape[0]), tokens, labels, mask))
-    return loss, grads
+def _pipeline_layout(param_specs) -> bool:
+    """Whether the layers are stored in the pipeline layout [v, p, k, ...] (`sharding.stage_layers`): their specs
+    name "pipe"."""
+    return any(PIPE in tuple(s) for s in jax.tree.leaves(param_specs["layers"], is_leaf=lambda x: isinstance(x, P)))
 
 
 def _replicated_axes(param_specs, parallel: ParallelConfig):
@@ -118,16 +112,21 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
     varying = mark_tree(params, axes)
     scale = jnp.ones((), jnp.float32) if loss_scale is None else loss_scale
     if sched is None:
-        loss, grads = _accumulate(varying, tokens, labels, mask, model_cfg, parallel, recompute, key, scale)
+        loss, grads = _one_microbatch(varying, tokens, labels, mask, model_cfg, parallel, recompute, key, scale)
         loss = jax.lax.psum(loss, DATA)
     else:
         acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
         total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
+        staged = not _pipeline_layout(param_specs)
+        if staged:  # the p = 1 accumulation table: layers [L, ...] as the executor's one chunk [1, 1, L, ...]
+            varying = {**varying, "layers": sharding.stage_layers(varying["layers"], 1, 1)}
         loss, grads = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
                                           sequence_parallel=parallel.sequence_parallel,
                                           scatter_gather=scatter_gather, recompute=recompute,
                                           branching=parallel.pipeline_branching, key=key)
-        loss = jax.lax.psum(loss, (DATA, PIPE))
+        if staged:
+            grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
+        loss = jax.lax.psum(loss, DATA if staged else (DATA, PIPE))
     if scatter_dims is not None:  # "data" by reduce-scatter, the other axes as usual
         axes = jax.tree.map(lambda a: tuple(x for x in a if x != DATA), axes, is_leaf=lambda a: isinstance(a, tuple))
     grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a) if a else g, axes, grads,
@@ -151,10 +150,24 @@ def pipeline_schedule(parallel: ParallelConfig):
     return sched
 
 
+def accumulation_schedule(parallel: ParallelConfig):
+    """The table a training step runs: the pipeline's; with p = 1 and m > 1 the 1F1B table at p = 1 (each
+    microbatch's forward, then its backward), so that the executor adds each layer's gradient in place into the
+    float32 accumulators, as Megatron adds into main_grad in its backward, instead of holding one microbatch's
+    whole gradient beside them (`experiments/bench_optimizer_memory.py`); None with one microbatch."""
+    if parallel.pipeline_model_parallel_size > 1:
+        return pipeline_schedule(parallel)
+    if parallel.num_microbatches == 1:
+        return None
+    sched = build("1f1b", 1, 1, parallel.num_microbatches)
+    validate(sched)
+    return sched
+
+
 def make_parallel_grad_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs,
                             recompute: str = "none", scatter_gather: bool = True):
     """jit(params, tokens, labels, mask) -> (loss, grads, grad_norm), for comparing with the reference."""
-    sched = pipeline_schedule(parallel)
+    sched = accumulation_schedule(parallel)
 
     def body(params, tokens, labels, mask):
         return loss_and_grads(params, tokens, labels, mask, None, model_cfg=model_cfg, parallel=parallel,
@@ -175,11 +188,12 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
     test hook (`loss_scale.poison`)."""
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
-    sched = pipeline_schedule(parallel)
-    specs = state_specs(optimizer, state, parallel, pipelined=sched is not None)
-    distributed = specs["params"] != sharding.param_specs(state["params"], sched is not None)
+    pipelined = parallel.pipeline_model_parallel_size > 1
+    sched = accumulation_schedule(parallel)
+    specs = state_specs(optimizer, state, parallel, pipelined=pipelined)
+    distributed = specs["params"] != sharding.param_specs(state["params"], pipelined)
     dims = zero.data_dims(specs["params"]) if distributed else None
-    plain_specs = sharding.param_specs(state["params"], sched is not None)
+    plain_specs = sharding.param_specs(state["params"], pipelined)
 
     def step(state, tokens, labels, mask, key):
         params = state["params"]

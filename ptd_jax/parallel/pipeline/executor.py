@@ -199,10 +199,13 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     draws its forward's masks."""
     p, v = sched.p, sched.v
     t = jax.lax.psum(1, TENSOR)
-    rank = jax.lax.axis_index(PIPE)
     uniform = branching == "uniform"
     table = {**schedule_arrays(sched), **tick_work(sched, branching, forward_only)}
     chunks = sharding.local_chunks(params["layers"])  # [v, k, ...]
+    # At p = 1 the ring is the identity (no ppermute), and with the layers unsplit over "pipe" (the step's
+    # accumulation table, `parallel.step.accumulation_schedule`) nothing varies over "pipe".
+    ring_axes = (PIPE,) if p > 1 or PIPE in varying_axes(jax.tree.leaves(chunks)[0]) else ()
+    rank = jax.lax.axis_index(PIPE) if ring_axes else jnp.zeros((), jnp.int32)
     shared = {k: val for k, val in params.items() if k != "layers"}
     chunks_c, shared_c = gpt.cast_params(chunks, cfg), gpt.cast_params(shared, cfg)  # once per step
     acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
@@ -319,6 +322,8 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
 
     def send(out, shift: int):
         """The ring, issued by every rank on every tick: F outputs go to rank + 1, B input-gradients to rank − 1."""
+        if p == 1:
+            return out
         if use_scatter:
             out = _scatter(out, t)
         recv = jax.lax.ppermute(out, PIPE, _ring(p, shift))
@@ -363,7 +368,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         return carry._replace(grad=carry.grad.at[cell.recv_slot].set(recv), grads_shared=grads_shared, loss=loss,
                               grads_chunks=grads_chunks)
 
-    act_ref = mark_varying(jnp.zeros(act_shape, act_dtype), (PIPE,) + tuple(sorted(varying_axes(tokens_MxBxS))))
+    act_ref = mark_varying(jnp.zeros(act_shape, act_dtype), ring_axes + tuple(sorted(varying_axes(tokens_MxBxS))))
     if sequence_parallel:
         act_ref = mark_varying(act_ref, (TENSOR,))
     if not forward_only:
@@ -375,7 +380,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
         act=jnp.zeros((sched.num_act_slots + 1, *act_shape), act_dtype) + act_ref[None],
         grad=jnp.zeros((sched.num_grad_slots + 1, *act_shape), act_dtype) + act_ref[None],
         grads_chunks=_accumulators(chunks), grads_shared=_accumulators(shared),
-        loss=mark_varying(jnp.zeros((), acc), tuple(sorted(varying_axes(tokens_MxBxS) | {PIPE}))),
+        loss=mark_varying(jnp.zeros((), acc), tuple(sorted(varying_axes(tokens_MxBxS) | set(ring_axes)))),
         res=[] if forward_only else residuals.buffers(sched.num_act_slots + 1, layers_per_chunk))
     for pattern, first, n in tick_runs(sched.kinds):
         ticks = [forward_tick if kind == "F" else backward_tick for kind in pattern]
