@@ -16,8 +16,9 @@ activation-free bytes are the intercept 2·T(s) − T(2s) (activations grow line
 are 0.05% of the state at s = 32).
 
 Three compute dtypes, because the CPU backend changes what a 16-bit step holds:
-- float16 (the 16-bit row): XLA:CPU computes float16 natively, so the step holds what Megatron's bf16/fp16 step
-  holds (16-bit params, float32 gradients accumulated in place: our float16 keeps Megatron's main_grad);
+- float16 against Megatron's bf16 row (18 / 6 + 12/d): XLA:CPU computes float16 natively, and ptd_jax's float16
+  keeps float32 gradients accumulated in place (Megatron's main_grad), so the step holds what Megatron's bf16
+  step holds (Megatron's fp16 row, 20 / 4 + 16/d, has 16-bit gradients, which ptd_jax never keeps);
 - bfloat16: XLA:CPU has no bfloat16 dot, so it converts the gathered weights to float32 copies before the matmuls
   (4 bytes per parameter where the GPU holds 2); measured for the record, and on a GPU by `gpu_check.sh`;
 - float32 (the fp32 row).

@@ -1,7 +1,7 @@
 """Megatron's distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020; Megatron-LM `--use-distributed-optimizer`).
 
 The float32 master weights and Adam's moments are sharded over "data": each parameter gets an extra "data" split on
-one of its dims that no other axis splits (the largest one that d divides; a leaf with none stays replicated),
+one of its dims that no other axis splits (the outermost one that d divides; a leaf with none stays replicated),
 so a data rank holds and updates 1/d of them. Per step, inside shard_map:
 1. all-gather the master shards over "data", already cast to the compute dtype (bf16 in, bf16 out: the
    gathered copy costs 2 bytes per parameter, not 4);

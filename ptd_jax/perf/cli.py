@@ -47,7 +47,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                    help="full: the paper's runs (eq. 3 counts it)")
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true",
-                           help="fp16 params and grads: 20 bytes per parameter, fp16 gradient all-reduce (the paper)")
+                           help="Megatron's fp16 of the paper: fp16 params and grads, 20 bytes per parameter, fp16 gradient "
+                                "all-reduce (ptd-train --fp16 keeps float32 gradients: plan it with --bf16)")
     precision.add_argument("--bf16", action="store_true",
                            help="bf16 params, fp32 grads: 18 bytes per parameter, fp32 gradient all-reduce (default)")
     g.add_argument("--sequence-parallel", action="store_true")

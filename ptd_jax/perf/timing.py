@@ -24,7 +24,9 @@ Per microbatch, on the bottleneck pipeline rank (the last: its l/p layers plus t
   `--gradient-accumulation-fusion` writes the GEMM's output into the buffer and removes it; not modelled);
 - pipeline p2p: the activation forward and its gradient backward at every chunk boundary, b·s·h values (÷ t
   with scatter/gather, plus an all-gather of the slices on NVLink, §4.1), on InfiniBand when pipeline neighbours
-  sit on different nodes (Megatron's rank order: tensor innermost, then data, then pipeline).
+  sit on different nodes (the rank order modelled is ptd_jax's mesh, ("data", "pipe", "tensor"): tensor
+  innermost, then pipeline, data outermost; Megatron's default puts data between them — same result for the
+  layouts of Table 1 and Fig. 13, where t = 8 fills a node).
 An iteration = (m + (p−1)/v) such microbatch slots (the bubble, §2.2: (p−1)/(v·m) of the ideal time; every
 chunk boundary pays its p2p, v times per microbatch), then the data-parallel gradient all-reduce (a ring over d, not
 overlapped — the paper's 2021 code — of the gradient buffer: fp16 under --fp16, fp32 under --bf16; with the

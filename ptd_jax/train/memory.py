@@ -37,7 +37,7 @@ def estimate_bytes(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: 
         scores = 5 if model_cfg.attention_dropout > 0 else 2  # softmax output (+ dropout mask and output)
         per_layer += scores * a * s * s * b / t * width / 2
     if p == 1:
-        in_flight = 1  # microbatches run one after another (a scan)
+        in_flight = 1  # microbatches run one after another (the 1F1B table at p = 1)
     elif parallel.pipeline_schedule == "gpipe":
         in_flight = parallel.num_microbatches
     else:
