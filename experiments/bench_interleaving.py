@@ -4,7 +4,7 @@ Four fake CPU devices, p = 4, m = 8, b = 1, s = 256, two models: the paper's voc
 h 256, V 6400 = 25·h, as GPT-3's 51200/2048; the output layer costs about one chunk) and a wide model with a small
 vocabulary (8 layers, h 512, V 1024). For each, the gradient step of 1F1B (v = 1) and interleaved 1F1B (v = 2)
 under both `--pipeline-branching` modes, and the single-device reference step, all with the same
-`--recompute-granularity` (default none: the executor stashes each chunk's vjp residuals and recomputes nothing,
+`--recompute-granularity` (default none: the executor stashes each layer's vjp residuals and recomputes no matmul,
 as the reference's plain autodiff does). Medians of alternating rounds, ratios from the same run. On fake devices the step time follows the work
 that every rank executes: "uniform" (idle cells compute masked dummies) stands for a lockstep GPU step, whose
 tick lasts as long as its busiest rank; "per-rank" (idle cells compute nothing) measures the total work.

@@ -19,13 +19,18 @@ matrices and embeddings only, no dropout, float32; the loss is the sum of token 
 
 Timing: each round runs the ptd_jax process (all layouts), then one torchrun per pipeline size, then the eager
 process, so the engines alternate; an engine's time per round is the median of its iteration times after the
-first, and the reported tokens/s is B·s over the median of the rounds. The CPU cores are shared by both sides the
-same way (torch: cores / p threads per rank; XLA: its pool over all cores). Torch runs with
-OMP_WAIT_POLICY=PASSIVE: on a machine shared with other work, OpenMP's spinning workers otherwise made eager steps
-up to 60x slower (3.2 s against 0.05 s on the 2-core development machine). On a shared machine, compare the ratios
-of one run rather than absolute numbers.
+first, and the reported tokens/s is B·s over the median of the rounds. Each iteration's process CPU time (every
+thread's, summed over torch's ranks) is recorded too, as tokens per CPU second: on a loaded machine it follows the
+work executed better than the wall time (XLA's idle pool threads spin, which it counts). Threads on the shared
+cores: torch's ranks cores / p each, eager torch `--torch-eager-threads` (default 1, its
+fastest here: 98-106 ms a step against 111-143 ms with 2 threads, 3 alternating runs, 2026-12-01), XLA its pool
+over all cores. Torch runs with OMP_WAIT_POLICY=PASSIVE: on a machine shared with other work, OpenMP's spinning
+workers otherwise made eager steps up to 60x slower (3.2 s against 0.05 s on the 2-core development machine). XLA
+runs with its default flags: none of the XLA:CPU flags tried made these steps faster (docs/architecture.md, "Where
+a p = 2 step goes on 2 fake devices"). On a shared machine, compare the ratios of one run rather than absolute
+numbers: single rounds spread by up to 2x.
 
-Usage: python -m experiments.compare_torch [--rounds 3] [--iters 10]
+Usage: python -m experiments.compare_torch [--rounds 3] [--iters 10] [--torch-eager-threads 1]
        [--layouts serial p2-1f1b p2-1f1b-per-rank p2-gpipe p2v2-interleaved] [--out experiments/results/compare_torch.json]
 """
 
@@ -143,13 +148,14 @@ def run_jax(spec: dict) -> dict:
         step = make_parallel_train_step(mesh, cfg, parallel, train_cfg, optimizer, state).lower(
             state, *batches[0], mask, key).compile()
         compile_s = time.perf_counter() - start
-        losses, times = [], []
+        losses, times, cpu = [], [], []
         for tokens, labels in batches:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             state, metrics = jax.block_until_ready(step(state, tokens, labels, mask, key))
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             losses.append(float(metrics["lm_loss"]))
-        out[layout.name] = {"losses": losses, "step_s": times, "compile_s": compile_s}
+        out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu, "compile_s": compile_s}
     return out
 
 
@@ -191,13 +197,13 @@ def _clip(torch, grads, norm, max_norm: float):
 
 
 def run_torch_eager(spec: dict) -> dict:
-    torch, load, data = _torch_setup(spec, spec["threads"])
+    torch, load, data = _torch_setup(spec, spec["torch_eager_threads"])
     model = load()
     opt, sched = _optimizer(torch, model.named_parameters(), spec)
     M, b = spec["microbatches"], spec["micro_batch"]
-    losses, times = [], []
+    losses, times, cpu = [], [], []
     for batch in data:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         tokens, labels = batch[:, :-1], batch[:, 1:]
         total = labels.numel()
         loss_sum = 0.0
@@ -214,8 +220,9 @@ def run_torch_eager(spec: dict) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         losses.append(loss_sum)
-    return {"losses": losses, "step_s": times}
+    return {"losses": losses, "step_s": times, "cpu_s": cpu}
 
 
 def _stage_module(torch, model, stage: int, num_stages: int, layers_per_stage: int):
@@ -277,10 +284,10 @@ def run_torch_pipeline(spec: dict) -> dict:
         opt, sched = _optimizer(torch, named, spec)
         head = model.transformer.wte.weight  # on the last rank, the output layer's copy
         first_rank, last_rank = rank == 0, rank == world - 1
-        losses, times = [], []
+        losses, times, cpu = [], [], []
         for batch in data:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             tokens, labels = batch[:, :-1], batch[:, 1:]
             micro_losses = []
             if first_rank and last_rank:
@@ -305,8 +312,11 @@ def run_torch_pipeline(spec: dict) -> dict:
             opt.zero_grad(set_to_none=True)
             dist.barrier()
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             losses.append(float(both[1]))
-        out[layout.name] = {"losses": losses, "step_s": times}
+        cpu_all = torch.tensor(cpu, dtype=torch.float64)
+        dist.all_reduce(cpu_all)  # every rank's process CPU time, summed
+        out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu_all.tolist()}
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -379,7 +389,7 @@ def _plot(result: dict, path: str) -> None:
 
 
 def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micro_batch: int, microbatches: int,
-            threads: int, seed: int = 1234) -> dict:
+            threads: int, torch_eager_threads: int = 1, seed: int = 1234) -> dict:
     import jax
     import numpy as np
 
@@ -394,7 +404,8 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
         to_hf(cfg, jax.tree.map(np.asarray, params), work / "weights")
         np.save(work / "data.npy", make_data(iters, micro_batch * microbatches, cfg.seq_length, seed))
         spec = {"model": model, "train": TRAIN, "iters": iters, "micro_batch": micro_batch,
-                "microbatches": microbatches, "threads": threads, "weights": str(work / "weights"),
+                "microbatches": microbatches, "threads": threads, "torch_eager_threads": torch_eager_threads,
+                "weights": str(work / "weights"),
                 "data": str(work / "data.npy"), "jax_cache": str(work / "jax_cache")}
         by_p = sorted({x.p for x in layouts if x.p > 1})
         runs = []
@@ -408,22 +419,27 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
 
     tokens = micro_batch * microbatches * cfg.seq_length
 
-    def tokens_per_s(results):  # median over rounds of each round's median iteration time after the first
-        per_round = [statistics.median(r["step_s"][1:]) for r in results]
+    def tokens_per_s(results, field="step_s"):  # median over rounds of each round's median iteration after the first
+        per_round = [statistics.median(r[field][1:]) for r in results]
         return tokens / statistics.median(per_round), per_round
 
     eager_tps, eager_rounds = tokens_per_s([r["eager"] for r in runs])
+    eager_cpu_tps, eager_cpu_rounds = tokens_per_s([r["eager"] for r in runs], "cpu_s")
     result = {"model": model, "train": {**TRAIN, "train_iters": iters}, "micro_batch": micro_batch,
               "microbatches": microbatches, "global_batch": micro_batch * microbatches, "iters": iters,
-              "rounds": rounds, "threads": threads, "dtype": "float32",
+              "rounds": rounds, "threads": threads, "torch_eager_threads": torch_eager_threads, "dtype": "float32",
               "loss_torch_eager": runs[0]["eager"]["losses"], "torch_eager_tokens_per_s": eager_tps,
-              "torch_eager_step_s_per_round": eager_rounds, "layouts": {}}
+              "torch_eager_step_s_per_round": eager_rounds, "torch_eager_tokens_per_cpu_s": eager_cpu_tps,
+              "torch_eager_cpu_s_per_round": eager_cpu_rounds, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "layouts": {}}
     for layout in layouts:
         jax_runs = [r["jax"][layout.name] for r in runs]
         engine = "eager" if layout.p == 1 else f"torch.distributed.pipelining {layout.schedule}"
         torch_runs = [r["eager"] if layout.p == 1 else r[f"pipe{layout.p}"][layout.name] for r in runs]
         jax_tps, jax_rounds = tokens_per_s(jax_runs)
         torch_tps, torch_rounds = tokens_per_s(torch_runs)
+        jax_cpu_tps, jax_cpu_rounds = tokens_per_s(jax_runs, "cpu_s")
+        torch_cpu_tps, torch_cpu_rounds = tokens_per_s(torch_runs, "cpu_s")
         result["layouts"][layout.name] = {
             "data_parallel_size": 1, "pipeline_model_parallel_size": layout.p, "tensor_model_parallel_size": 1,
             "virtual_pipeline_stages": layout.v, "schedule": layout.schedule if layout.p > 1 else None,
@@ -435,8 +451,11 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
             "loss_max_rel_diff_torch_vs_eager": max(_max_rel_diff(t["losses"], r["eager"]["losses"])
                                                     for t, r in zip(torch_runs, runs)),
             "jax_tokens_per_s": jax_tps, "torch_tokens_per_s": torch_tps, "jax_over_torch": jax_tps / torch_tps,
+            "jax_tokens_per_cpu_s": jax_cpu_tps, "torch_tokens_per_cpu_s": torch_cpu_tps,
+            "jax_over_torch_cpu": jax_cpu_tps / torch_cpu_tps,
             "jax_compile_s": jax_runs[0]["compile_s"],
             "jax_step_s_per_round": jax_rounds, "torch_step_s_per_round": torch_rounds,
+            "jax_cpu_s_per_round": jax_cpu_rounds, "torch_cpu_s_per_round": torch_cpu_rounds,
             "loss_jax": jax_runs[0]["losses"], "loss_torch": torch_runs[0]["losses"],
         }
     return result
@@ -452,6 +471,8 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--model", type=json.loads, default={}, help="ModelConfig overrides, as JSON")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--torch-eager-threads", type=int, default=1,
+                        help="eager torch's intra-op threads (1 was its fastest on the 2-core machine)")
     parser.add_argument("--out", default="experiments/results/compare_torch.json")
     parser.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
     parser.add_argument("--worker", choices=["jax", "torch-pipeline", "torch-eager"], help=argparse.SUPPRESS)
@@ -467,13 +488,13 @@ def main(argv=None) -> dict | None:
         return None
     result = compare([Layout.parse(x) for x in args.layouts], model={**MODEL, **args.model}, iters=args.iters,
                      rounds=args.rounds, micro_batch=args.micro_batch_size, microbatches=args.microbatches,
-                     threads=args.threads)
+                     threads=args.threads, torch_eager_threads=args.torch_eager_threads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     _plot(result, args.plot or str(Path(args.out).with_suffix(".png")))
     for name, row in result["layouts"].items():
         print(json.dumps({name: {k: row[k] for k in ("loss_max_rel_diff", "jax_tokens_per_s", "torch_tokens_per_s",
-                                                     "jax_over_torch")}}))
+                                                     "jax_over_torch", "jax_over_torch_cpu")}}))
     print(json.dumps({"torch_eager_tokens_per_s": result["torch_eager_tokens_per_s"]}))
     return result
 

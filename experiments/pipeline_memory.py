@@ -2,7 +2,7 @@
 in-flight microbatches by p, GPipe holds all m), from XLA's `memory_analysis()` of the compiled gradient step.
 
 For GPipe and 1F1B at p = 4 and m ∈ {8, 32}, and interleaved (v = 2), with `--recompute-granularity` none
-(Megatron's default: every F stashes each layer's vjp residuals, nothing is recomputed) and full (each layer is
+(Megatron's default: every F stashes each layer's vjp residuals, no matmul is recomputed) and full (each layer is
 checkpointed: the stash holds each layer's input, every B recomputes its layers): temp bytes per device of the
 compiled step next to the table's peak stash × bytes per slot (the residuals of one chunk's k layers and one
 microbatch, as `stash.Residuals` traces a layer: under full, k layer inputs of b·s·h). Compiled, not run, on fake CPU devices. The rest of the temp bytes is one

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ptd_jax.config import ModelConfig
 
@@ -133,7 +134,7 @@ def dropout(x, rate: float, key):
     """Inverted dropout; identity when rate == 0 or key is None (evaluation)."""
     if rate == 0.0 or key is None:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    keep = checkpoint_name(jax.random.bernoulli(key, 1.0 - rate, x.shape), DROPOUT_MASK)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
@@ -155,14 +156,15 @@ def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0
     scores_BxHxSxS = jnp.where(causal_SxS, scores_BxHxSxS, jnp.finfo(acc).min)
     probs_BxHxSxS = jax.nn.softmax(scores_BxHxSxS, axis=-1)
     probs_BxHxSxS = dropout(probs_BxHxSxS, dropout_rate, key).astype(v_BxSxHxK.dtype)
-    return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxSxS, v_BxSxHxK)
+    return checkpoint_name(jnp.einsum("bhqs,bshk->bqhk", probs_BxHxSxS, v_BxSxHxK), ATTENTION_CONTEXT)
 
 
 def core_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, cfg: ModelConfig, key=None, recompute: str = "none"):
     """The attention core (scores, softmax, dropout, context). Under `selective` it, and only it, is recomputed
     in the backward, as Megatron's selective recomputation does: its inputs q, k, v (and the dropout key) are
     kept, everything outside it (the weight matmuls, LayerNorms, the tensor collectives) is stored as in `none`,
-    so no collective is ever re-issued."""
+    so no collective is ever re-issued. Inside a layer under `remat_layer` its policy decides (an enclosing
+    checkpoint's policy governs the nested one) and recomputes the same."""
     def core(q, k, v, key):
         return causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
                                 backend=cfg.attention_backend)
@@ -192,10 +194,52 @@ def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None, recompute: str = "
     return x_BxSxD + dropout(h, cfg.hidden_dropout, k_h2)
 
 
+RECOMPUTED_PRIMITIVES = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "log", "log1p", "expm1", "tanh", "logistic",
+    "rsqrt", "sqrt", "square", "integer_pow", "pow", "erf", "select_n", "clamp", "and", "or", "not", "xor", "shift_left",
+    "shift_right_logical", "shift_right_arithmetic", "eq", "ne", "lt", "le", "gt", "ge", "convert_element_type",
+    "bitcast_convert_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
+    "concatenate", "pad", "iota", "copy", "copy_p", "reduce_sum", "reduce_max", "reduce_min", "stop_gradient", "pvary",
+    "pcast"})
+"""Elementwise, layout and reduction primitives: what a layer recomputes in its backward under none and selective
+(`remat_layer`). Everything else is kept: the outputs of matmuls, collectives and random bits, and the values named
+below."""
+DROPOUT_MASK = "dropout_mask"
+"""`checkpoint_name` of a dropout mask, which none keeps (a boolean, not its random bits)."""
+ATTENTION_CONTEXT = "attention_context"
+"""`checkpoint_name` of the attention core's output, which selective keeps (the output projection's backward
+needs it; the core's backward does not)."""
+
+
+def _keep_none(prim, *_, **__) -> bool:
+    return prim.name not in RECOMPUTED_PRIMITIVES
+
+
+def _keep_selective(prim, *_, **params) -> bool:
+    """none's, less the attention core: its two matmuls (the layer's only batched ones) and the dropout masks are
+    recomputed (re-drawn from their keys), its output is kept."""
+    if prim.name == "name":
+        return params["name"] == ATTENTION_CONTEXT
+    if prim.name == "dot_general":
+        (_, (lhs_batch, _)) = params["dimension_numbers"]
+        return not lhs_batch
+    return prim.name != "random_bits" and _keep_none(prim)
+
+
 def remat_layer(layer_fn, granularity: str):
-    """Activation recomputation (paper §3.5): full recomputes the whole layer in the backward. Selective is
-    inside the layer (`core_attention`): it recomputes the attention core only."""
-    return jax.checkpoint(layer_fn) if granularity == "full" else layer_fn
+    """Activation recomputation (paper §3.5), as `jax.checkpoint` policies of one layer:
+    - none keeps the outputs of the layer's matmuls and collectives (and its input, its dropout masks) and recomputes
+      the elementwise work between them in the backward (LayerNorms, bias adds, softmax, GeLU;
+      `RECOMPUTED_PRIMITIVES`), as Megatron's fused kernels do (its bias-GeLU recomputes the GeLU from its input,
+      its LayerNorm the normalised input): no matmul and no collective runs twice, and autodiff's elementwise
+      intermediates (six [B, S, F] tensors for the GeLU alone) are not stored;
+    - selective also recomputes the attention core (`core_attention`): q·kᵀ, the softmax and the attention dropout
+      (re-drawn from its key; the hidden dropouts' masks too), keeping q, k, v and the core's output;
+    - full keeps the layer's input only and recomputes the whole layer.
+    (docs/architecture.md, "Recomputation: Megatron's semantics".)"""
+    if granularity == "full":
+        return jax.checkpoint(layer_fn)
+    return jax.checkpoint(layer_fn, policy=_keep_selective if granularity == "selective" else _keep_none)
 
 
 def run_layers(layers, x_BxSxD, cfg: ModelConfig, *, key=None, recompute: str = "none", first_layer=0):

@@ -120,6 +120,42 @@ def test_recomputation_gives_same_gradients(params, granularity):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
 
 
+def _layer_residuals(layer_fn, p, x, key):
+    """Shapes of the arrays a layer's vjp keeps, less its parameters (what the pipeline stash stores)."""
+    _, vjp = jax.vjp(lambda p, x: layer_fn(p, x, key), p, x)
+    weights = {id(w) for w in jax.tree.leaves(p)}
+    return sorted(tuple(r.shape) for r in jax.tree.leaves(vjp) if id(r) not in weights and r.ndim > 0)
+
+
+def test_layer_keeps_matmul_outputs_and_recomputes_the_elementwise_work():
+    """remat_layer's policies: none keeps the layer input, its matmuls' outputs (the context by name) and its
+    dropout masks, nothing of the LayerNorms, softmax or GeLU (autodiff alone keeps 38 arrays, six [B, S, F] for the
+    GeLU); selective drops the attention core's scores and masks too; full keeps the input; and each gives the
+    gradients of plain autodiff (float64)."""
+    with jax.enable_x64(True):
+        cfg = CFG.replace(dtype="float64", hidden_dropout=0.1, attention_dropout=0.1)
+        p = jax.tree.map(lambda a: a[0], gpt.init_params(jax.random.key(0), cfg)["layers"])
+        x = jax.random.normal(jax.random.key(1), (2, 16, 32), jnp.float64)
+        key = jax.random.key(2)
+
+        def plain(p, x, k):
+            return gpt.transformer_layer(p, x, cfg, k)
+        B, S, D, H, K, F = 2, 16, 32, 4, 8, 128
+        kept = {r: _layer_residuals(gpt.remat_layer(lambda p, x, k, r=r: gpt.transformer_layer(p, x, cfg, k, r), r),
+                                    p, x, key) for r in ("none", "selective", "full")}
+        matmuls = [(B, S, 3, H, K), (B, H, S, S), (B, S, H, K), (B, S, D), (B, S, F)]  # qkv, scores, context, out, fc1
+        assert kept["none"] == sorted([(B, S, D), *matmuls, (B, H, S, S), (B, S, D), (B, S, D)])  # + 3 masks
+        assert kept["selective"] == sorted([(B, S, D), (B, S, 3, H, K), (B, S, H, K), (B, S, D), (B, S, F), (3,)])
+        assert kept["full"] == [(B, S, D)]  # the input (the key is an argument)
+        assert len(_layer_residuals(plain, p, x, key)) > 30
+        want = jax.grad(lambda p, x: jnp.sum(plain(p, x, key) ** 2), (0, 1))(p, x)
+        for r in ("none", "selective", "full"):
+            layer = gpt.remat_layer(lambda p, x, k, r=r: gpt.transformer_layer(p, x, cfg, k, r), r)
+            got = jax.grad(lambda p, x: jnp.sum(layer(p, x, key) ** 2), (0, 1))(p, x)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-13, err_msg=r)
+
+
 def test_bf16_compute_is_close_to_float32(params):
     x = tokens((2, 16))
     mask = jnp.ones_like(x)

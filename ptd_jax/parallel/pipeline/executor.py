@@ -16,7 +16,8 @@ fixed. In a tick each pipeline rank
    gradient added in place to the float32 accumulator (`stash.Residuals.backward`), then, on stage 0, the
    embedding's transpose (`embed_backward`, in a cond: a linear map of the word and position rows, nothing
    stashed);
-   `--recompute-granularity`: none recomputes nothing; selective checkpoints the attention core
+   `--recompute-granularity` (`model.remat_layer`'s policies): none recomputes no matmul and no collective (only the
+   elementwise work between them, as Megatron's fused kernels do); selective also recomputes the attention core
    (`model.core_attention`) inside each layer; full checkpoints each layer, so its residuals are its input and its
    backward runs its forward once more (Megatron's uniform method, one layer per checkpoint);
 3. sends: y to rank + 1 over "pipe" (rank p−1 -> 0 carries it into its next chunk: the ring that makes
@@ -213,7 +214,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     act_shape = (b, S // t if sequence_parallel else S, cfg.hidden_size)
     act_dtype = jnp.dtype(cfg.dtype)
     layers_per_chunk = jax.tree.leaves(chunks)[0].shape[1]
-    # An F stashes each layer's vjp residuals (`stash.Residuals`); the B recomputes nothing ("none"), the attention
+    # An F stashes each layer's vjp residuals (`stash.Residuals`); the B recomputes no matmul ("none"), the attention
     # core ("selective": `model.core_attention` is checkpointed) or each layer ("full": the layer is checkpointed, so
     # its residuals are its input, and the B runs its forward once more: Megatron's uniform method, one layer).
     use_scatter = scatter_gather and not sequence_parallel and t > 1
