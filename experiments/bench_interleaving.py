@@ -31,43 +31,31 @@ CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per
          ("interleaved", 2, "per-rank")]
 
 
-def pipeline_step(cfg, schedule, v, branching, recompute, p=P, m=M, *, t=1, d=1, b=1, table_at_p1=True,
-                  **parallel_fields):
-    """(compiled grad step, its arguments) for the layout (d, p, t, v, b) on the first d·p·t devices; the executor
-    runs the table even at p = 1 unless `table_at_p1` is False (then p = 1 is the training run's step: the layers
-    unstaged, `parallel.step.accumulation_schedule`). `parallel_fields`: further `ParallelConfig` fields
-    (scatter_gather, sequence_parallel)."""
+def pipeline_step(cfg, schedule, v, branching, recompute, p=P, m=M, *, t=1, d=1, b=1, **parallel_fields):
+    """(compiled grad step, its arguments) for the layout (d, p, t, v, b) on the first d·p·t devices: the training
+    step's gradients (`parallel.step.make_parallel_grad_step`; at p = 1 the executor's 1F1B table at p = 1 when
+    m > 1). `parallel_fields`: further `ParallelConfig` fields (scatter_gather, sequence_parallel)."""
     import jax
     import numpy as np
-    from jax.sharding import PartitionSpec as PS
 
     from ptd_jax import model as gpt
     from ptd_jax.config import ParallelConfig
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.pipeline import build
-    from ptd_jax.parallel.step import accumulation_schedule, loss_and_grads
+    from ptd_jax.parallel.step import make_parallel_grad_step
 
     parallel = ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                              virtual_pipeline_stages=v, pipeline_schedule=schedule if p > 1 or table_at_p1 else "1f1b",
+                              virtual_pipeline_stages=v, pipeline_schedule=schedule if p > 1 else "1f1b",
                               micro_batch_size=b, global_batch_size=m * b * d, pipeline_branching=branching,
                               **parallel_fields)
     mesh = make_mesh(parallel)
-    pipelined = p > 1 or table_at_p1
     params = gpt.init_params(jax.random.key(0), cfg, t)
-    if pipelined:
+    if p > 1:
         params = {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
-    specs = sharding.param_specs(params, pipelined=pipelined)
+    specs = sharding.param_specs(params, pipelined=p > 1)
     params = jax.device_put(params, sharding.named(mesh, specs))
-    sched = build(schedule, p, v, m) if pipelined else accumulation_schedule(parallel)
-
-    def body(prm, tokens, labels, mask):
-        return loss_and_grads(prm, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute=recompute,
-                              param_specs=specs, sched=sched, scatter_gather=parallel.scatter_gather)
-
-    batch = sharding.BATCH_SPEC
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
-                                 out_specs=(PS(), specs, PS())))
+    step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute,
+                                   scatter_gather=parallel.scatter_gather)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, d * b, cfg.seq_length), dtype=np.int32)
     args = (params, tokens, tokens, np.ones_like(tokens))
     return step.lower(*args).compile(), args

@@ -37,12 +37,11 @@ def small_model(smoke: bool = False, **overrides):
 
 
 def grad_step(cfg, *, schedule="1f1b", p=1, v=1, m=4, t=1, d=1, b=1, recompute="none", branching="uniform",
-              table_at_p1=False, **fields):
+              **fields):
     """`bench_interleaving.pipeline_step` with keyword arguments: (compiled grad step, its arguments)."""
     from experiments.bench_interleaving import pipeline_step
 
-    return pipeline_step(cfg, schedule, v, branching, recompute, p=p, m=m, t=t, d=d, b=b, table_at_p1=table_at_p1,
-                         **fields)
+    return pipeline_step(cfg, schedule, v, branching, recompute, p=p, m=m, t=t, d=d, b=b, **fields)
 
 
 def time_steps(steps: dict, rounds: int) -> dict:

@@ -10,8 +10,9 @@ Per iteration, on every device (paper §2.3 for tensor, §2.1 for data paralleli
 3. all-reduce the gradients over "data" once (and the sequence-parallel replicated ones over "tensor" once);
 4. clip by a global norm that counts each parameter once, then AdamW on the local shards.
 
-With p > 1, step 2 is the pipeline executor (`pipeline/executor.py`) running the layout's schedule table. Initialisation shards the serial `model.init_params` (jit with out_shardings), so a run
-at t = 4 starts from exactly the weights of t = 1.
+With p > 1, step 2 is the pipeline executor (`pipeline/executor.py`) running the layout's schedule table.
+Initialisation shards the serial `model.init_params` (jit with out_shardings), so a run at t = 4 starts from exactly
+the weights of t = 1.
 """
 
 from __future__ import annotations
