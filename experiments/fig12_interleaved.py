@@ -9,7 +9,8 @@ choice, the paper does not state v for this figure in the text cited).
 Paper: qualitative only (the figure's values are not printed): the interleaved schedule with scatter/gather is
 faster, and the gap closes as the batch grows.
 
-Usage: python -m experiments.fig12_interleaved [--rounds 5] [--smoke] [--out PATH]
+Usage: python -m experiments.fig12_interleaved [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
+(--predicted-only: recompute the predicted part, keep the measured part of the existing JSON)
 """
 
 from __future__ import annotations
@@ -72,11 +73,15 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    args = figures.parse_args(__doc__.splitlines()[0], argv)
+    args = figures.parse_args(__doc__.splitlines()[0], argv, predicted_only=True)
     ms = [4, 8] if args.smoke else [4, 8, 16]
-    figures.fake_devices(P)
-    result = {"predicted": predicted(), "measured": measured(ms, args.rounds, args.smoke), "paper_text": PAPER_TEXT,
-              "timing_note": figures.TIMING_NOTE}
+
+    def measure() -> dict:
+        figures.fake_devices(P)
+        return measured(ms, args.rounds, args.smoke)
+
+    measured_part, timing_note = figures.measured_or_kept("fig12_interleaved", args, measure)
+    result = {"predicted": predicted(), "measured": measured_part, "paper_text": PAPER_TEXT, "timing_note": timing_note}
     figures.write("fig12_interleaved", result, plot, args.out)
     print(json.dumps({"measured": result["measured"]["rows"],
                       "predicted_ratio": {r["batch"]: round(r["ratio"], 3) for r in result["predicted"]}}))

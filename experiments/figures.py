@@ -121,9 +121,16 @@ def write(name: str, result: dict, plot, out: str | None = None) -> Path:
     return path
 
 
-def parse_args(description: str, argv=None, rounds: int = 5, extra=None):
-    """The scripts' common flags: --rounds, --out, --smoke (tiny shapes and one round: checks that it runs);
-    `extra(parser)` adds a script's own."""
+PREDICTED_ONLY_SCRIPTS = ("fig12_interleaved", "fig13_15_parallelism", "fig18_scatter_gather")
+"""The scripts that implement --predicted-only (the others refuse it rather than measure)."""
+
+
+def parse_args(description: str, argv=None, rounds: int = 5, extra=None, predicted_only: bool = False):
+    """The scripts' common flags: --rounds, --out, --smoke (tiny shapes and one round: checks that it runs),
+    --predicted-only (recompute the predicted part from ptd_jax.perf, keep the measured part of the JSON that --out
+    names, default results/<name>.json, and rewrite JSON + PNG: `measured_or_kept`), which a script refuses unless
+    it passes `predicted_only=True`; `extra(parser)` adds a script's own flags (its own --predicted-only, if any,
+    replaces this one)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -132,7 +139,36 @@ def parse_args(description: str, argv=None, rounds: int = 5, extra=None):
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and one round: checks that it runs")
     if extra is not None:
         extra(parser)
+    try:
+        parser.add_argument("--predicted-only", action="store_true",
+                            help="recompute the predicted part (ptd_jax.perf) and keep the measured part of the "
+                                 "existing JSON (--out, default experiments/results/<name>.json); measures nothing")
+    except argparse.ArgumentError:  # the script defines its own
+        predicted_only = True
     args = parser.parse_args(argv)
+    if args.predicted_only and not predicted_only:
+        parser.error(f"--predicted-only is not implemented by this script (only by {', '.join(PREDICTED_ONLY_SCRIPTS)})")
     if args.smoke:
         args.rounds = 1
     return args
+
+
+def kept_results(name: str, out: str | None) -> dict:
+    """The JSON that --predicted-only rewrites (`out`, default results/<name>.json); exits with one line naming the
+    file when it is missing or has no measured part."""
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"{name}: error: --predicted-only keeps the measured part of {path}, which does not exist "
+                         f"(run without --predicted-only first)")
+    old = json.loads(path.read_text())
+    if not old.get("measured"):
+        raise SystemExit(f"{name}: error: {path} has no measured part for --predicted-only to keep")
+    return old
+
+
+def measured_or_kept(name: str, args, measure) -> tuple[dict, str]:
+    """(the measured part, its timing note): `measure()`'s, or with --predicted-only the existing JSON's unchanged."""
+    if args.predicted_only:
+        old = kept_results(name, args.out)
+        return old["measured"], old.get("timing_note", TIMING_NOTE)
+    return measure(), TIMING_NOTE

@@ -115,6 +115,33 @@ def test_calibration_recovers_the_rates_of_synthetic_steps():
     assert predict_step(steps[0], r, w) / steps[0]["step_s"] - 1 < -0.2
 
 
+@pytest.mark.parametrize("script", ["fig12_interleaved", "fig18_scatter_gather"])
+def test_predicted_only_keeps_the_measured_half_and_recomputes_the_predicted(tmp_path, script, capsys):
+    """--predicted-only on a copy of the checked-in JSON whose predicted half is stale: the measured half comes back
+    byte for byte, the predicted half is a fresh `predicted()`, the PNG is rewritten; a missing JSON is one error
+    line naming it; a script without the flag's implementation refuses it."""
+    import importlib
+
+    from experiments import figures
+
+    module = importlib.import_module(f"experiments.{script}")
+    source = json.loads((figures.RESULTS / f"{script}.json").read_text())
+    out = tmp_path / f"{script}.json"
+    out.write_text(json.dumps({**source, "predicted": "stale"}, indent=1))
+    module.main(["--predicted-only", "--out", str(out)])
+    new = json.loads(out.read_text())
+    assert json.dumps(new["measured"], indent=1) == json.dumps(source["measured"], indent=1)
+    assert new["timing_note"] == source["timing_note"]
+    assert new["predicted"] == module.predicted()
+    assert out.with_suffix(".png").stat().st_size > 0
+    missing = tmp_path / "missing.json"
+    with pytest.raises(SystemExit, match=f"{script}: error: .*{missing}.* does not exist"):
+        module.main(["--predicted-only", "--out", str(missing)])
+    with pytest.raises(SystemExit):
+        figures.parse_args("fig17", ["--predicted-only"])
+    assert "--predicted-only is not implemented" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["fig_bubble", "fig18_scatter_gather"])
 def test_figure_script_smoke_runs(tmp_path, script):

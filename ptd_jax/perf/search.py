@@ -5,10 +5,14 @@ numeric by comparing the best layout with the fastest layout of each other value
 - Takeaway #1 (§3.2): tensor parallelism up to the GPUs of a node, pipeline parallelism across nodes (t);
 - Takeaway #2 (§3.3): a model-parallel size t·p just large enough for the model to fit, data parallelism beyond (p);
 - Takeaway #3 (§3.4): the best micro-batch size trades GEMM efficiency against the bubble and memory (b);
-- §2.2.2: interleaving (v model chunks per rank) divides the bubble by v at v times the pipeline p2p (v).
+- §2.2.2: interleaving (v model chunks per rank) divides the bubble by v at v times the pipeline p2p (v);
+- how robust the choice of t is (`sensitivity_of_t`, the "sensitivity" key and the last lines of "why"): against the
+  next t inside a node, the break-even values of the NVLink bus bandwidth, the GEMM efficiency and the InfiniBand
+  efficiency (bisection over 0.3x..3x the preset, efficiencies at most 1, the whole search re-run at each trial
+  value), and the fastest layout of each t without interleaving and at b = 1.
 
-What it says for GPT-3 175B on 1,024 A100-80GB, batch 1,536, fp16: t = 4, p = 16, b = 1, k = 1 first (179.1
-TFLOP/s per GPU). The best t = 8 at the same t·p = 64 (p = 8, b = 2, k = 2: 171.5) takes 4.4% longer per
+What it says for GPT-3 175B on 1,024 A100-80GB, batch 1,536, fp16: t = 4, p = 16, b = 1, k = 1 first (179.2
+TFLOP/s per GPU). The best t = 8 at the same t·p = 64 (p = 8, b = 2, k = 2: 171.5) takes 4.5% longer per
 iteration; the layout of Megatron-LM's examples/pretrain_gpt3_175B.sh (t = 8, p = 16, b = 1, plain 1F1B: 160.1)
 11.9% longer (the paper, §5.1, reports 140 for 175B on 1,024 GPUs at batch 1,536, without naming the layout). Why:
 at a fixed t·p (the same d and m), t = 8 holds twice the layers per GPU, so it runs (12 layers × 2·7/8) / (6 ×
@@ -16,9 +20,22 @@ at a fixed t·p (the same d and m), t = 8 holds twice the layers per GPU, so it 
 recomputation) and twice the LayerNorms and bias-dropout-adds that every tensor rank repeats (22·s·b·h bytes per
 layer, whatever t). At h = 12288 that outweighs what t = 8 saves (bubble, p2p); the compute per all-reduced byte
 grows with h, and at Fig. 13's h = 20480 the model puts t = 8 first at both batch sizes, as the paper measured.
+
+How robust t = 4 is there (the sensitivity lines): no NVLink bus bandwidth in 70.5..705 GB/s (preset 235, NCCL's
+A100 cap) puts t = 8 first — at 705 it is still 0.3% behind (it would take 813.6 GB/s, 2.7x the A100's 300 GB/s
+line rate), at 70.5 19.8%: the all-reduces are most of t = 8's deficit at the preset (tensor_comm +1.05 s, +0.52 s
+more in recomputation), but the LayerNorm/dropout bytes every tensor rank repeats (+0.69 s) do not shrink with the
+bandwidth. Only a GEMM efficiency <= 0.249 (preset 0.80) puts t = 8 first (t = 8, p = 8, b = 2, k = 1), and no
+InfiniBand efficiency in 0.27..1 does (t = 8 +2.8% … +4.6%). Interleaving is most of t = 4's lead: with plain 1F1B
+only, t = 4, p = 16, b = 1 is first by 1.0% (164.4 against t = 8, p = 8, b = 1: 162.7; p = 16 has twice the bubble
+of p = 8); with b = 1 only, t = 4, p = 16, k = 1 stays first (179.2) and t = 8's best (p = 8, k = 3: 169.3) takes
+5.8% longer — t = 8's best layout needs b = 2.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import GIB, Hardware
@@ -104,8 +121,10 @@ def candidates(cfg: ModelConfig, num_gpus: int, global_batch_size: int):
 
 
 def search(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw: Hardware, recompute: str = "full",
-           **flags) -> dict:
-    """{"layouts": fitting layouts fastest first, "excluded": the ones that do not fit (with why), "why": lines}."""
+           *, sensitivity: bool = True, **flags) -> dict:
+    """{"layouts": fitting layouts fastest first, "excluded": the ones that do not fit (with why), "why": lines,
+    "sensitivity": how robust the choice of t is (`sensitivity`; None when `sensitivity` is False or nothing
+    fits), its lines also at the end of "why"}."""
     fits, excluded = [], []
     for t, p, b, k in candidates(cfg, num_gpus, global_batch_size):
         try:
@@ -121,8 +140,12 @@ def search(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw: Hardware
             excluded.append(record)
     fits.sort(key=lambda r: r["iteration_time_s"])
     excluded.sort(key=lambda r: r["memory_gb_per_gpu"])
-    return {"layouts": fits, "excluded": excluded,
-            "why": explain(fits, excluded, hw.gpus_per_node) if fits else []}
+    result = {"layouts": fits, "excluded": excluded,
+              "why": explain(fits, excluded, hw.gpus_per_node) if fits else [], "sensitivity": None}
+    if sensitivity and fits:
+        result["sensitivity"] = sensitivity_of_t(cfg, num_gpus, global_batch_size, hw, fits, recompute, **flags)
+        result["why"] += result["sensitivity"]["lines"]
+    return result
 
 
 def describe(r: dict) -> str:
@@ -209,3 +232,156 @@ def explain(fits: list[dict], excluded: list[dict], gpus_per_node: int = 8) -> l
             name = "plain 1F1B" if other_k is None else f"k={other_k} (v={r['virtual_pipeline_stages']})"
             lines.append(f"§2.2.2 interleaved schedule, same t, p, b: {name}: " + _versus(best, r))
     return lines
+
+
+# --- How robust the choice of t is (Takeaway #1): break-even values of the model's uncertain inputs ---------------
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One uncertain input of the model: how to read it from a `Hardware` and make a `Hardware` with another value."""
+
+    name: str
+    label: str
+    unit: str
+    """Of the JSON values ("bytes/s" or "fraction"); the text prints GB/s."""
+    get: Callable[[Hardware], float]
+    put: Callable[[Hardware, float], Hardware]
+    cap: float | None = None
+    """The largest physically sensible value (1.0 for an efficiency)."""
+
+    def text(self, value: float) -> str:
+        return f"{value / 1e9:.1f} GB/s" if self.unit == "bytes/s" else f"{value:.3f}"
+
+
+KNOBS = (
+    Knob("nvlink_bus_bandwidth", "NVLink all-reduce bus bandwidth (nvlink_efficiency × nvlink_bandwidth)", "bytes/s",
+         lambda hw: hw.nvlink_efficiency * hw.nvlink_bandwidth,
+         lambda hw, x: replace(hw, nvlink_bandwidth=x / hw.nvlink_efficiency)),
+    Knob("gemm_efficiency", "GEMM efficiency", "fraction", lambda hw: hw.gemm_efficiency,
+         lambda hw, x: replace(hw, gemm_efficiency=x), cap=1.0),
+    Knob("ib_efficiency", "InfiniBand efficiency", "fraction", lambda hw: hw.ib_efficiency,
+         lambda hw, x: replace(hw, ib_efficiency=x), cap=1.0),
+)
+KNOB_RANGE = (0.3, 3.0)
+"""Each knob is tried from 0.3× to 3× its preset value (an efficiency up to its cap)."""
+SIGN = {">=": "≥", "<=": "≤"}
+BISECTION_TOLERANCE = 1e-4
+"""Of the preset value: the break-even is bracketed to within this."""
+
+
+def rival_t(fits: list[dict], gpus_per_node: int) -> int | None:
+    """The t the best layout's t is weighed against: the next larger t inside a node with a layout that fits, else
+    the next smaller one (the best t already fills the node), None if there is no other t inside a node."""
+    best_t = fits[0]["tensor_model_parallel_size"]
+    inside = {r["tensor_model_parallel_size"] for r in fits} - {best_t}
+    inside = {x for x in inside if x <= gpus_per_node}
+    larger = sorted(x for x in inside if x > best_t)
+    smaller = sorted(x for x in inside if x < best_t)
+    return larger[0] if larger else (smaller[-1] if smaller else None)
+
+
+def _gap(layouts: list[dict], t: int) -> float | None:
+    """How much longer the best layout of t takes than the first (0.0: t ranks first), None if no t fits."""
+    rival = next((r for r in layouts if r["tensor_model_parallel_size"] == t), None)
+    return None if rival is None else rival["iteration_time_s"] / layouts[0]["iteration_time_s"] - 1
+
+
+def _bisect(first: Callable[[float], bool], not_first: float, first_at: float, tol: float) -> tuple[float, float]:
+    """(a value where `first` is False, one where it is True), at most `tol` apart, between the two given."""
+    while abs(first_at - not_first) > tol:
+        mid = (not_first + first_at) / 2
+        if first(mid):
+            first_at = mid
+        else:
+            not_first = mid
+    return not_first, first_at
+
+
+def break_even(knob: Knob, rerun: Callable[[Hardware], dict], hw: Hardware, t: int) -> dict:
+    """The values of `knob` at which the best layout of `t` ranks first (ties count), found by bisection between the
+    preset and each end of the range where t ranks first (one crossing per side: the one bisection lands on);
+    `rerun(hw)` is the whole search at that hardware."""
+    preset = knob.get(hw)
+    lo, hi = preset * KNOB_RANGE[0], preset * KNOB_RANGE[1]
+    if knob.cap is not None:
+        hi = min(hi, knob.cap)
+
+    def gap(x: float) -> float | None:
+        return _gap(rerun(knob.put(hw, x))["layouts"], t)
+
+    def first(x: float) -> bool:
+        g = gap(x)
+        return g is not None and g <= 0.0
+
+    ends = {"lo": lo, "hi": hi}
+    gaps = {side: gap(x) for side, x in ends.items()}
+    crossings = []
+    for side in ("hi", "lo"):
+        if ends[side] != preset and gaps[side] is not None and gaps[side] <= 0.0:
+            not_first, value = _bisect(first, preset, ends[side], BISECTION_TOLERANCE * preset)
+            crossings.append({"direction": ">=" if side == "hi" else "<=", "value": value, "not_first_at": not_first,
+                              "first": describe(rerun(knob.put(hw, value))["layouts"][0])})
+    return {"name": knob.name, "unit": knob.unit, "preset": preset, "range": [lo, hi],
+            "gap_at_range": [gaps["lo"], gaps["hi"]], "crossings": crossings}
+
+
+def _break_even_line(knob: Knob, entry: dict, t: int) -> str:
+    preset, (lo, hi) = entry["preset"], entry["range"]
+    if not entry["crossings"]:
+        at = " and ".join("no layout" if g is None else f"{g:+.1%}" for g in entry["gap_at_range"])
+        return (f"no {knob.label} in [{knob.text(lo)}, {knob.text(hi)}] makes t={t} first (preset "
+                f"{knob.text(preset)}; at the two ends t={t}'s best takes {at} time against the first)")
+    return "; ".join(f"t={t} would rank first if the {knob.label} were {SIGN[c['direction']]} "
+                     f"{knob.text(c['value'])} (preset {knob.text(preset)}; there {c['first']} is first)"
+                     for c in entry["crossings"])
+
+
+def _ranking_line(name: str, rows: list[dict]) -> str:
+    """The fastest layout of each t among `rows` (fastest first), in order of t, the first marked."""
+    by_t = _fastest(rows, lambda r: r["tensor_model_parallel_size"])
+    if not by_t:
+        return f"{name}: nothing fits"
+    def behind(r: dict) -> str:
+        slower = r["iteration_time_s"] / rows[0]["iteration_time_s"] - 1
+        return "first" if r is rows[0] else f"{slower:+.1%}"
+
+    return f"{name}, the fastest layout of each t: " + ", ".join(
+        f"{describe(r)} {r['tflops_per_gpu']:.1f} ({behind(r)})" for _, r in sorted(by_t.items())) + " TFLOP/s"
+
+
+RANKINGS = {"plain_1f1b": "plain 1F1B only (no interleaving)", "micro_batch_size_1": "b=1 only"}
+
+
+def rankings(fits: list[dict]) -> dict[str, list[dict]]:
+    """The layouts that fit without interleaving, and with b = 1, fastest first (the keys of `RANKINGS`)."""
+    return {"plain_1f1b": [r for r in fits if r["num_layers_per_virtual_pipeline_stage"] is None],
+            "micro_batch_size_1": [r for r in fits if r["micro_batch_size"] == 1]}
+
+
+def _ranking_rows(rows: list[dict]) -> list[dict]:
+    """The JSON of the fastest layout of each t among `rows`, fastest first."""
+    return [{"t": x, "layout": describe(r), "tflops_per_gpu": r["tflops_per_gpu"],
+             "iteration_time_s": r["iteration_time_s"]}
+            for x, r in _fastest(rows, lambda r: r["tensor_model_parallel_size"]).items()]
+
+
+def sensitivity_of_t(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw: Hardware, fits: list[dict],
+                     recompute: str = "full", **flags) -> dict:
+    """How robust the best layout's t is against the next t inside a node (Takeaway #1): for each of `KNOBS` the
+    values at which the other t's best layout ranks first, every layout re-predicted and re-ranked at each trial
+    value; and the best layout of each t without interleaving and at b = 1."""
+    best_t, other = fits[0]["tensor_model_parallel_size"], rival_t(fits, hw.gpus_per_node)
+    head = f"Takeaway #1 sensitivity, t={best_t}" + ("" if other is None else f" vs t={other}")
+    ranked = rankings(fits)
+    out = {"best_t": best_t, "rival_t": other, "break_even": {}, "lines": [],
+           "rankings": {key: _ranking_rows(rows) for key, rows in ranked.items()}}
+    if other is not None:
+        def rerun(trial: Hardware) -> dict:
+            return search(cfg, num_gpus, global_batch_size, trial, recompute, sensitivity=False, **flags)
+
+        for knob in KNOBS:
+            out["break_even"][knob.name] = entry = break_even(knob, rerun, hw, other)
+            out["lines"].append(f"{head} (all layouts re-ranked): " + _break_even_line(knob, entry, other))
+    out["lines"] += [f"{head}: " + _ranking_line(RANKINGS[key], rows) for key, rows in ranked.items()]
+    return out
