@@ -31,7 +31,7 @@ a p = 2 step goes on 2 fake devices"). On a shared machine, compare the ratios o
 numbers: single rounds spread by up to 2x.
 
 Usage: python -m experiments.compare_torch [--rounds 3] [--iters 10] [--torch-eager-threads 1]
-       [--layouts serial p2-1f1b p2-1f1b-per-rank p2-gpipe p2v2-interleaved] [--out experiments/results/compare_torch.json]
+       [--layouts serial p2-1f1b p2-1f1b-uniform p2-gpipe p2v2-interleaved] [--out experiments/results/compare_torch.json]
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from ptd_jax.config import resolve_branching
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257)
 TRAIN = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0)
 MICRO_BATCH, MICROBATCHES = 2, 4
-LAYOUT_NAME = re.compile(r"^(serial|p(\d+)(?:v(\d+))?-(gpipe|1f1b|interleaved)(-per-rank)?)$")
+LAYOUT_NAME = re.compile(r"^(serial|p(\d+)(?:v(\d+))?-(gpipe|1f1b|interleaved)(?:-(uniform|per-rank))?)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +64,18 @@ class Layout:
     p: int = 1
     v: int = 1
     schedule: str = "1f1b"
-    branching: str = "uniform"
-    """ptd_jax's --pipeline-branching (torch runs the same schedule either way)."""
+    branching: str = "auto"
+    """ptd_jax's --pipeline-branching (torch runs the same schedule either way): the name's suffix, else the
+    default, "auto" (per-rank on this CPU; the record names the branching that ran)."""
 
     @classmethod
     def parse(cls, name: str) -> "Layout":
         match = LAYOUT_NAME.match(name)
         if match is None:
-            raise SystemExit(f"layout {name!r}: expected 'serial' or p<P>[v<V>]-<gpipe|1f1b|interleaved>[-per-rank]")
+            raise SystemExit(f"layout {name!r}: expected 'serial' or p<P>[v<V>]-<gpipe|1f1b|interleaved>[-uniform|-per-rank]")
         if match[1] == "serial":
             return cls(name)
-        return cls(name, int(match[2]), int(match[3] or 1), match[4], "per-rank" if match[5] else "uniform")
+        return cls(name, int(match[2]), int(match[3] or 1), match[4], match[5] or "auto")
 
 
 def schedule_lr_factor(step: int, train: dict, iters: int) -> float:
@@ -443,7 +446,8 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
         result["layouts"][layout.name] = {
             "data_parallel_size": 1, "pipeline_model_parallel_size": layout.p, "tensor_model_parallel_size": 1,
             "virtual_pipeline_stages": layout.v, "schedule": layout.schedule if layout.p > 1 else None,
-            "pipeline_branching": layout.branching if layout.p > 1 else None,
+            # ptd_jax runs on fake CPU devices here
+            "pipeline_branching": resolve_branching(layout.branching, "cpu") if layout.p > 1 else None,
             "torch_engine": engine,
             "loss_max_rel_diff": max(_max_rel_diff(j["losses"], t["losses"]) for j, t in zip(jax_runs, torch_runs)),
             "loss_max_rel_diff_jax_vs_eager": max(_max_rel_diff(j["losses"], r["eager"]["losses"])
@@ -463,7 +467,7 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
 
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-1f1b-per-rank", "p2-gpipe",
+    parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-1f1b-uniform", "p2-gpipe",
                                                           "p2v2-interleaved"])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)

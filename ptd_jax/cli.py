@@ -61,11 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
-    g.add_argument("--pipeline-branching", choices=PIPELINE_BRANCHINGS, default="uniform",
+    g.add_argument("--pipeline-branching", choices=PIPELINE_BRANCHINGS, default="auto",
                    help="uniform: every pipeline rank takes the same branch each tick (embedding and output layer "
                         "masked on all ranks, only on the ticks that need them); per-rank: each rank computes only "
                         "its own work (tensor collectives in pipe-divergent branches; measured correct on XLA:CPU, "
-                        "not yet on GPUs)")
+                        "not yet on GPUs); auto (default): per-rank on CPU, where fake devices share the cores and "
+                        "idle work costs time, uniform on accelerators")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true",
                    help="send whole boundary activations between pipeline stages (paper §4.1 off)")

@@ -17,7 +17,21 @@ from dataclasses import dataclass
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
-PIPELINE_BRANCHINGS = ("uniform", "per-rank")
+PIPELINE_BRANCHINGS = ("auto", "uniform", "per-rank")
+
+
+def resolve_branching(branching: str, backend: str | None = None) -> str:
+    """"auto" is "per-rank" on XLA:CPU (fake devices share the host's cores, so an idle cell's dummy work and the
+    masked embedding and head on every rank cost step time; tensor collectives in pipe-divergent branches are
+    measured correct there) and "uniform" on accelerators (no collective in a pipe-divergent branch, and no
+    device-to-host read of a per-rank predicate); the other two are returned as they are."""
+    if branching != "auto":
+        return branching
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return "per-rank" if backend == "cpu" else "uniform"
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ATTENTION_BACKENDS = ("xla", "pallas", "cudnn")
@@ -174,12 +188,12 @@ class ParallelConfig:
     scatter_gather: bool = True
     """Paper §4.1: send 1/t of each pipeline boundary activation per tensor rank and re-assemble it after."""
     use_distributed_optimizer: bool = False
-    pipeline_branching: str = "uniform"
+    pipeline_branching: str = "auto"
     """How pipeline cells branch: "uniform" (every rank the same branch each tick; the embedding and the output
     layer run masked on all ranks, only on the ticks that need them) or "per-rank" (each rank its own branch:
-    only the ranks that need them embed or run the head, idle cells run no layer). Expected to take the same
-    lockstep wall time on GPUs (unmeasured); "per-rank" puts tensor collectives in pipe-divergent branches,
-    measured correct on XLA:CPU only."""
+    only the ranks that need them embed or run the head, idle cells run no layer), or "auto" (`resolve_branching`:
+    per-rank on XLA:CPU, uniform elsewhere). Expected to take the same lockstep wall time on GPUs (unmeasured);
+    "per-rank" puts tensor collectives in pipe-divergent branches, measured correct on XLA:CPU only."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",

@@ -116,5 +116,5 @@ def test_pipeline_branching_flag_reaches_the_layout():
         return cli.parallel_config_from_args(args, cfg, 2)
 
     base = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
-    assert layout(base).pipeline_branching == "uniform"
+    assert layout(base).pipeline_branching == "auto"
     assert layout(base + ["--pipeline-branching", "per-rank"]).pipeline_branching == "per-rank"

@@ -1,7 +1,7 @@
 import pytest
 
 from ptd_jax.config import (PAPER_TABLE_1, PAPER_VOCAB_SIZE, ConfigError, ModelConfig, ParallelConfig, TrainConfig,
-                            model_preset, pad_vocab_size, paper_parallel_config)
+                            model_preset, pad_vocab_size, paper_parallel_config, resolve_branching)
 from ptd_jax.train.flops import num_params
 
 
@@ -111,6 +111,14 @@ def test_other_presets():
 
 
 def test_pipeline_branching_is_checked():
-    assert ParallelConfig().pipeline_branching == "uniform"
-    with pytest.raises(ConfigError, match=r"pipeline_branching='diverge' is not one of \('uniform', 'per-rank'\)"):
+    assert ParallelConfig().pipeline_branching == "auto"
+    with pytest.raises(ConfigError,
+                       match=r"pipeline_branching='diverge' is not one of \('auto', 'uniform', 'per-rank'\)"):
         ParallelConfig(pipeline_branching="diverge")
+
+
+def test_auto_branching_is_per_rank_on_cpu_and_uniform_on_accelerators():
+    assert resolve_branching("auto", "cpu") == "per-rank"
+    assert resolve_branching("auto", "gpu") == resolve_branching("auto", "tpu") == "uniform"
+    assert resolve_branching("auto") == "per-rank"  # these tests run on XLA:CPU
+    assert resolve_branching("uniform", "cpu") == "uniform" and resolve_branching("per-rank", "gpu") == "per-rank"

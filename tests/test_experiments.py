@@ -80,6 +80,7 @@ def test_compare_torch_losses_agree_with_torch_at_one_device_and_at_p2(tmp_path)
         assert row["loss_max_rel_diff"] < 1e-4 and row["loss_max_rel_diff_jax_vs_eager"] < 1e-4, row
         assert row["jax_tokens_per_s"] > 0 and row["torch_tokens_per_s"] > 0
     assert result["layouts"]["p2-1f1b"]["torch_engine"] == "torch.distributed.pipelining 1f1b"
+    assert result["layouts"]["p2-1f1b"]["pipeline_branching"] == "per-rank"  # the default, auto, on CPU
 
 
 def test_figure_predictions_at_the_papers_scale_point_the_papers_way():

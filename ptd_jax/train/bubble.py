@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ptd_jax.config import ParallelConfig
+from ptd_jax.config import ParallelConfig, resolve_branching
 
 DESCRIPTION = ("the run's train step timed at m and 2m microbatches (fresh state copies, alternating rounds, "
                "medians); bubble = (T(m) - m*t_mb)/(m*t_mb) with t_mb = (T(2m) - T(m))/m; the m-independent part "
@@ -112,7 +112,7 @@ def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelCo
                   simulated_bubble=sched.simulate()["bubble_fraction"] if sched else 0.0,
                   simulated_two_point=simulated_two_point(parallel) if sched else 0.0,
                   formula_bubble=sched.formula_bubble() if sched else 0.0,
-                  branching=parallel.pipeline_branching, measurement_s=time.perf_counter() - start,
+                  branching=resolve_branching(parallel.pipeline_branching), measurement_s=time.perf_counter() - start,
                   method=DESCRIPTION)
     return result
 

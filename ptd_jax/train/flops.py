@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from ptd_jax.config import ModelConfig
+from ptd_jax.config import ModelConfig, resolve_branching
 
 def num_params(cfg: ModelConfig, vocab_size: int | None = None) -> float:
     """eq. (2); excludes the final LayerNorm's 2h, as the paper does."""
@@ -84,7 +84,7 @@ def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, reco
 
 
 def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None,
-                                 recompute: str = "none", sched=None, branching: str = "uniform") -> float:
+                                 recompute: str = "none", sched=None, branching: str = "auto") -> float:
     """FLOPs executed by all devices in one iteration. Without a pipeline schedule (p = 1): model FLOPs plus the
     recomputation. With one (a `parallel.pipeline.Schedule`): summed over its ticks as the lockstep executor runs
     them — a forward cell runs its chunk; a backward cell runs the chunk's backward (2×) and what `recompute`
@@ -92,6 +92,7 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
     (forward and backward, 3× its forward) on the last virtual stage; under "uniform" every rank runs its tick's
     chunk work, idle ones on a dummy, and the head on the ticks where some rank needs it."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
+    branching = resolve_branching(branching)
     if sched is None:
         return model_flops_per_iteration(cfg, global_batch_size, V) + recompute_flops_per_iteration(
             cfg, global_batch_size, recompute)

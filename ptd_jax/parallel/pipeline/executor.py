@@ -35,7 +35,8 @@ Where the embedding and the head run is decided before tracing, from the table (
   sit in pipe-divergent branches, which XLA:CPU runs correctly (measured; docs/architecture.md, "Pipeline"); the
   ring stays outside every cond, uniform.
 On a GPU both are expected to take about the same lockstep wall time (a tick lasts as long as its busiest rank;
-not yet measured); on fake CPU devices, which share the cores, "per-rank" does less total work.
+not yet measured); on fake CPU devices, which share the cores, "per-rank" does less total work, so "auto" (the
+default, `config.resolve_branching`) is "per-rank" on XLA:CPU and "uniform" elsewhere.
 
 The parameters are cast to the compute dtype once per step, before the scans (with `--bf16` and float32 master
 weights, a bf16 copy of the rank's layers lives through the step: half their float32 size).
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptd_jax import model as gpt
-from ptd_jax.config import PIPELINE_BRANCHINGS, ModelConfig
+from ptd_jax.config import PIPELINE_BRANCHINGS, ModelConfig, resolve_branching
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
@@ -118,6 +119,7 @@ def tick_work(sched: Schedule, branching: str, forward_only: bool = False) -> di
     ticks where some rank needs them)."""
     if branching not in PIPELINE_BRANCHINGS:
         raise ValueError(f"pipeline_branching={branching!r} is not one of {PIPELINE_BRANCHINGS}")
+    branching = resolve_branching(branching)
     T, p, last = sched.ticks, sched.p, sched.p * sched.v - 1
     embed, head = np.zeros((T, p), bool), np.zeros((T, p), bool)
     for t, (kind, row) in enumerate(zip(sched.kinds, sched.cells)):
@@ -200,6 +202,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     draws its forward's masks."""
     p, v = sched.p, sched.v
     t = jax.lax.psum(1, TENSOR)
+    branching = resolve_branching(branching)
     uniform = branching == "uniform"
     table = {**schedule_arrays(sched), **tick_work(sched, branching, forward_only)}
     chunks = sharding.local_chunks(params["layers"])  # [v, k, ...]
