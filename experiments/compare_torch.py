@@ -49,8 +49,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from ptd_jax.config import resolve_branching
-
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257)
 TRAIN = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0)
@@ -123,7 +121,7 @@ def run_jax(spec: dict) -> dict:
     from ptd_jax.optimizer import make_optimizer, new_state
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
+    from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step, on_mesh
 
     _, canonical = from_hf(spec["weights"])
     cfg = ModelConfig(**spec["model"])
@@ -158,7 +156,8 @@ def run_jax(spec: dict) -> dict:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
             losses.append(float(metrics["lm_loss"]))
-        out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu, "compile_s": compile_s}
+        out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu, "compile_s": compile_s,
+                            "branching": on_mesh(parallel, mesh).pipeline_branching}  # what ran
     return out
 
 
@@ -446,8 +445,7 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
         result["layouts"][layout.name] = {
             "data_parallel_size": 1, "pipeline_model_parallel_size": layout.p, "tensor_model_parallel_size": 1,
             "virtual_pipeline_stages": layout.v, "schedule": layout.schedule if layout.p > 1 else None,
-            # ptd_jax runs on fake CPU devices here
-            "pipeline_branching": resolve_branching(layout.branching, "cpu") if layout.p > 1 else None,
+            "pipeline_branching": jax_runs[0]["branching"] if layout.p > 1 else None,
             "torch_engine": engine,
             "loss_max_rel_diff": max(_max_rel_diff(j["losses"], t["losses"]) for j, t in zip(jax_runs, torch_runs)),
             "loss_max_rel_diff_jax_vs_eager": max(_max_rel_diff(j["losses"], r["eager"]["losses"])

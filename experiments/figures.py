@@ -108,15 +108,22 @@ def write(name: str, result: dict, plot, out: str | None = None) -> Path:
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     result = {"figure_script": f"experiments/{name}.py", "paper": PAPER, **result}
-    path.write_text(json.dumps(result, indent=1))
+    import os
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # the plot first, then both files replaced whole: an error leaves the old pair, which for --predicted-only
+    # holds the only copy of the measured part
     plot(result, plt)
-    plt.savefig(path.with_suffix(".png"), dpi=110, bbox_inches="tight")
+    png, tmp_png, tmp_json = path.with_suffix(".png"), path.with_suffix(".tmp.png"), path.with_suffix(".tmp")
+    plt.savefig(tmp_png, dpi=110, bbox_inches="tight")
     plt.close("all")
+    tmp_json.write_text(json.dumps(result, indent=1))
+    os.replace(tmp_png, png)
+    os.replace(tmp_json, path)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return path
 

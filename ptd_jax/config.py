@@ -32,6 +32,8 @@ def resolve_branching(branching: str, backend: str | None = None) -> str:
 
         backend = jax.default_backend()
     return "per-rank" if backend == "cpu" else "uniform"
+
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ATTENTION_BACKENDS = ("xla", "pallas", "cudnn")

@@ -162,3 +162,14 @@ def test_divergent_branches_probe_agrees_with_uniform(tmp_path):
     result = main(["--out", str(tmp_path / "probe.json")])
     assert result["status"] == "ok" and result["max_rel_diff"] <= 1e-5
     assert json.loads((tmp_path / "probe.json").read_text()) == result
+
+
+@pytest.mark.slow
+def test_bench_branching_smoke_times_both_branchings(tmp_path):
+    out = tmp_path / "branching.json"
+    subprocess.run([sys.executable, "-m", "experiments.bench_branching", "--smoke", "--out", str(out)], check=True,
+                   cwd=Path(__file__).resolve().parents[1], env={**os.environ, "XLA_FLAGS": ""})
+    rows = json.loads(out.read_text())["layouts"]
+    assert set(rows) == {"compare_torch p2 1f1b", "demo d2 p2 t2 interleaved"}
+    for row in rows.values():
+        assert set(row["median_step_s"]) == {"uniform", "per-rank"} and row["uniform_over_per_rank"] > 0

@@ -185,6 +185,9 @@ def test_break_even_of_t_is_exact_and_in_the_json(capsys):
     from ptd_jax.perf.search import BISECTION_TOLERANCE, KNOBS
 
     knobs = {k.name: k for k in KNOBS}
+    for knob in KNOBS:  # put and get are inverse: a break-even is a value of the knob the text names
+        assert knob.get(knob.put(A100, 0.5 * knob.get(A100))) == pytest.approx(0.5 * knob.get(A100), rel=1e-12)
+    assert KNOBS[0].get(A100) == pytest.approx(235e9)  # NCCL's A100 cap
     cases = [(FIG13, 64, 128), (GPT3.replace(dtype="float16"), 1024, 1536)]
     checked = []
     for cfg, num_gpus, batch in cases:
@@ -298,7 +301,14 @@ def test_bad_input_is_one_line_and_exit_2(argv, word, capsys):
 
 
 def test_the_planner_imports_no_jax():
-    code = "import sys, ptd_jax.perf.cli; print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
+    """Neither importing the planner nor running a search and a prediction imports JAX (which would start a backend:
+    on a GPU host, CUDA and its memory pool)."""
+    code = ("import sys, contextlib, io, ptd_jax.perf.cli as c\n"
+            "flags = ['--model-preset', 'paper-1.7b', '--num-gpus', '8', '--global-batch-size', '64']\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    c.main(['search', *flags])\n"
+            "    c.main(['predict', *flags, '--micro-batch-size', '1', '--pipeline-model-parallel-size', '2'])\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -17,13 +17,15 @@ the weights of t = 1.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, resolve_branching
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import learning_rate_schedule, new_state
 from ptd_jax.parallel import distributed_optimizer as zero
@@ -35,6 +37,13 @@ from ptd_jax.parallel.pipeline.lockstep import build, build_forward_only, valida
 from ptd_jax.parallel.vma import mark_tree, mark_varying
 
 DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
+
+
+def on_mesh(parallel: ParallelConfig, mesh) -> ParallelConfig:
+    """`parallel` with "auto" branching resolved for the platform of the mesh's devices (not the process's default
+    backend, which need not be the one a step is built for)."""
+    platform = mesh.devices.flat[0].platform
+    return dataclasses.replace(parallel, pipeline_branching=resolve_branching(parallel.pipeline_branching, platform))
 
 
 def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None, *,
@@ -168,6 +177,7 @@ def accumulation_schedule(parallel: ParallelConfig):
 def make_parallel_grad_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs,
                             recompute: str = "none", scatter_gather: bool = True):
     """jit(params, tokens, labels, mask) -> (loss, grads, grad_norm), for comparing with the reference."""
+    parallel = on_mesh(parallel, mesh)
     sched = accumulation_schedule(parallel)
 
     def body(params, tokens, labels, mask):
@@ -187,6 +197,7 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
 
     `state` (or its abstract shape) fixes the pytree structure of the in/out specifications. `poison_steps`: a
     test hook (`loss_scale.poison`)."""
+    parallel = on_mesh(parallel, mesh)
     schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
     pipelined = parallel.pipeline_model_parallel_size > 1
@@ -230,6 +241,7 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
 def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs):
     """jit(params, tokens, labels, mask [M, d·b, S]) -> mean token loss over the global batch (no dropout).
     With p > 1 the forwards of the training schedule run through the pipeline executor."""
+    parallel = on_mesh(parallel, mesh)
     p = parallel.pipeline_model_parallel_size
     sched = None if p == 1 else build_forward_only(
         parallel.pipeline_schedule, p, parallel.virtual_pipeline_stages, parallel.num_microbatches,

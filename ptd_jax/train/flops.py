@@ -92,10 +92,10 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
     (forward and backward, 3× its forward) on the last virtual stage; under "uniform" every rank runs its tick's
     chunk work, idle ones on a dummy, and the head on the ticks where some rank needs it."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
-    branching = resolve_branching(branching)
-    if sched is None:
+    if sched is None:  # no pipeline table: nothing to resolve (the planner stays free of JAX)
         return model_flops_per_iteration(cfg, global_batch_size, V) + recompute_flops_per_iteration(
             cfg, global_batch_size, recompute)
+    branching = resolve_branching(branching)
     tokens = global_batch_size * cfg.seq_length / sched.m  # one microbatch, over all data-parallel replicas
     layers = cfg.num_layers / (sched.p * sched.v)
     chunk_f = layers * layer_forward_flops(cfg, tokens)

@@ -78,7 +78,8 @@ def test_the_3d_parallel_step_with_every_kernel_lowers_to_triton(monkeypatch):
                       attention_backend="pallas", fused_kernels=True)
     parallel = ParallelConfig(data_parallel_size=2, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                               virtual_pipeline_stages=2, pipeline_schedule="interleaved", sequence_parallel=True,
-                              micro_batch_size=2, global_batch_size=8)
+                              micro_batch_size=2, global_batch_size=8,
+                              pipeline_branching="uniform")  # what "auto" runs on a GPU (the mesh here is CPU's)
     params = jax.eval_shape(lambda k: gpt.init_params(k, cfg, tensor_parallel_size=2), jax.random.key(0))
     params["layers"] = jax.eval_shape(lambda layers: sharding.stage_layers(layers, 2, 2), params["layers"])
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, sharding.param_specs(params, pipelined=True))

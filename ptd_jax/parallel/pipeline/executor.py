@@ -190,7 +190,7 @@ def _accumulators(tree):
 
 def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
                         sched: Schedule, sequence_parallel: bool, scatter_gather: bool = True,
-                        recompute: str = "none", forward_only: bool = False, branching: str = "uniform",
+                        recompute: str = "none", forward_only: bool = False, branching: str = "auto",
                         key=None):
     """shard_map body: this device's (loss sum / total_tokens, float32 gradients) over the whole schedule —
     loss only on the last virtual stage's rank, embedding/output gradients only where those stages run (the
