@@ -266,7 +266,8 @@ def test_two_processes_give_one_processs_loss_trace_and_checkpoints_load_across_
                                                                                                   tmp_path):
     """(d, p, t) = (2, 2, 2): `ptd-launch --nproc 2` with 4 devices each == one process with 8 (loss trace, rtol
     1e-5, and the saved parameters). A step written by 2 processes resumes in 1 and one written by 1 in 2, each
-    continuing the trace of the uninterrupted run; the metrics file is process 0's alone."""
+    continuing the trace of the uninterrupted run (the second under uniform branching, the others per-rank); the
+    metrics file is process 0's alone."""
     common = [*TINY, *LAYOUT_3D, "--data-path", small_corpus, "--train-iters", "4", "--save-interval", "2",
               "--eval-iters", "1", "--eval-interval", "2", "--split", "80,20,0"]
     one, two = tmp_path / "one", tmp_path / "two"
@@ -284,12 +285,13 @@ def test_two_processes_give_one_processs_loss_trace_and_checkpoints_load_across_
     _, p_two = checkpoint.read_params(two, 4)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p_one, p_two)  # weights ~1e-2
 
-    for source, nproc, devices, name in ((two, 1, "8", "2to1"), (one, 2, "4", "1to2")):
+    # the 1-to-2 resume runs uniform branching (the GPU default): it continues the per-rank ("auto" on CPU) trace
+    for source, nproc, devices, name, branching in ((two, 1, "8", "2to1", "auto"), (one, 2, "4", "1to2", "uniform")):
         resumed = tmp_path / name
         shutil.copytree(source, resumed)
         for step in checkpoint.all_steps(resumed)[1:]:  # keep step 2 only
             shutil.rmtree(resumed / str(step))
         metrics = tmp_path / f"{name}.jsonl"
         out = _run([*common, "--fake-devices", devices, "--save", str(resumed), "--load", str(resumed),
-                    "--metrics-file", str(metrics)], nproc=nproc)
+                    "--metrics-file", str(metrics), "--pipeline-branching", branching], nproc=nproc)
         np.testing.assert_allclose(_losses(metrics)[-2:], trace[2:], rtol=1e-5)
