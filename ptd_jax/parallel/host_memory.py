@@ -16,7 +16,9 @@ that fit a worker thread's arena (under 64 MB). It changes only how glibc's mall
 no-op off glibc, or with PTD_JAX_KEEP_HOST_MEMORY=0.
 
 Measured (experiments/bench_cpu_step.py, a loaded 2-core machine): the page faults per step go from 105k to 0,
-but the step time did not measurably change (the spread between rounds was larger). So it is opt-in: `ptd-train`
+but the step time did not measurably change (the spread between rounds was larger). On a quiet machine
+(2026-12-02, 3 rounds) it helps the large step and slows the small one (the single arena's lock): 0.59 -> 0.44 s at
+8 layers h 256 b 8, 0.154 -> 0.205 s at 4 layers h 128 b 4 m 4. So it is opt-in: `ptd-train`
 calls it before the backend starts only with PTD_JAX_KEEP_HOST_MEMORY=1, and the CPU benchmarks call it
 explicitly; nothing else (tests included) changes the process's malloc.
 """
