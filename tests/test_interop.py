@@ -44,23 +44,35 @@ def _hf(path):
 
 
 def test_logits_equal_transformers_gpt2(hf_dir):
+    """Both sides in float64 from the same (float32-exact) weights, so rounding cannot hide a difference in the
+    math: in float32 the two differ by up to 1.03e-5 from run to run (threaded reductions), which a 1e-5 tolerance
+    once failed on a clean clone."""
+    import dataclasses
+
     cfg, params = from_hf(hf_dir)
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.max_positions) == (2, 32, V, S)
     tokens = _tokens()
     with torch.no_grad():
-        theirs = _hf(hf_dir)(torch.tensor(tokens)).logits.numpy()
-    ours = np.asarray(gpt.logits(cfg, jax.tree.map(jnp.asarray, params), tokens))
-    assert ours.shape == (3, S, V)
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+        theirs = _hf(hf_dir).double()(torch.tensor(tokens)).logits.numpy()
+    with jax.enable_x64(True):
+        cfg64 = dataclasses.replace(cfg, dtype="float64", param_dtype="float64")
+        ours = np.asarray(gpt.logits(cfg64, jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params), tokens))
+    assert ours.shape == (3, S, V) and ours.dtype == theirs.dtype == np.float64
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
 
 
 def test_loss_gradients_equal_transformers_gpt2(hf_dir, tmp_path):
     """d(mean next-token loss)/d(every weight): ours (jax.grad, mapped to HF names by to_hf) vs torch autograd."""
+    import dataclasses
+
     cfg, params = from_hf(hf_dir)
+    cfg = dataclasses.replace(cfg, dtype="float64", param_dtype="float64")  # as the logits test: float64 both sides
     tokens = _tokens()
-    model = _hf(hf_dir)
-    out = model(torch.tensor(tokens), labels=torch.tensor(tokens))
-    out.loss.backward()
+    model = _hf(hf_dir).double()
+    logits = model(torch.tensor(tokens)).logits  # float64; HF's own loss upcasts (downcasts here) to float32
+    labels = torch.tensor(tokens[:, 1:]).reshape(-1)
+    their_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels)
+    their_loss.backward()
     theirs = {f"transformer.{k}" if not k.startswith("transformer.") else k: p.grad.numpy()
               for k, p in model.named_parameters()}
 
@@ -68,16 +80,19 @@ def test_loss_gradients_equal_transformers_gpt2(hf_dir, tmp_path):
         total = gpt.loss_sum(p, tokens[:, :-1], tokens[:, 1:], np.ones_like(tokens[:, 1:]), cfg)
         return total / tokens[:, 1:].size
 
-    value, grads = jax.value_and_grad(loss)(jax.tree.map(jnp.asarray, params))
-    assert float(value) == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    with jax.enable_x64(True):
+        value, grads = jax.value_and_grad(loss)(jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params))
+        grads = jax.tree.map(np.asarray, grads)
+    assert float(value) == pytest.approx(float(their_loss.detach()), rel=1e-12)
     # the loss sees positions < S - 1 only: the last position's embedding gradient is zero on both sides
-    to_hf(cfg, jax.tree.map(np.asarray, grads), tmp_path / "grads")
+    to_hf(cfg, grads, tmp_path / "grads")
     from safetensors.numpy import load_file
 
     ours = load_file(str(tmp_path / "grads" / "model.safetensors"))
     assert set(ours) == set(theirs)  # lm_head is wte (tied): torch lists the shared parameter once
     for name, g in ours.items():
-        np.testing.assert_allclose(g, theirs[name], rtol=0, atol=1e-5, err_msg=name)
+        # to_hf writes float32: ours is float64 rounded once (relative 6e-8), theirs float64
+        np.testing.assert_allclose(g, theirs[name], rtol=1e-7, atol=1e-12, err_msg=name)
 
 
 def test_to_hf_round_trips_bitwise_and_loads_in_transformers(hf_dir, tmp_path):
