@@ -25,7 +25,6 @@ Usage: python -m experiments.fig13_15_parallelism [--rounds 5] [--smoke] [--out 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from experiments import figures
 
@@ -113,17 +112,13 @@ def plot(result, plt):
 
 
 def main(argv=None) -> None:
-    def extra(parser):
-        parser.add_argument("--predicted-only", action="store_true",
-                            help="recompute the predicted half; keep the measured half of the existing JSON")
+    args = figures.parse_args(__doc__.splitlines()[0], argv, predicted_only=True)
 
-    args = figures.parse_args(__doc__.splitlines()[0], argv, extra=extra)
-    if args.predicted_only:
-        old = json.loads(Path(args.out or figures.RESULTS / "fig13_15_parallelism.json").read_text())
-        measured_half, timing_note = old["measured"], old["timing_note"]
-    else:
+    def measure():
         figures.fake_devices(4)
-        measured_half, timing_note = measured(args.rounds, args.smoke), figures.TIMING_NOTE
+        return measured(args.rounds, args.smoke)
+
+    measured_half, timing_note = figures.measured_or_kept("fig13_15_parallelism", args, measure)
     result = {"predicted": predicted(), "measured": measured_half, "paper_text": PAPER_TEXT,
               "timing_note": timing_note, "fig13_model": {**FIG13_SHAPE, "source": "paper §5.4.1"}}
     figures.write("fig13_15_parallelism", result, plot, args.out)

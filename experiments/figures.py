@@ -136,12 +136,12 @@ def parse_args(description: str, argv=None, rounds: int = 5, extra=None, predict
     """The scripts' common flags: --rounds, --out, --smoke (tiny shapes and one round: checks that it runs),
     --predicted-only (recompute the predicted part from ptd_jax.perf, keep the measured part of the JSON that --out
     names, default results/<name>.json, and rewrite JSON + PNG: `measured_or_kept`), which a script refuses unless
-    it passes `predicted_only=True`; `extra(parser)` adds a script's own flags (its own --predicted-only, if any,
-    replaces this one)."""
+    it passes `predicted_only=True` (and which takes no --rounds or --smoke); `extra(parser)` adds a script's own
+    flags (its own --predicted-only, if any, replaces this one)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--rounds", type=int, default=None, help=f"alternating rounds (default {rounds})")
     parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and one round: checks that it runs")
     if extra is not None:
@@ -155,6 +155,10 @@ def parse_args(description: str, argv=None, rounds: int = 5, extra=None, predict
     args = parser.parse_args(argv)
     if args.predicted_only and not predicted_only:
         parser.error(f"--predicted-only is not implemented by this script (only by {', '.join(PREDICTED_ONLY_SCRIPTS)})")
+    if args.predicted_only and (args.smoke or args.rounds is not None):
+        parser.error(f"--predicted-only measures nothing: drop {'--smoke' if args.smoke else f'--rounds {args.rounds}'}")
+    if args.rounds is None:
+        args.rounds = rounds
     if args.smoke:
         args.rounds = 1
     return args

@@ -116,11 +116,12 @@ def test_calibration_recovers_the_rates_of_synthetic_steps():
     assert predict_step(steps[0], r, w) / steps[0]["step_s"] - 1 < -0.2
 
 
-@pytest.mark.parametrize("script", ["fig12_interleaved", "fig18_scatter_gather"])
+@pytest.mark.parametrize("script", ["fig12_interleaved", "fig13_15_parallelism", "fig18_scatter_gather"])
 def test_predicted_only_keeps_the_measured_half_and_recomputes_the_predicted(tmp_path, script, capsys):
     """--predicted-only on a copy of the checked-in JSON whose predicted half is stale: the measured half comes back
     byte for byte, the predicted half is a fresh `predicted()`, the PNG is rewritten; a missing JSON is one error
-    line naming it; a script without the flag's implementation refuses it."""
+    line naming it; --rounds or --smoke beside it is refused (they would be silently ignored); a script without the
+    flag's implementation refuses it."""
     import importlib
 
     from experiments import figures
@@ -138,9 +139,14 @@ def test_predicted_only_keeps_the_measured_half_and_recomputes_the_predicted(tmp
     missing = tmp_path / "missing.json"
     with pytest.raises(SystemExit, match=f"{script}: error: .*{missing}.* does not exist"):
         module.main(["--predicted-only", "--out", str(missing)])
+    for ignored in (["--rounds", "3"], ["--smoke"]):
+        with pytest.raises(SystemExit):
+            module.main(["--predicted-only", *ignored, "--out", str(out)])
+        assert f"--predicted-only measures nothing: drop {ignored[0]}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         figures.parse_args("fig17", ["--predicted-only"])
     assert "--predicted-only is not implemented" in capsys.readouterr().err
+    assert figures.parse_args("fig17", []).rounds == 5 and figures.parse_args("fig17", ["--smoke"]).rounds == 1
 
 
 @pytest.mark.slow

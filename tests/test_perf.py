@@ -320,3 +320,29 @@ def test_table1_script_cites_the_papers_numbers_and_predicts_through_the_cli():
     assert PUBLISHED_TFLOPS_PER_GPU == {r.name: r.published_tflops_per_gpu for r in PAPER_TABLE_1}
     row = predict_row(PAPER_TABLE_1[0])
     assert row["num_gpus"] == 32 and row["tensor_model_parallel_size"] == 1 and row["tflops_per_gpu"] > 0
+
+
+def test_break_even_reports_a_tie_at_the_preset_instead_of_a_crossing_next_to_it():
+    """A rival t that already ties for first at the preset: no bisection (which would report a "crossing" a
+    tolerance away from the preset), the entry says tied and its line says so; a rival one hair slower still gets
+    its crossing."""
+    from ptd_jax.perf.search import KNOBS, SHORT, break_even_line, break_even
+
+    knob = KNOBS[0]
+    preset = knob.get(A100)
+    layout = {k: 1 for k in SHORT}
+
+    def rerun_with(slower_at_preset: float):
+        def rerun(hw):  # t = 8 gets faster with the knob; t = 4 does not depend on it
+            t8 = 1.0 + 2 * slower_at_preset * preset / knob.get(hw)  # ties t = 4 at twice the preset
+            rows = [{**layout, "tensor_model_parallel_size": 4, "iteration_time_s": 1.0 + slower_at_preset},
+                    {**layout, "tensor_model_parallel_size": 8, "iteration_time_s": t8}]
+            return {"layouts": sorted(rows, key=lambda r: r["iteration_time_s"])}
+        return rerun
+
+    tied = break_even(knob, rerun_with(0.0), A100, 8)
+    assert tied["tied_at_preset"] and tied["crossings"] == []
+    assert "already ties for first" in break_even_line(knob, tied, 8)
+    apart = break_even(knob, rerun_with(0.01), A100, 8)
+    assert not apart["tied_at_preset"] and apart["crossings"][0]["direction"] == ">="
+    assert apart["crossings"][0]["value"] == pytest.approx(2 * preset, rel=1e-3)

@@ -321,17 +321,20 @@ def break_even(knob: Knob, rerun: Callable[[Hardware], dict], hw: Hardware, t: i
     ends = {"lo": lo, "hi": hi}
     gaps = {side: gap(x) for side, x in ends.items()}
     crossings = []
+    tied = first(preset)  # a tie for first at the preset: no crossing to look for
     for side in ("hi", "lo"):
-        if ends[side] != preset and gaps[side] is not None and gaps[side] <= 0.0:
+        if not tied and ends[side] != preset and gaps[side] is not None and gaps[side] <= 0.0:
             not_first, value = _bisect(first, preset, ends[side], BISECTION_TOLERANCE * preset)
             crossings.append({"direction": ">=" if side == "hi" else "<=", "value": value, "not_first_at": not_first,
                               "first": describe(rerun(knob.put(hw, value))["layouts"][0])})
     return {"name": knob.name, "unit": knob.unit, "preset": preset, "range": [lo, hi],
-            "gap_at_range": [gaps["lo"], gaps["hi"]], "crossings": crossings}
+            "gap_at_range": [gaps["lo"], gaps["hi"]], "crossings": crossings, "tied_at_preset": tied}
 
 
-def _break_even_line(knob: Knob, entry: dict, t: int) -> str:
+def break_even_line(knob: Knob, entry: dict, t: int) -> str:
     preset, (lo, hi) = entry["preset"], entry["range"]
+    if entry["tied_at_preset"]:
+        return f"t={t}'s best already ties for first at the preset {knob.label} ({knob.text(preset)})"
     if not entry["crossings"]:
         at = " and ".join("no layout" if g is None else f"{g:+.1%}" for g in entry["gap_at_range"])
         return (f"no {knob.label} in [{knob.text(lo)}, {knob.text(hi)}] makes t={t} first (preset "
@@ -386,6 +389,6 @@ def sensitivity_of_t(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw
 
         for knob in KNOBS:
             out["break_even"][knob.name] = entry = break_even(knob, rerun, hw, other)
-            out["lines"].append(f"{head} (all layouts re-ranked): " + _break_even_line(knob, entry, other))
+            out["lines"].append(f"{head} (all layouts re-ranked): " + break_even_line(knob, entry, other))
     out["lines"] += [f"{head}: " + _ranking_line(RANKINGS[key], rows) for key, rows in ranked.items()]
     return out
