@@ -1,5 +1,5 @@
 """ptd_jax against PyTorch (issue 14): the same GPT, the same initial weights, the same data and the same layout,
-trained three ways, with loss traces side by side and tokens/s.
+trained four ways, with loss traces side by side and tokens/s.
 
 1. ptd_jax: the parallel train step (`parallel.step.make_parallel_train_step`, jit(shard_map) over fake CPU
    devices; the pipeline executor when p > 1);
@@ -9,16 +9,19 @@ trained three ways, with loss traces side by side and tokens/s.
    all-reduced between the first and the last rank, the grad norm is all-reduced over the ranks (each weight
    counted once);
 3. single-device eager PyTorch: transformers' GPT2LMHeadModel (Megatron's GPT is GPT-2), microbatches
-   accumulated as Megatron does.
+   accumulated as Megatron does;
+4. megatron-core itself, where it is installed (`--no-megatron-core` skips it): its GPTModel (local layer spec)
+   and its own schedules (no pipelining at (1, 1, 1), 1F1B, interleaved 1F1B; it has no GPipe), one CPU process
+   per pipeline rank over gloo, torchrun; `experiments/megatron_worker.py` (and the five CPU shims it needs).
 
 The weights are ptd_jax's `init_params`, written as a Hugging Face GPT-2 folder by `interop.to_hf` (safetensors)
-and read back by both sides. The data are windows of s + 1 bytes of this interpreter's standard-library sources
+and read back by every side (megatron-core's through `interop.to_megatron`). The data are windows of s + 1 bytes of this interpreter's standard-library sources
 (the demo corpus's text, byte tokens), the same [iters, B, s + 1] array for all. Every side runs AdamW with
 Megatron's schedule (linear warm-up, cosine decay to min_lr), clipping to a global norm of 1, weight decay on
 matrices and embeddings only, no dropout, float32; the loss is the sum of token losses over the global token count.
 
 Timing: each round runs the ptd_jax process (all layouts), then one torchrun per pipeline size, then the eager
-process, so the engines alternate; an engine's time per round is the median of its iteration times after the
+process, then megatron-core's torchruns, so the engines alternate; an engine's time per round is the median of its iteration times after the
 first, and the reported tokens/s is B·s over the median of the rounds. Each iteration's process CPU time (every
 thread's, summed over torch's ranks) is recorded too, as tokens per CPU second: on a loaded machine it follows the
 work executed better than the wall time (XLA's idle pool threads spin, which it counts). Threads on the shared
@@ -331,7 +334,7 @@ def run_torch_pipeline(spec: dict) -> dict:
 
 def _worker_cmd(kind: str, spec_path: Path, world: int = 1) -> list[str]:
     module = ["-m", "experiments.compare_torch", "--worker", kind, "--spec", str(spec_path)]
-    if kind == "torch-pipeline":
+    if kind in ("torch-pipeline", "megatron"):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                 *module]
     return [sys.executable, *module]
@@ -367,17 +370,26 @@ def _plot(result: dict, path: str) -> None:
         ax.plot(its, row["loss_jax"], "o-", label="ptd_jax")
         ax.plot(its, row["loss_torch"], "x--", label=f"torch ({row['torch_engine']})")
         ax.plot(its, result["loss_torch_eager"], ":", label="torch eager")
+        if row.get("loss_megatron_core"):
+            ax.plot(its, row["loss_megatron_core"], "+-.", label="megatron-core")
         ax.set(title=name, xlabel="iteration", ylabel="loss")
         ax.legend(fontsize=7, loc="upper right")
         ax = axes[1][i]
         rel = [abs(x - y) / abs(y) for x, y in zip(row["loss_jax"], row["loss_torch"])]
-        ax.semilogy(its, [max(r, 1e-10) for r in rel], "o-")
+        ax.semilogy(its, [max(r, 1e-10) for r in rel], "o-", label="vs torch")
+        if row.get("loss_megatron_core"):
+            rel = [abs(x - y) / abs(y) for x, y in zip(row["loss_jax"], row["loss_megatron_core"])]
+            ax.semilogy(its, [max(r, 1e-10) for r in rel], "+-.", label="vs megatron-core")
+        ax.legend(fontsize=7)
         ax.axhline(1e-4, color="gray", ls="--", lw=1)
-        ax.set(xlabel="iteration", ylabel="|jax − torch| / torch", ylim=(1e-10, 1e-2))
+        ax.set(xlabel="iteration", ylabel="|jax − other| / other", ylim=(1e-10, 1e-2))
     ax = axes[0][-1]
     x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [result["layouts"][n]["jax_tokens_per_s"] for n in names], 0.4, label="ptd_jax")
-    ax.bar([i + 0.2 for i in x], [result["layouts"][n]["torch_tokens_per_s"] for n in names], 0.4, label="torch")
+    rows = [result["layouts"][n] for n in names]
+    ax.bar([i - 0.27 for i in x], [r["jax_tokens_per_s"] for r in rows], 0.27, label="ptd_jax")
+    ax.bar(list(x), [r["torch_tokens_per_s"] for r in rows], 0.27, label="torch")
+    ax.bar([i + 0.27 for i in x], [r.get("megatron_core_tokens_per_s", 0.0) for r in rows], 0.27,
+           label="megatron-core (CPU)")
     ax.set_xticks(list(x), names, rotation=20, fontsize=8)
     ax.set(title="tokens/s (median of rounds)", ylabel="tokens/s")
     ax.legend(fontsize=8)
@@ -390,8 +402,19 @@ def _plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+MEGATRON_SCHEDULES = {"serial": "forward_backward_no_pipelining", "1f1b": "forward_backward_pipelining_without_interleaving",
+                      "interleaved": "forward_backward_pipelining_with_interleaving"}
+"""megatron-core's schedule for each of ours (it has no GPipe)."""
+
+
+def megatron_runs(layout: Layout) -> bool:
+    return layout.p == 1 or layout.schedule in MEGATRON_SCHEDULES
+
+
 def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micro_batch: int, microbatches: int,
-            threads: int, torch_eager_threads: int = 1, seed: int = 1234) -> dict:
+            threads: int, torch_eager_threads: int = 1, seed: int = 1234, megatron_core: bool = True) -> dict:
+    import importlib.util
+
     import jax
     import numpy as np
 
@@ -410,6 +433,8 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
                 "weights": str(work / "weights"),
                 "data": str(work / "data.npy"), "jax_cache": str(work / "jax_cache")}
         by_p = sorted({x.p for x in layouts if x.p > 1})
+        megatron_core = megatron_core and importlib.util.find_spec("megatron.core") is not None
+        megatron_p = sorted({x.p for x in layouts if megatron_runs(x)}) if megatron_core else []
         runs = []
         for _ in range(rounds):
             run = {"jax": _run_worker("jax", {**spec, "layouts": [dataclasses.asdict(x) for x in layouts]}, work)}
@@ -417,6 +442,10 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
                 run[f"pipe{p}"] = _run_worker("torch-pipeline", {
                     **spec, "layouts": [dataclasses.asdict(x) for x in layouts if x.p == p]}, work, world=p)
             run["eager"] = _run_worker("torch-eager", spec, work)
+            for p in megatron_p:
+                run[f"megatron{p}"] = _run_worker("megatron", {
+                    **spec, "layouts": [dataclasses.asdict(x) for x in layouts if x.p == p and megatron_runs(x)]},
+                    work, world=p)
             runs.append(run)
 
     tokens = micro_batch * microbatches * cfg.seq_length
@@ -460,6 +489,25 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
             "jax_cpu_s_per_round": jax_cpu_rounds, "torch_cpu_s_per_round": torch_cpu_rounds,
             "loss_jax": jax_runs[0]["losses"], "loss_torch": torch_runs[0]["losses"],
         }
+        row = result["layouts"][layout.name]
+        if layout.p in megatron_p and megatron_runs(layout):
+            mc_runs = [r[f"megatron{layout.p}"][layout.name] for r in runs]
+            mc_tps, mc_rounds = tokens_per_s(mc_runs)
+            mc_cpu_tps, mc_cpu_rounds = tokens_per_s(mc_runs, "cpu_s")
+            row.update({
+                "megatron_core_engine": "megatron.core.pipeline_parallel."
+                                        + MEGATRON_SCHEDULES["serial" if layout.p == 1 else layout.schedule],
+                "loss_max_rel_diff_jax_vs_megatron_core": max(_max_rel_diff(j["losses"], m["losses"])
+                                                              for j, m in zip(jax_runs, mc_runs)),
+                "loss_max_rel_diff_megatron_core_vs_eager": max(_max_rel_diff(m["losses"], r["eager"]["losses"])
+                                                                for m, r in zip(mc_runs, runs)),
+                "megatron_core_tokens_per_s": mc_tps, "jax_over_megatron_core": jax_tps / mc_tps,
+                "megatron_core_tokens_per_cpu_s": mc_cpu_tps, "jax_over_megatron_core_cpu": jax_cpu_tps / mc_cpu_tps,
+                "megatron_core_step_s_per_round": mc_rounds, "megatron_core_cpu_s_per_round": mc_cpu_rounds,
+                "loss_megatron_core": mc_runs[0]["losses"]})
+        elif megatron_core:
+            row["megatron_core_engine"] = None  # megatron-core has no GPipe schedule
+    result["megatron_core"] = megatron_core
     return result
 
 
@@ -477,26 +525,36 @@ def main(argv=None) -> dict | None:
                         help="eager torch's intra-op threads (1 was its fastest on the 2-core machine)")
     parser.add_argument("--out", default="experiments/results/compare_torch.json")
     parser.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
-    parser.add_argument("--worker", choices=["jax", "torch-pipeline", "torch-eager"], help=argparse.SUPPRESS)
+    parser.add_argument("--no-megatron-core", dest="megatron_core", action="store_false",
+                        help="skip megatron-core (by default it runs where it is installed)")
+    parser.add_argument("--worker", choices=["jax", "torch-pipeline", "torch-eager", "megatron"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         spec = json.loads(Path(args.spec).read_text())
         if args.worker == "torch-pipeline":
             run_torch_pipeline(spec)  # rank 0 writes
+        elif args.worker == "megatron":
+            from experiments.megatron_worker import run_megatron
+
+            run_megatron(spec)  # rank 0 writes
         else:
             out = run_jax(spec) if args.worker == "jax" else run_torch_eager(spec)
             Path(spec["out"]).write_text(json.dumps(out))
         return None
     result = compare([Layout.parse(x) for x in args.layouts], model={**MODEL, **args.model}, iters=args.iters,
                      rounds=args.rounds, micro_batch=args.micro_batch_size, microbatches=args.microbatches,
-                     threads=args.threads, torch_eager_threads=args.torch_eager_threads)
+                     threads=args.threads, torch_eager_threads=args.torch_eager_threads,
+                     megatron_core=args.megatron_core)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     _plot(result, args.plot or str(Path(args.out).with_suffix(".png")))
     for name, row in result["layouts"].items():
         print(json.dumps({name: {k: row[k] for k in ("loss_max_rel_diff", "jax_tokens_per_s", "torch_tokens_per_s",
-                                                     "jax_over_torch", "jax_over_torch_cpu")}}))
+                                                     "jax_over_torch", "jax_over_torch_cpu",
+                                                     "loss_max_rel_diff_jax_vs_megatron_core",
+                                                     "jax_over_megatron_core") if k in row}}))
     print(json.dumps({"torch_eager_tokens_per_s": result["torch_eager_tokens_per_s"]}))
     return result
 

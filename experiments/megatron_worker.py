@@ -1,0 +1,169 @@
+"""compare_torch's fourth engine: megatron-core itself (its GPTModel with the local layer spec and its own pipeline
+schedules, `megatron.core.pipeline_parallel.get_forward_backward_func`: no pipelining at p = 1, 1F1B, interleaved
+1F1B), one CPU process per pipeline rank over gloo, launched by torchrun, trained with compare_torch's loop (the
+same weights through `interop.to_megatron`, data, AdamW, schedule, clipping and loss normalisation).
+
+megatron-core is written for CUDA. On CPU, in this worker process only, five things are pointed at the CPU; none of
+them changes its math:
+- `torch.cuda.current_device()` returns "cpu" (its p2p and attention buffers are allocated on it);
+- `torch.zeros(..., device="cuda")` allocates on the CPU (the schedules' token counter);
+- `Tensor.cuda()` returns the tensor (the tied output layer's start-up copy);
+- `torch.cuda.synchronize()` does nothing (after p2p, where gloo has already waited);
+- the CUDA RNG tracker's `fork()` is a no-op (it guards attention dropout, which is 0 here).
+
+The tied output layer is Megatron's: the last stage keeps a copy of the word embedding and the two copies'
+gradients are all-reduced over megatron-core's embedding group; the grad norm is all-reduced over the ranks, each
+weight counted once. GPipe is not one of megatron-core's schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+
+def point_megatron_at_the_cpu(torch) -> None:
+    """The five CPU shims of the module docstring (process-wide: a worker process only)."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    zeros = torch.zeros
+
+    def cpu_zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return zeros(*args, **kwargs)
+
+    torch.zeros = cpu_zeros
+
+
+def _stage_state(full: dict, stage: int, layers_per_stage: int, first: bool, last: bool) -> dict:
+    """The megatron-core state dict of pipeline stage `stage` (its layers renumbered from 0, as its
+    `state_dict()` names them), from the whole model's."""
+    out = {}
+    lo = stage * layers_per_stage
+    for name, value in full.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            if lo <= int(index) < lo + layers_per_stage:
+                out[f"decoder.layers.{int(index) - lo}.{rest}"] = value
+        elif name.startswith("embedding."):
+            if first:
+                out[name] = value
+        elif last:  # decoder.final_layernorm
+            out[name] = value
+    if last and not first:
+        out["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    return out
+
+
+def run_megatron(spec: dict) -> dict:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from experiments.compare_torch import Layout, _clip, _optimizer
+    from ptd_jax.interop import from_hf, to_megatron
+
+    point_megatron_at_the_cpu(torch)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, spec["threads"] // world))
+    torch.manual_seed(0)
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg, params = from_hf(spec["weights"])
+    full = {k: torch.from_numpy(np.array(v)) for k, v in to_megatron(cfg, params).items()}
+    data = torch.from_numpy(np.load(spec["data"]))
+    M, b, S = spec["microbatches"], spec["micro_batch"], cfg.seq_length
+    total = M * b * S
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]  # True = masked
+    positions = torch.arange(S).expand(b, S)
+    out = {}
+    for layout in (Layout(**x) for x in spec["layouts"]):
+        assert layout.p == world, (layout, world)
+        v = layout.v
+        parallel_state.initialize_model_parallel(1, world, virtual_pipeline_model_parallel_size=v if v > 1 else None)
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        config = TransformerConfig(
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+            ffn_hidden_size=cfg.ffn_size, hidden_dropout=0.0, attention_dropout=0.0,
+            layernorm_epsilon=cfg.layernorm_epsilon,
+            activation_func=lambda x: torch.nn.functional.gelu(x, approximate="tanh" if cfg.gelu_approximate
+                                                               else "none"),
+            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
+            perform_initialization=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+            pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=v if v > 1 else None,
+            batch_p2p_comm=False)
+        num_stages = world * v
+        k = cfg.num_layers // num_stages
+        chunks = []
+        for c in range(v):
+            stage = c * world + rank  # Megatron's round-robin chunks
+            first, last = stage == 0, stage == num_stages - 1
+            chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=cfg.vocab_size, max_sequence_length=S,
+                             pre_process=first, post_process=last, share_embeddings_and_output_weights=True,
+                             position_embedding_type="learned_absolute", vp_stage=c if v > 1 else None)
+            missing, unexpected = chunk.load_state_dict(_stage_state(full, stage, k, first, last), strict=False)
+            assert not unexpected and all(x.endswith("_extra_state") for x in missing), (missing, unexpected)
+            chunks.append(chunk.train())
+        named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+        opt, sched = _optimizer(torch, named, spec)
+        embed = chunks[0].embedding.word_embeddings.weight if rank == 0 else None
+        head = chunks[-1].output_layer.weight if rank == world - 1 and world > 1 else None
+        forward_backward = get_forward_backward_func()
+
+        def forward_step(iterator, model):
+            tokens, labels = next(iterator)
+            losses = model(tokens, positions, mask, labels=labels)  # per-token losses on the last stage
+
+            def loss_func(output):  # the schedule divides by M: the global-token normalisation survives it
+                mb_sum = output.sum() / total
+                return mb_sum * M, {"loss": mb_sum.detach()}
+
+            return losses, loss_func
+
+        losses, times, cpu = [], [], []
+        for batch in data:
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            tokens, labels = batch[:, :-1], batch[:, 1:]
+            micro = [(tokens[j * b:(j + 1) * b], labels[j * b:(j + 1) * b]) for j in range(M)]
+            iterators = [iter(micro) for _ in range(v)] if v > 1 else iter(micro)
+            reduced = forward_backward(forward_step_func=forward_step, data_iterator=iterators,
+                                       model=chunks if v > 1 else chunks[0], num_microbatches=M, seq_length=S,
+                                       micro_batch_size=b, forward_only=False)
+            if world > 1 and (embed is not None or head is not None):
+                tied = embed if embed is not None else head
+                dist.all_reduce(tied.grad, group=parallel_state.get_embedding_group())
+            grads = [p for _, p in named if p.grad is not None]
+            counted = [p for p in grads if p is not head]
+            sq = torch.stack([torch.sum(p.grad * p.grad) for p in counted]).sum()
+            loss = torch.tensor(float(sum(float(x["loss"]) for x in reduced)) if reduced else 0.0)
+            both = torch.stack([sq, loss])
+            if world > 1:
+                dist.all_reduce(both)
+            _clip(torch, [p.grad for p in grads], torch.sqrt(both[0]), spec["train"]["clip_grad"])
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+            losses.append(float(both[1]))
+        cpu_all = torch.tensor(cpu, dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(cpu_all)  # every rank's process CPU time, summed
+        out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu_all.tolist()}
+        parallel_state.destroy_model_parallel()
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(out))
+    dist.destroy_process_group()
+    return out
