@@ -411,6 +411,12 @@ def megatron_runs(layout: Layout) -> bool:
     return layout.p == 1 or layout.schedule in MEGATRON_SCHEDULES
 
 
+def megatron_key(layout: Layout) -> tuple:
+    """What megatron-core runs for a layout: ptd_jax's branching is not one of its choices, so p2-1f1b and
+    p2-1f1b-uniform share one megatron-core run."""
+    return (layout.p, layout.v, layout.schedule if layout.p > 1 else "serial")
+
+
 def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micro_batch: int, microbatches: int,
             threads: int, torch_eager_threads: int = 1, seed: int = 1234, megatron_core: bool = True) -> dict:
     import importlib.util
@@ -435,6 +441,10 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
         by_p = sorted({x.p for x in layouts if x.p > 1})
         megatron_core = megatron_core and importlib.util.find_spec("megatron.core") is not None
         megatron_p = sorted({x.p for x in layouts if megatron_runs(x)}) if megatron_core else []
+        megatron_layouts = {}  # one layout per megatron_key, the first named
+        for x in layouts:
+            if megatron_runs(x):
+                megatron_layouts.setdefault(megatron_key(x), x)
         runs = []
         for _ in range(rounds):
             run = {"jax": _run_worker("jax", {**spec, "layouts": [dataclasses.asdict(x) for x in layouts]}, work)}
@@ -444,7 +454,7 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
             run["eager"] = _run_worker("torch-eager", spec, work)
             for p in megatron_p:
                 run[f"megatron{p}"] = _run_worker("megatron", {
-                    **spec, "layouts": [dataclasses.asdict(x) for x in layouts if x.p == p and megatron_runs(x)]},
+                    **spec, "layouts": [dataclasses.asdict(x) for x in megatron_layouts.values() if x.p == p]},
                     work, world=p)
             runs.append(run)
 
@@ -491,12 +501,14 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
         }
         row = result["layouts"][layout.name]
         if layout.p in megatron_p and megatron_runs(layout):
-            mc_runs = [r[f"megatron{layout.p}"][layout.name] for r in runs]
+            ran = megatron_layouts[megatron_key(layout)].name
+            mc_runs = [r[f"megatron{layout.p}"][ran] for r in runs]
             mc_tps, mc_rounds = tokens_per_s(mc_runs)
             mc_cpu_tps, mc_cpu_rounds = tokens_per_s(mc_runs, "cpu_s")
             row.update({
                 "megatron_core_engine": "megatron.core.pipeline_parallel."
                                         + MEGATRON_SCHEDULES["serial" if layout.p == 1 else layout.schedule],
+                "megatron_core_run": ran,
                 "loss_max_rel_diff_jax_vs_megatron_core": max(_max_rel_diff(j["losses"], m["losses"])
                                                               for j, m in zip(jax_runs, mc_runs)),
                 "loss_max_rel_diff_megatron_core_vs_eager": max(_max_rel_diff(m["losses"], r["eager"]["losses"])
