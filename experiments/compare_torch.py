@@ -34,7 +34,8 @@ a p = 2 step goes on 2 fake devices"). On a shared machine, compare the ratios o
 numbers: single rounds spread by up to 2x.
 
 Usage: python -m experiments.compare_torch [--rounds 3] [--iters 10] [--torch-eager-threads 1]
-       [--layouts serial p2-1f1b p2-1f1b-uniform p2-gpipe p2v2-interleaved] [--out experiments/results/compare_torch.json]
+       [--layouts serial p2-1f1b p2-1f1b-uniform p2-gpipe p2v2-interleaved t2 p2t2-1f1b] [--no-megatron-core]
+       [--out experiments/results/compare_torch.json]
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257)
+MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=256)
+"""The data are bytes, so V = 256: it divides over t = 2 with no padded rows, which megatron-core's vocab-parallel
+softmax would count and ours does not."""
 TRAIN = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0)
 MICRO_BATCH, MICROBATCHES = 2, 4
-LAYOUT_NAME = re.compile(r"^(serial|p(\d+)(?:v(\d+))?-(gpipe|1f1b|interleaved)(?:-(uniform|per-rank))?)$")
+LAYOUT_NAME = re.compile(r"^(serial|t(\d+)|p(\d+)(?:v(\d+))?(?:t(\d+))?-(gpipe|1f1b|interleaved)(?:-(uniform|per-rank))?)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,9 @@ class Layout:
     name: str
     p: int = 1
     v: int = 1
+    t: int = 1
+    """tensor-parallel size: only ptd_jax and megatron-core run t > 1 (torch.distributed.pipelining has no tensor
+    parallelism of its own)"""
     schedule: str = "1f1b"
     branching: str = "auto"
     """ptd_jax's --pipeline-branching (torch runs the same schedule either way): the name's suffix, else the
@@ -73,10 +79,17 @@ class Layout:
     def parse(cls, name: str) -> "Layout":
         match = LAYOUT_NAME.match(name)
         if match is None:
-            raise SystemExit(f"layout {name!r}: expected 'serial' or p<P>[v<V>]-<gpipe|1f1b|interleaved>[-uniform|-per-rank]")
+            raise SystemExit(f"layout {name!r}: expected 'serial', t<T> or "
+                             f"p<P>[v<V>][t<T>]-<gpipe|1f1b|interleaved>[-uniform|-per-rank]")
         if match[1] == "serial":
             return cls(name)
-        return cls(name, int(match[2]), int(match[3] or 1), match[4], match[5] or "auto")
+        if match[2]:
+            return cls(name, t=int(match[2]))
+        return cls(name, int(match[3]), int(match[4] or 1), int(match[5] or 1), match[6], match[7] or "auto")
+
+    @property
+    def devices(self) -> int:
+        return self.p * self.t
 
 
 def schedule_lr_factor(step: int, train: dict, iters: int) -> float:
@@ -111,7 +124,7 @@ def run_jax(spec: dict) -> dict:
     keep_freed_host_memory()  # before JAX starts (parallel/host_memory.py)
 
     layouts = [Layout(**x) for x in spec["layouts"]]
-    set_fake_devices(max(x.p for x in layouts))
+    set_fake_devices(max(x.devices for x in layouts))
     import jax
     import numpy as np
 
@@ -134,12 +147,13 @@ def run_jax(spec: dict) -> dict:
     out = {}
     for layout in layouts:
         parallel = ParallelConfig(pipeline_model_parallel_size=layout.p, virtual_pipeline_stages=layout.v,
+                                  tensor_model_parallel_size=layout.t,
                                   pipeline_schedule=layout.schedule, pipeline_branching=layout.branching,
                                   micro_batch_size=spec["micro_batch"],
                                   global_batch_size=spec["micro_batch"] * spec["microbatches"])
         parallel.check_model(cfg)
         mesh = make_mesh(parallel)
-        params = sharding.from_canonical(optimizer, {"params": canonical}, cfg.padded_vocab_size(1), layout.p,
+        params = sharding.from_canonical(optimizer, {"params": canonical}, cfg.padded_vocab_size(layout.t), layout.p,
                                          layout.v)["params"]
         abstract = init_sharded_state(jax.random.key(0), cfg, optimizer, mesh, parallel, shapes_only=True)
         state = jax.device_put(new_state(params, optimizer), jax.tree.map(lambda x: x.sharding, abstract))
@@ -152,14 +166,15 @@ def run_jax(spec: dict) -> dict:
         step = make_parallel_train_step(mesh, cfg, parallel, train_cfg, optimizer, state).lower(
             state, *batches[0], mask, key).compile()
         compile_s = time.perf_counter() - start
-        losses, times, cpu = [], [], []
+        losses, norms, times, cpu = [], [], [], []
         for tokens, labels in batches:
             start, start_cpu = time.perf_counter(), time.process_time()
             state, metrics = jax.block_until_ready(step(state, tokens, labels, mask, key))
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
             losses.append(float(metrics["lm_loss"]))
-        out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu, "compile_s": compile_s,
+            norms.append(float(metrics["grad_norm"]))
+        out[layout.name] = {"losses": losses, "grad_norms": norms, "step_s": times, "cpu_s": cpu, "compile_s": compile_s,
                             "branching": on_mesh(parallel, mesh).pipeline_branching}  # what ran
     return out
 
@@ -368,15 +383,17 @@ def _plot(result: dict, path: str) -> None:
         its = range(1, len(row["loss_jax"]) + 1)
         ax = axes[0][i]
         ax.plot(its, row["loss_jax"], "o-", label="ptd_jax")
-        ax.plot(its, row["loss_torch"], "x--", label=f"torch ({row['torch_engine']})")
+        if row.get("loss_torch"):
+            ax.plot(its, row["loss_torch"], "x--", label=f"torch ({row['torch_engine']})")
         ax.plot(its, result["loss_torch_eager"], ":", label="torch eager")
         if row.get("loss_megatron_core"):
             ax.plot(its, row["loss_megatron_core"], "+-.", label="megatron-core")
         ax.set(title=name, xlabel="iteration", ylabel="loss")
         ax.legend(fontsize=7, loc="upper right")
         ax = axes[1][i]
-        rel = [abs(x - y) / abs(y) for x, y in zip(row["loss_jax"], row["loss_torch"])]
-        ax.semilogy(its, [max(r, 1e-10) for r in rel], "o-", label="vs torch")
+        if row.get("loss_torch"):
+            rel = [abs(x - y) / abs(y) for x, y in zip(row["loss_jax"], row["loss_torch"])]
+            ax.semilogy(its, [max(r, 1e-10) for r in rel], "o-", label="vs torch")
         if row.get("loss_megatron_core"):
             rel = [abs(x - y) / abs(y) for x, y in zip(row["loss_jax"], row["loss_megatron_core"])]
             ax.semilogy(its, [max(r, 1e-10) for r in rel], "+-.", label="vs megatron-core")
@@ -387,7 +404,7 @@ def _plot(result: dict, path: str) -> None:
     x = range(len(names))
     rows = [result["layouts"][n] for n in names]
     ax.bar([i - 0.27 for i in x], [r["jax_tokens_per_s"] for r in rows], 0.27, label="ptd_jax")
-    ax.bar(list(x), [r["torch_tokens_per_s"] for r in rows], 0.27, label="torch")
+    ax.bar(list(x), [r.get("torch_tokens_per_s", 0.0) for r in rows], 0.27, label="torch")
     ax.bar([i + 0.27 for i in x], [r.get("megatron_core_tokens_per_s", 0.0) for r in rows], 0.27,
            label="megatron-core (CPU)")
     ax.set_xticks(list(x), names, rotation=20, fontsize=8)
@@ -414,7 +431,7 @@ def megatron_runs(layout: Layout) -> bool:
 def megatron_key(layout: Layout) -> tuple:
     """What megatron-core runs for a layout: ptd_jax's branching is not one of its choices, so p2-1f1b and
     p2-1f1b-uniform share one megatron-core run."""
-    return (layout.p, layout.v, layout.schedule if layout.p > 1 else "serial")
+    return (layout.p, layout.v, layout.t, layout.schedule if layout.p > 1 else "serial")
 
 
 def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micro_batch: int, microbatches: int,
@@ -438,9 +455,9 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
                 "microbatches": microbatches, "threads": threads, "torch_eager_threads": torch_eager_threads,
                 "weights": str(work / "weights"),
                 "data": str(work / "data.npy"), "jax_cache": str(work / "jax_cache")}
-        by_p = sorted({x.p for x in layouts if x.p > 1})
+        by_p = sorted({x.p for x in layouts if x.p > 1 and x.t == 1})  # torch.distributed.pipelining's
         megatron_core = megatron_core and importlib.util.find_spec("megatron.core") is not None
-        megatron_p = sorted({x.p for x in layouts if megatron_runs(x)}) if megatron_core else []
+        megatron_p = sorted({x.devices for x in layouts if megatron_runs(x)}) if megatron_core else []
         megatron_layouts = {}  # one layout per megatron_key, the first named
         for x in layouts:
             if megatron_runs(x):
@@ -450,11 +467,12 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
             run = {"jax": _run_worker("jax", {**spec, "layouts": [dataclasses.asdict(x) for x in layouts]}, work)}
             for p in by_p:
                 run[f"pipe{p}"] = _run_worker("torch-pipeline", {
-                    **spec, "layouts": [dataclasses.asdict(x) for x in layouts if x.p == p]}, work, world=p)
+                    **spec, "layouts": [dataclasses.asdict(x) for x in layouts if x.p == p and x.t == 1]},
+                    work, world=p)
             run["eager"] = _run_worker("torch-eager", spec, work)
             for p in megatron_p:
                 run[f"megatron{p}"] = _run_worker("megatron", {
-                    **spec, "layouts": [dataclasses.asdict(x) for x in megatron_layouts.values() if x.p == p]},
+                    **spec, "layouts": [dataclasses.asdict(x) for x in megatron_layouts.values() if x.devices == p]},
                     work, world=p)
             runs.append(run)
 
@@ -475,34 +493,33 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
               "layouts": {}}
     for layout in layouts:
         jax_runs = [r["jax"][layout.name] for r in runs]
-        engine = "eager" if layout.p == 1 else f"torch.distributed.pipelining {layout.schedule}"
-        torch_runs = [r["eager"] if layout.p == 1 else r[f"pipe{layout.p}"][layout.name] for r in runs]
         jax_tps, jax_rounds = tokens_per_s(jax_runs)
-        torch_tps, torch_rounds = tokens_per_s(torch_runs)
         jax_cpu_tps, jax_cpu_rounds = tokens_per_s(jax_runs, "cpu_s")
-        torch_cpu_tps, torch_cpu_rounds = tokens_per_s(torch_runs, "cpu_s")
-        result["layouts"][layout.name] = {
-            "data_parallel_size": 1, "pipeline_model_parallel_size": layout.p, "tensor_model_parallel_size": 1,
+        row = result["layouts"][layout.name] = {
+            "data_parallel_size": 1, "pipeline_model_parallel_size": layout.p, "tensor_model_parallel_size": layout.t,
             "virtual_pipeline_stages": layout.v, "schedule": layout.schedule if layout.p > 1 else None,
             "pipeline_branching": jax_runs[0]["branching"] if layout.p > 1 else None,
-            "torch_engine": engine,
-            "loss_max_rel_diff": max(_max_rel_diff(j["losses"], t["losses"]) for j, t in zip(jax_runs, torch_runs)),
             "loss_max_rel_diff_jax_vs_eager": max(_max_rel_diff(j["losses"], r["eager"]["losses"])
                                                   for j, r in zip(jax_runs, runs)),
-            "loss_max_rel_diff_torch_vs_eager": max(_max_rel_diff(t["losses"], r["eager"]["losses"])
-                                                    for t, r in zip(torch_runs, runs)),
-            "jax_tokens_per_s": jax_tps, "torch_tokens_per_s": torch_tps, "jax_over_torch": jax_tps / torch_tps,
-            "jax_tokens_per_cpu_s": jax_cpu_tps, "torch_tokens_per_cpu_s": torch_cpu_tps,
-            "jax_over_torch_cpu": jax_cpu_tps / torch_cpu_tps,
-            "jax_compile_s": jax_runs[0]["compile_s"],
-            "jax_step_s_per_round": jax_rounds, "torch_step_s_per_round": torch_rounds,
-            "jax_cpu_s_per_round": jax_cpu_rounds, "torch_cpu_s_per_round": torch_cpu_rounds,
-            "loss_jax": jax_runs[0]["losses"], "loss_torch": torch_runs[0]["losses"],
-        }
-        row = result["layouts"][layout.name]
-        if layout.p in megatron_p and megatron_runs(layout):
+            "jax_tokens_per_s": jax_tps, "jax_tokens_per_cpu_s": jax_cpu_tps, "jax_compile_s": jax_runs[0]["compile_s"],
+            "jax_step_s_per_round": jax_rounds, "jax_cpu_s_per_round": jax_cpu_rounds, "loss_jax": jax_runs[0]["losses"],
+            "grad_norm_jax": jax_runs[0]["grad_norms"], "torch_engine": None}
+        if layout.t == 1:  # torch: eager at (1, 1, 1), torch.distributed.pipelining at p > 1
+            torch_runs = [r["eager"] if layout.p == 1 else r[f"pipe{layout.p}"][layout.name] for r in runs]
+            torch_tps, torch_rounds = tokens_per_s(torch_runs)
+            torch_cpu_tps, torch_cpu_rounds = tokens_per_s(torch_runs, "cpu_s")
+            row.update({
+                "torch_engine": "eager" if layout.p == 1 else f"torch.distributed.pipelining {layout.schedule}",
+                "loss_max_rel_diff": max(_max_rel_diff(j["losses"], t["losses"]) for j, t in zip(jax_runs, torch_runs)),
+                "loss_max_rel_diff_torch_vs_eager": max(_max_rel_diff(t["losses"], r["eager"]["losses"])
+                                                        for t, r in zip(torch_runs, runs)),
+                "torch_tokens_per_s": torch_tps, "jax_over_torch": jax_tps / torch_tps,
+                "torch_tokens_per_cpu_s": torch_cpu_tps, "jax_over_torch_cpu": jax_cpu_tps / torch_cpu_tps,
+                "torch_step_s_per_round": torch_rounds, "torch_cpu_s_per_round": torch_cpu_rounds,
+                "loss_torch": torch_runs[0]["losses"]})
+        if layout.devices in megatron_p and megatron_runs(layout):
             ran = megatron_layouts[megatron_key(layout)].name
-            mc_runs = [r[f"megatron{layout.p}"][ran] for r in runs]
+            mc_runs = [r[f"megatron{layout.devices}"][ran] for r in runs]
             mc_tps, mc_rounds = tokens_per_s(mc_runs)
             mc_cpu_tps, mc_cpu_rounds = tokens_per_s(mc_runs, "cpu_s")
             row.update({
@@ -516,7 +533,11 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
                 "megatron_core_tokens_per_s": mc_tps, "jax_over_megatron_core": jax_tps / mc_tps,
                 "megatron_core_tokens_per_cpu_s": mc_cpu_tps, "jax_over_megatron_core_cpu": jax_cpu_tps / mc_cpu_tps,
                 "megatron_core_step_s_per_round": mc_rounds, "megatron_core_cpu_s_per_round": mc_cpu_rounds,
-                "loss_megatron_core": mc_runs[0]["losses"]})
+                "loss_megatron_core": mc_runs[0]["losses"], "grad_norm_megatron_core": mc_runs[0]["grad_norms"],
+                "grad_norm_max_rel_diff_jax_vs_megatron_core": max(
+                    _max_rel_diff(j["grad_norms"], m["grad_norms"]) for j, m in zip(jax_runs, mc_runs))})
+            if layout.t > 1:  # no torch engine: the comparison is with megatron-core
+                row["loss_max_rel_diff"] = row["loss_max_rel_diff_jax_vs_megatron_core"]
         elif megatron_core:
             row["megatron_core_engine"] = None  # megatron-core has no GPipe schedule
     result["megatron_core"] = megatron_core
@@ -526,7 +547,8 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-1f1b-uniform", "p2-gpipe",
-                                                          "p2v2-interleaved"])
+                                                          "p2v2-interleaved", "t2", "p2t2-1f1b"],
+                        help="t<T> layouts run ptd_jax and megatron-core only")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=MICRO_BATCH)

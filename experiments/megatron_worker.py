@@ -39,6 +39,25 @@ def point_megatron_at_the_cpu(torch) -> None:
     torch.zeros = cpu_zeros
 
 
+COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
+                   "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight")
+"""Split over t along dim 0 (output rows; the QKV rows go head by head, so each rank gets whole heads; the
+vocabulary rows of the embedding and the output layer)."""
+ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+"""Split over t along dim 1 (input columns); their biases, the LayerNorms and the positions are whole on every rank."""
+
+
+def tensor_shard(name: str, value, rank: int, t: int):
+    """Tensor-parallel rank `rank`'s part of a whole tensor of megatron-core's state dict (Megatron's split)."""
+    if t == 1:
+        return value
+    if name.endswith(COLUMN_PARALLEL):
+        return value.chunk(t, dim=0)[rank].clone()
+    if name.endswith(ROW_PARALLEL):
+        return value.chunk(t, dim=1)[rank].clone()
+    return value
+
+
 def _stage_state(full: dict, stage: int, layers_per_stage: int, first: bool, last: bool) -> dict:
     """The megatron-core state dict of pipeline stage `stage` (its layers renumbered from 0, as its
     `state_dict()` names them), from the whole model's."""
@@ -70,7 +89,7 @@ def run_megatron(spec: dict) -> dict:
     point_megatron_at_the_cpu(torch)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, spec["threads"] // world))
+    torch.set_num_threads(max(1, spec["threads"] // world))  # world = p·t processes
     torch.manual_seed(0)
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -87,9 +106,10 @@ def run_megatron(spec: dict) -> dict:
     positions = torch.arange(S).expand(b, S)
     out = {}
     for layout in (Layout(**x) for x in spec["layouts"]):
-        assert layout.p == world, (layout, world)
-        v = layout.v
-        parallel_state.initialize_model_parallel(1, world, virtual_pipeline_model_parallel_size=v if v > 1 else None)
+        assert layout.devices == world, (layout, world)
+        v, p, t = layout.v, layout.p, layout.t
+        parallel_state.initialize_model_parallel(t, p, virtual_pipeline_model_parallel_size=v if v > 1 else None)
+        tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         config = TransformerConfig(
             num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
@@ -100,24 +120,29 @@ def run_megatron(spec: dict) -> dict:
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
             perform_initialization=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-            pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=v if v > 1 else None,
+            tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+            virtual_pipeline_model_parallel_size=v if v > 1 else None,
             batch_p2p_comm=False)
-        num_stages = world * v
+        num_stages = p * v
         k = cfg.num_layers // num_stages
         chunks = []
         for c in range(v):
-            stage = c * world + rank  # Megatron's round-robin chunks
+            stage = c * p + pp_rank  # Megatron's round-robin chunks
             first, last = stage == 0, stage == num_stages - 1
             chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=cfg.vocab_size, max_sequence_length=S,
                              pre_process=first, post_process=last, share_embeddings_and_output_weights=True,
                              position_embedding_type="learned_absolute", vp_stage=c if v > 1 else None)
-            missing, unexpected = chunk.load_state_dict(_stage_state(full, stage, k, first, last), strict=False)
+            state = {name: tensor_shard(name, value, tp_rank, t)
+                     for name, value in _stage_state(full, stage, k, first, last).items()}
+            missing, unexpected = chunk.load_state_dict(state, strict=False)
             assert not unexpected and all(x.endswith("_extra_state") for x in missing), (missing, unexpected)
             chunks.append(chunk.train())
-        named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+        named = [(n, w) for chunk in chunks for n, w in chunk.named_parameters()]
+        # by name: megatron-core sets `tensor_model_parallel` on a weight only when it initialises it
+        sharded = {id(w) for n, w in named if t > 1 and n.endswith(COLUMN_PARALLEL + ROW_PARALLEL)}
         opt, sched = _optimizer(torch, named, spec)
-        embed = chunks[0].embedding.word_embeddings.weight if rank == 0 else None
-        head = chunks[-1].output_layer.weight if rank == world - 1 and world > 1 else None
+        embed = chunks[0].embedding.word_embeddings.weight if pp_rank == 0 else None
+        head = chunks[-1].output_layer.weight if pp_rank == p - 1 and p > 1 else None
         forward_backward = get_forward_backward_func()
 
         def forward_step(iterator, model):
@@ -130,7 +155,7 @@ def run_megatron(spec: dict) -> dict:
 
             return losses, loss_func
 
-        losses, times, cpu = [], [], []
+        losses, norms, times, cpu = [], [], [], []
         for batch in data:
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -140,13 +165,14 @@ def run_megatron(spec: dict) -> dict:
             reduced = forward_backward(forward_step_func=forward_step, data_iterator=iterators,
                                        model=chunks if v > 1 else chunks[0], num_microbatches=M, seq_length=S,
                                        micro_batch_size=b, forward_only=False)
-            if world > 1 and (embed is not None or head is not None):
+            if p > 1 and (embed is not None or head is not None):  # the tied copies, per tensor rank
                 tied = embed if embed is not None else head
                 dist.all_reduce(tied.grad, group=parallel_state.get_embedding_group())
-            grads = [p for _, p in named if p.grad is not None]
-            counted = [p for p in grads if p is not head]
-            sq = torch.stack([torch.sum(p.grad * p.grad) for p in counted]).sum()
-            loss = torch.tensor(float(sum(float(x["loss"]) for x in reduced)) if reduced else 0.0)
+            grads = [w for _, w in named if w.grad is not None]
+            # each weight once: a tensor-parallel shard on every tensor rank, a replicated one on tensor rank 0 only
+            counted = [w for w in grads if w is not head and (id(w) in sharded or tp_rank == 0)]
+            sq = torch.stack([torch.sum(w.grad * w.grad) for w in counted]).sum() if counted else torch.tensor(0.0)
+            loss = torch.tensor(float(sum(float(x["loss"]) for x in reduced)) if reduced and tp_rank == 0 else 0.0)
             both = torch.stack([sq, loss])
             if world > 1:
                 dist.all_reduce(both)
@@ -158,10 +184,11 @@ def run_megatron(spec: dict) -> dict:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
             losses.append(float(both[1]))
+            norms.append(float(torch.sqrt(both[0])))
         cpu_all = torch.tensor(cpu, dtype=torch.float64)
         if world > 1:
             dist.all_reduce(cpu_all)  # every rank's process CPU time, summed
-        out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu_all.tolist()}
+        out[layout.name] = {"losses": losses, "grad_norms": norms, "step_s": times, "cpu_s": cpu_all.tolist()}
         parallel_state.destroy_model_parallel()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(out))
