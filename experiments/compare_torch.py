@@ -4,15 +4,16 @@ trained four ways, with loss traces side by side and tokens/s.
 1. ptd_jax: the parallel train step (`parallel.step.make_parallel_train_step`, jit(shard_map) over fake CPU
    devices; the pipeline executor when p > 1);
 2. PyTorch's own pipeline schedules: `torch.distributed.pipelining` (ScheduleGPipe, Schedule1F1B,
-   ScheduleInterleaved1F1B) over gloo, one CPU process per pipeline rank, launched by torchrun; the tied output
+   ScheduleInterleaved1F1B) over gloo, one CPU process per pipeline rank, launched by torchrun (t = 1 only: it has
+   no tensor parallelism of its own); the tied output
    layer is Megatron's: the last stage keeps a copy of the word embedding and the two copies' gradients are
    all-reduced between the first and the last rank, the grad norm is all-reduced over the ranks (each weight
    counted once);
 3. single-device eager PyTorch: transformers' GPT2LMHeadModel (Megatron's GPT is GPT-2), microbatches
    accumulated as Megatron does;
 4. megatron-core itself, where it is installed (`--no-megatron-core` skips it): its GPTModel (local layer spec)
-   and its own schedules (no pipelining at (1, 1, 1), 1F1B, interleaved 1F1B; it has no GPipe), one CPU process
-   per pipeline rank over gloo, torchrun; `experiments/megatron_worker.py` (and the five CPU shims it needs).
+   and its own schedules (no pipelining at p = 1, 1F1B, interleaved 1F1B; it has no GPipe) and tensor parallelism,
+   one CPU process per (pipeline, tensor) rank, p·t of them, over gloo, torchrun; `experiments/megatron_worker.py` (and the five CPU shims it needs).
 
 The weights are ptd_jax's `init_params`, written as a Hugging Face GPT-2 folder by `interop.to_hf` (safetensors)
 and read back by every side (megatron-core's through `interop.to_megatron`). The data are windows of s + 1 bytes of this interpreter's standard-library sources
@@ -199,7 +200,7 @@ def _torch_setup(spec: dict, threads: int):
     return torch, load, torch.from_numpy(np.load(spec["data"]))
 
 
-def _optimizer(torch, named_params, spec: dict):
+def torch_optimizer(torch, named_params, spec: dict):
     """AdamW with ptd_jax's groups (no decay for biases and LayerNorms: the 1-D tensors) and schedule."""
     params = list(named_params)
     groups = [{"params": [p for _, p in params if p.ndim >= 2], "weight_decay": spec["train"]["weight_decay"]},
@@ -209,7 +210,7 @@ def _optimizer(torch, named_params, spec: dict):
     return opt, sched
 
 
-def _clip(torch, grads, norm, max_norm: float):
+def clip_grads(torch, grads, norm, max_norm: float):
     """ptd_jax's `optimizer.clip_by_global_norm` (the same formula as torch's clip_grad_norm_)."""
     coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
@@ -219,7 +220,7 @@ def _clip(torch, grads, norm, max_norm: float):
 def run_torch_eager(spec: dict) -> dict:
     torch, load, data = _torch_setup(spec, spec["torch_eager_threads"])
     model = load()
-    opt, sched = _optimizer(torch, model.named_parameters(), spec)
+    opt, sched = torch_optimizer(torch, model.named_parameters(), spec)
     M, b = spec["microbatches"], spec["micro_batch"]
     losses, times, cpu = [], [], []
     for batch in data:
@@ -235,7 +236,7 @@ def run_torch_eager(spec: dict) -> dict:
             loss_sum += loss.item()
         params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        _clip(torch, [p.grad for p in params], norm, spec["train"]["clip_grad"])
+        clip_grads(torch, [p.grad for p in params], norm, spec["train"]["clip_grad"])
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -301,7 +302,7 @@ def run_torch_pipeline(spec: dict) -> dict:
         schedule = cls(stages if layout.v > 1 else stages[0], spec["microbatches"], loss_fn=loss_fn,
                        scale_grads=False)
         named = [(n, p) for m in modules for n, p in m.named_parameters()]
-        opt, sched = _optimizer(torch, named, spec)
+        opt, sched = torch_optimizer(torch, named, spec)
         head = model.transformer.wte.weight  # on the last rank, the output layer's copy
         first_rank, last_rank = rank == 0, rank == world - 1
         losses, times, cpu = [], [], []
@@ -326,7 +327,7 @@ def run_torch_pipeline(spec: dict) -> dict:
             loss = torch.tensor(float(sum(x.item() for x in micro_losses)))
             both = torch.stack([sq, loss])
             dist.all_reduce(both)
-            _clip(torch, [p.grad for p in params], torch.sqrt(both[0]), spec["train"]["clip_grad"])
+            clip_grads(torch, [p.grad for p in params], torch.sqrt(both[0]), spec["train"]["clip_grad"])
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -445,6 +446,11 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
     from ptd_jax.config import ModelConfig
     from ptd_jax.interop import to_hf
 
+    megatron_core = megatron_core and importlib.util.find_spec("megatron.core") is not None
+    alone = [x.name for x in layouts if x.t > 1 and not (megatron_core and megatron_runs(x))]
+    if alone:  # t > 1: only megatron-core runs it beside ptd_jax (torch.distributed.pipelining has no t)
+        raise SystemExit(f"compare_torch: error: layouts {alone} have t > 1, which only megatron-core runs beside "
+                         f"ptd_jax ({'no GPipe there' if megatron_core else 'megatron-core is not installed or --no-megatron-core'}); drop them")
     cfg = ModelConfig(**model)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -456,7 +462,6 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
                 "weights": str(work / "weights"),
                 "data": str(work / "data.npy"), "jax_cache": str(work / "jax_cache")}
         by_p = sorted({x.p for x in layouts if x.p > 1 and x.t == 1})  # torch.distributed.pipelining's
-        megatron_core = megatron_core and importlib.util.find_spec("megatron.core") is not None
         megatron_p = sorted({x.devices for x in layouts if megatron_runs(x)}) if megatron_core else []
         megatron_layouts = {}  # one layout per megatron_key, the first named
         for x in layouts:
@@ -464,7 +469,10 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
                 megatron_layouts.setdefault(megatron_key(x), x)
         runs = []
         for _ in range(rounds):
-            run = {"jax": _run_worker("jax", {**spec, "layouts": [dataclasses.asdict(x) for x in layouts]}, work)}
+            run = {"jax": {}}
+            for n in sorted({x.devices for x in layouts}):  # one process per device count: its own fake devices
+                run["jax"].update(_run_worker("jax", {
+                    **spec, "layouts": [dataclasses.asdict(x) for x in layouts if x.devices == n]}, work, world=n))
             for p in by_p:
                 run[f"pipe{p}"] = _run_worker("torch-pipeline", {
                     **spec, "layouts": [dataclasses.asdict(x) for x in layouts if x.p == p and x.t == 1]},

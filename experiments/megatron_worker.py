@@ -1,6 +1,7 @@
 """compare_torch's fourth engine: megatron-core itself (its GPTModel with the local layer spec and its own pipeline
 schedules, `megatron.core.pipeline_parallel.get_forward_backward_func`: no pipelining at p = 1, 1F1B, interleaved
-1F1B), one CPU process per pipeline rank over gloo, launched by torchrun, trained with compare_torch's loop (the
+1F1B, and its tensor parallelism), one CPU process per (pipeline, tensor) rank, p·t of them, over gloo, launched
+by torchrun, trained with compare_torch's loop (the
 same weights through `interop.to_megatron`, data, AdamW, schedule, clipping and loss normalisation).
 
 megatron-core is written for CUDA. On CPU, in this worker process only, five things are pointed at the CPU; none of
@@ -83,7 +84,7 @@ def run_megatron(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from experiments.compare_torch import Layout, _clip, _optimizer
+    from experiments.compare_torch import Layout, clip_grads, torch_optimizer
     from ptd_jax.interop import from_hf, to_megatron
 
     point_megatron_at_the_cpu(torch)
@@ -140,7 +141,7 @@ def run_megatron(spec: dict) -> dict:
         named = [(n, w) for chunk in chunks for n, w in chunk.named_parameters()]
         # by name: megatron-core sets `tensor_model_parallel` on a weight only when it initialises it
         sharded = {id(w) for n, w in named if t > 1 and n.endswith(COLUMN_PARALLEL + ROW_PARALLEL)}
-        opt, sched = _optimizer(torch, named, spec)
+        opt, sched = torch_optimizer(torch, named, spec)
         embed = chunks[0].embedding.word_embeddings.weight if pp_rank == 0 else None
         head = chunks[-1].output_layer.weight if pp_rank == p - 1 and p > 1 else None
         forward_backward = get_forward_backward_func()
@@ -176,7 +177,7 @@ def run_megatron(spec: dict) -> dict:
             both = torch.stack([sq, loss])
             if world > 1:
                 dist.all_reduce(both)
-            _clip(torch, [p.grad for p in grads], torch.sqrt(both[0]), spec["train"]["clip_grad"])
+            clip_grads(torch, [w.grad for w in grads], torch.sqrt(both[0]), spec["train"]["clip_grad"])
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

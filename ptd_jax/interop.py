@@ -1,4 +1,6 @@
-"""Hugging Face GPT-2 <-> ptd_jax: `from_hf(path) -> (ModelConfig, params)` and `to_hf(model_cfg, params, path)`.
+"""Hugging Face GPT-2 <-> ptd_jax: `from_hf(path) -> (ModelConfig, params)` and `to_hf(model_cfg, params, path)`;
+megatron-core's GPTModel state dict <-> ptd_jax: `from_megatron(model_cfg, state)` and `to_megatron(model_cfg,
+params)` (numpy, t = p = 1; see `to_megatron` for megatron-core's layout facts).
 
 Megatron's GPT is GPT-2 (learned positions, pre-LN, tanh GeLU, tied output layer), so the conversion is a renaming
 and a few reshapes, with no torch (the `safetensors` numpy API). HF's layout facts:
@@ -174,7 +176,8 @@ def to_megatron(model_cfg: ModelConfig, params, layer_spec: str = "local") -> di
     `model.load_state_dict({k: torch.from_numpy(v) ...}, strict=False)` (strict=False: it also lists
     `_extra_state` entries). `layer_spec` is "local" or "transformer_engine" (where the LayerNorms live). The word
     embedding keeps the rows it has: give megatron-core's GPTModel `vocab_size` = that many (a run's padded
-    vocabulary, or the canonical V)."""
+    vocabulary, or the canonical V). megatron-core's softmax runs over all of them, ours over the real vocabulary
+    only, so the two losses are one function only on the canonical (unpadded) embedding."""
     if layer_spec not in _MEGATRON_LN:
         raise ConfigError(f"{layer_spec=} is not one of {sorted(_MEGATRON_LN)}")
     cfg = model_cfg
@@ -204,17 +207,20 @@ def to_megatron(model_cfg: ModelConfig, params, layer_spec: str = "local") -> di
 
 
 def from_megatron(model_cfg: ModelConfig, state: dict) -> dict:
-    """megatron-core GPTModel's state dict (t = p = 1; tensors or arrays; the local or Transformer Engine layer spec,
-    told apart by its names; "module." prefixes, `_extra_state` and a tied `output_layer.weight` equal to the word
-    embedding ignored) -> canonical float32 numpy params. The inverse of `to_megatron`; a missing tensor, a wrong
-    shape or an untied output layer is a one-line `ConfigError`."""
+    """megatron-core GPTModel's state dict (t = p = 1; tensors of any float dtype, or arrays; the local or
+    Transformer Engine layer spec, told apart by its names; "module." prefixes, `_extra_state` and a tied
+    `output_layer.weight` equal to the word embedding ignored) -> canonical float32 numpy params: the word embedding
+    cut to the real vocabulary (`model_cfg.vocab_size` rows; Megatron pads it). The inverse of `to_megatron` on
+    canonical params; a missing tensor, a wrong shape or an untied output layer is a one-line `ConfigError`."""
     cfg = model_cfg
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
     tensors = {}
     for name, value in state.items():
         name = name.removeprefix("module.")
         if not name.endswith("_extra_state"):
-            tensors[name] = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+            # via float32: numpy has no bfloat16, the dtype most Megatron checkpoints hold
+            tensors[name] = (value.detach().float().cpu().numpy() if hasattr(value, "detach")
+                             else np.asarray(value, np.float32))
     spec = ("transformer_engine" if "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in tensors
             else "local")
 
@@ -257,6 +263,7 @@ def from_megatron(model_cfg: ModelConfig, state: dict) -> dict:
                 "fc2_kernel": stack("mlp.linear_fc2.weight", (D, F)).transpose(0, 2, 1),
                 "fc2_bias": stack("mlp.linear_fc2.bias", (D,))},
     }
+    params["embed"]["word"] = params["embed"]["word"][:cfg.vocab_size]
     return _float32_tree(params)
 
 

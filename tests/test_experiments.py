@@ -62,8 +62,19 @@ def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
                                                                       rel=1e-9)
 
 
+def test_compare_torch_refuses_a_tensor_parallel_layout_with_nothing_to_compare_it_with():
+    """t > 1 runs only in ptd_jax and megatron-core: without megatron-core, or with GPipe (which it lacks), the
+    layout is refused in one line before anything runs."""
+    from experiments.compare_torch import main
+
+    with pytest.raises(SystemExit, match=r"layouts \['t2'\] have t > 1, .*--no-megatron-core"):
+        main(["--layouts", "serial", "t2", "--no-megatron-core", "--rounds", "1"])
+    with pytest.raises(SystemExit, match=r"layouts \['p2t2-gpipe'\] have t > 1, .*no GPipe there"):
+        main(["--layouts", "p2t2-gpipe", "--rounds", "1"])
+
+
 @pytest.mark.slow
-def test_compare_torch_losses_agree_with_torch_at_one_device_and_at_p2(tmp_path):
+def test_compare_torch_losses_agree_with_torch_and_megatron_core_at_serial_p2_and_p2t2(tmp_path):
     """The same GPT, weights and data trained by ptd_jax, by torch.distributed.pipelining (torchrun, gloo), by
     eager torch and by megatron-core's own schedules (torchrun, gloo, CPU): the loss traces agree to 1e-4 at
     (1, 1, 1) and at p = 2 (1F1B), ptd_jax and megatron-core's to 1e-5, also at (p, t) = (2, 2) (3e-7 measured;
@@ -96,7 +107,7 @@ def test_compare_torch_losses_agree_with_torch_at_one_device_and_at_p2(tmp_path)
             assert row["loss_max_rel_diff_jax_vs_megatron_core"] < 1e-5, row
             assert row["grad_norm_max_rel_diff_jax_vs_megatron_core"] < 1e-4, row
         tp = result["layouts"]["p2t2-1f1b"]  # no torch engine at t > 1: compared with megatron-core
-        assert tp["torch_engine"] is None and tp["loss_max_rel_diff"] == tp["loss_max_rel_diff_jax_vs_megatron_core"]
+        assert tp["torch_engine"] is None and tp["loss_max_rel_diff"] < 1e-5
 
 
 def test_figure_predictions_at_the_papers_scale_point_the_papers_way():

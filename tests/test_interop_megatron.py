@@ -36,9 +36,10 @@ def megatron():
     """megatron-core initialised for one CPU process (gloo), t = p = 1; yields a float64 GPTModel builder."""
     import torch.distributed as dist
 
+    created = not dist.is_initialized()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "current_device", lambda: "cpu")
-        if not dist.is_initialized():
+        if created:
             patch.setenv("MASTER_ADDR", "127.0.0.1")
             patch.setenv("MASTER_PORT", str(_free_port()))
             dist.init_process_group("gloo", rank=0, world_size=1)
@@ -47,25 +48,29 @@ def megatron():
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        parallel_state.initialize_model_parallel(1, 1)
-        patch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+        try:
+            parallel_state.initialize_model_parallel(1, 1)
+            patch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
 
-        def build(cfg: ModelConfig, vocab_rows: int):
-            config = TransformerConfig(
-                num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                ffn_hidden_size=cfg.ffn_size, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
-                activation_func=lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-                bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                gradient_accumulation_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
-                params_dtype=torch.float64)
-            return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_rows,
-                            max_sequence_length=cfg.max_positions, share_embeddings_and_output_weights=True,
-                            position_embedding_type="learned_absolute").double()
+            def build(cfg: ModelConfig, vocab_rows: int):
+                approximate = "tanh" if cfg.gelu_approximate else "none"
+                config = TransformerConfig(
+                    num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                    num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_size, hidden_dropout=0.0,
+                    attention_dropout=0.0, layernorm_epsilon=cfg.layernorm_epsilon,
+                    activation_func=lambda x: torch.nn.functional.gelu(x, approximate=approximate),
+                    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                    gradient_accumulation_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
+                    params_dtype=torch.float64)
+                return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_rows,
+                                max_sequence_length=cfg.max_positions, share_embeddings_and_output_weights=True,
+                                position_embedding_type="learned_absolute").double()
 
-        yield build
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            yield build
+        finally:
+            parallel_state.destroy_model_parallel()
+            if created and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _params():
@@ -141,15 +146,24 @@ def test_from_megatron_inverts_to_megatron_and_reads_megatrons_own_init(megatron
     """to_megatron then from_megatron is bit-exact, for both layer specs' names; a GPTModel initialised by
     megatron-core itself converts to params whose logits are its logits; bad input is one line."""
     params = _params()
+    params["embed"]["word"] = params["embed"]["word"][:V]  # canonical: the real vocabulary
     for spec in ("local", "transformer_engine"):
         back = from_megatron(CFG, to_megatron(CFG, params, layer_spec=spec))
         jax.tree.map(np.testing.assert_array_equal, back, params)
+    padded = _params()  # a run's padded embedding comes back cut to the real vocabulary
+    assert from_megatron(CFG, to_megatron(CFG, padded))["embed"]["word"].shape == (V, CFG.hidden_size)
+    bf16 = {k: torch.from_numpy(v).bfloat16() for k, v in to_megatron(CFG, params).items()}  # Megatron's usual dtype
+    back = from_megatron(CFG, bf16)
+    np.testing.assert_array_equal(back["layers"]["attn"]["qkv_kernel"],
+                                  from_megatron(CFG, {k: v.float() for k, v in bf16.items()})["layers"]["attn"]
+                                  ["qkv_kernel"])
+    torch.manual_seed(0)
     model = megatron(CFG, V).float()
     with torch.no_grad():
         theirs = _megatron_forward(model, _tokens()).numpy()
     ours = np.asarray(gpt.logits(CFG, from_megatron(CFG, {f"module.{k}": v for k, v in model.state_dict().items()}),
                                  _tokens()))
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     state = to_megatron(CFG, params)
     with pytest.raises(ConfigError, match="has no tensor 'decoder.layers.1.mlp.linear_fc2.bias'"):
         from_megatron(CFG, {k: v for k, v in state.items() if k != "decoder.layers.1.mlp.linear_fc2.bias"})

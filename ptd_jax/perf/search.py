@@ -319,9 +319,9 @@ def break_even(knob: Knob, rerun: Callable[[Hardware], dict], hw: Hardware, t: i
         return g is not None and g <= 0.0
 
     ends = {"lo": lo, "hi": hi}
-    gaps = {side: gap(x) for side, x in ends.items()}
+    tied = first(preset)  # a tie for first at the preset (the rival is not first outright): no crossing to look for
+    gaps = {side: None if tied else gap(x) for side, x in ends.items()}
     crossings = []
-    tied = first(preset)  # a tie for first at the preset: no crossing to look for
     for side in ("hi", "lo"):
         if not tied and ends[side] != preset and gaps[side] is not None and gaps[side] <= 0.0:
             not_first, value = _bisect(first, preset, ends[side], BISECTION_TOLERANCE * preset)
