@@ -217,6 +217,22 @@ def clip_grads(torch, grads, norm, max_norm: float):
         g.mul_(coeff)
 
 
+def distributed_update(torch, dist, params, counted, loss: float, opt, sched, max_norm: float) -> tuple[float, float]:
+    """One optimizer step of a multi-process torch engine: the squared grad norm of `counted` (each weight once
+    over the ranks) and the loss summed over the ranks, the gradients of `params` clipped to the global norm, AdamW,
+    the schedule; returns (loss, grad norm)."""
+    sq = torch.stack([torch.sum(w.grad * w.grad) for w in counted]).sum() if counted else torch.tensor(0.0)
+    both = torch.stack([sq, torch.tensor(float(loss))])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(both)
+    norm = torch.sqrt(both[0])
+    clip_grads(torch, [w.grad for w in params], norm, max_norm)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return float(both[1]), float(norm)
+
+
 def run_torch_eager(spec: dict) -> dict:
     torch, load, data = _torch_setup(spec, spec["torch_eager_threads"])
     model = load()
@@ -323,18 +339,12 @@ def run_torch_pipeline(spec: dict) -> dict:
                 dist.all_reduce(head.grad, group=embedding_group)
             params = [p for _, p in named if p.grad is not None]
             counted = [p for p in params if not (last_rank and not first_rank and p is head)]
-            sq = torch.stack([torch.sum(p.grad * p.grad) for p in counted]).sum()
-            loss = torch.tensor(float(sum(x.item() for x in micro_losses)))
-            both = torch.stack([sq, loss])
-            dist.all_reduce(both)
-            clip_grads(torch, [p.grad for p in params], torch.sqrt(both[0]), spec["train"]["clip_grad"])
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            loss, _ = distributed_update(torch, dist, params, counted, sum(x.item() for x in micro_losses), opt,
+                                         sched, spec["train"]["clip_grad"])
             dist.barrier()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-            losses.append(float(both[1]))
+            losses.append(loss)
         cpu_all = torch.tensor(cpu, dtype=torch.float64)
         dist.all_reduce(cpu_all)  # every rank's process CPU time, summed
         out[layout.name] = {"losses": losses, "step_s": times, "cpu_s": cpu_all.tolist()}

@@ -84,7 +84,7 @@ def run_megatron(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from experiments.compare_torch import Layout, clip_grads, torch_optimizer
+    from experiments.compare_torch import Layout, distributed_update, torch_optimizer
     from ptd_jax.interop import from_hf, to_megatron
 
     point_megatron_at_the_cpu(torch)
@@ -172,20 +172,14 @@ def run_megatron(spec: dict) -> dict:
             grads = [w for _, w in named if w.grad is not None]
             # each weight once: a tensor-parallel shard on every tensor rank, a replicated one on tensor rank 0 only
             counted = [w for w in grads if w is not head and (id(w) in sharded or tp_rank == 0)]
-            sq = torch.stack([torch.sum(w.grad * w.grad) for w in counted]).sum() if counted else torch.tensor(0.0)
-            loss = torch.tensor(float(sum(float(x["loss"]) for x in reduced)) if reduced and tp_rank == 0 else 0.0)
-            both = torch.stack([sq, loss])
-            if world > 1:
-                dist.all_reduce(both)
-            clip_grads(torch, [w.grad for w in grads], torch.sqrt(both[0]), spec["train"]["clip_grad"])
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            local_loss = sum(float(x["loss"]) for x in reduced) if reduced and tp_rank == 0 else 0.0  # once per t
+            loss, norm = distributed_update(torch, dist, grads, counted, local_loss, opt, sched,
+                                            spec["train"]["clip_grad"])
             dist.barrier()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-            losses.append(float(both[1]))
-            norms.append(float(torch.sqrt(both[0])))
+            losses.append(loss)
+            norms.append(norm)
         cpu_all = torch.tensor(cpu, dtype=torch.float64)
         if world > 1:
             dist.all_reduce(cpu_all)  # every rank's process CPU time, summed
