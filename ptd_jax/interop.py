@@ -87,13 +87,7 @@ def from_hf(path) -> tuple[ModelConfig, dict]:
     tensors = {k.removeprefix("transformer."): v for k, v in raw.items()}
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
 
-    def get(name, shape):
-        if name not in tensors:
-            raise ConfigError(f"{weights_path} has no tensor {name!r}")
-        value = np.asarray(tensors[name], np.float32)
-        if value.shape != tuple(shape):
-            raise ConfigError(f"{weights_path}: {name!r} has shape {value.shape}, config.json implies {shape}")
-        return value
+    get = _tensor_getter(tensors, str(weights_path), "config.json")
 
     def stack(name, shape, out_shape=None):
         return np.stack([get(f"h.{i}.{name}", shape).reshape(out_shape or shape) for i in range(L)])
@@ -224,13 +218,7 @@ def from_megatron(model_cfg: ModelConfig, state: dict) -> dict:
     spec = ("transformer_engine" if "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in tensors
             else "local")
 
-    def get(name, shape):
-        if name not in tensors:
-            raise ConfigError(f"megatron state dict ({spec} layer spec) has no tensor {name!r}")
-        value = np.asarray(tensors[name], np.float32)
-        if value.shape != tuple(shape):
-            raise ConfigError(f"megatron state dict: {name!r} has shape {value.shape}, the config implies {shape}")
-        return value
+    get = _tensor_getter(tensors, f"megatron state dict ({spec} layer spec)", "the config")
 
     word = tensors.get("embedding.word_embeddings.weight")
     rows = cfg.vocab_size if word is None else word.shape[0]
@@ -265,6 +253,20 @@ def from_megatron(model_cfg: ModelConfig, state: dict) -> dict:
     }
     params["embed"]["word"] = params["embed"]["word"][:cfg.vocab_size]
     return _float32_tree(params)
+
+
+def _tensor_getter(tensors: dict, source: str, implied_by: str):
+    """get(name, shape): tensors[name] as float32, or a one-line ConfigError naming `source` when it is missing or
+    has another shape than the one `implied_by` implies."""
+    def get(name, shape):
+        if name not in tensors:
+            raise ConfigError(f"{source} has no tensor {name!r}")
+        value = np.asarray(tensors[name], np.float32)
+        if value.shape != tuple(shape):
+            raise ConfigError(f"{source}: {name!r} has shape {value.shape}, {implied_by} implies {shape}")
+        return value
+
+    return get
 
 
 def _float32_tree(tree):
