@@ -9,7 +9,7 @@ alternate step by step (rounds of `--steps` steps each; an engine's round time i
 ratio compares the same moments of a machine shared with other work; the reported times are medians over rounds.
 Torch gets all cores as threads with OMP_WAIT_POLICY=PASSIVE (set before torch is imported), XLA its default
 pool. The benchmark runs twice, each time in a fresh process: "glibc_default", the step as it was before
-`ptd_jax.parallel.host_memory` (glibc's default malloc: XLA's temporaries are a fresh mmap every step), and
+`ptd_jax.runtime.host_memory` (glibc's default malloc: XLA's temporaries are a fresh mmap every step), and
 "kept", with `keep_freed_host_memory()` called before JAX starts (glibc's setting is process-wide and its arena
 limit binds only threads not yet started, so the two cannot alternate in one process; torch, in both processes, is
 the common yardstick). `--profile` adds, per case, an XLA:CPU profile of both jax variants (leaf ops by
@@ -195,7 +195,7 @@ def run_mode(argv) -> dict:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.mode == "kept":  # before JAX starts: its worker threads must not have picked their arenas yet
-        from ptd_jax.parallel.host_memory import keep_freed_host_memory
+        from ptd_jax.runtime.host_memory import keep_freed_host_memory
 
         assert keep_freed_host_memory()
     else:

@@ -26,7 +26,7 @@ def report(L: int, h: int, heads: int, s: int, b: int, m: int, d: int, t: int, s
 
     from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
     from ptd_jax.optimizer import make_optimizer
-    from ptd_jax.parallel.collectives import hlo_collectives, jaxpr_collectives, summarize
+    from ptd_jax.analysis.collectives import hlo_collectives, jaxpr_collectives, summarize
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
 

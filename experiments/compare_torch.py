@@ -119,10 +119,10 @@ def make_data(iters: int, batch: int, seq: int, seed: int):
 # ---------------------------------------------------------------------------------------------------------------
 
 def run_jax(spec: dict) -> dict:
-    from ptd_jax.parallel.host_memory import keep_freed_host_memory
+    from ptd_jax.runtime.host_memory import keep_freed_host_memory
     from ptd_jax.parallel.mesh import set_fake_devices
 
-    keep_freed_host_memory()  # before JAX starts (parallel/host_memory.py)
+    keep_freed_host_memory()  # before JAX starts (runtime/host_memory.py)
 
     layouts = [Layout(**x) for x in spec["layouts"]]
     set_fake_devices(max(x.devices for x in layouts))

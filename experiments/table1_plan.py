@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 
 from ptd_jax.config import PAPER_TABLE_1
-from ptd_jax.perf import HARDWARE, cli
+from ptd_jax.cli import plan as cli
+from ptd_jax.perf import HARDWARE
 from ptd_jax.perf.search import search
 
 # arXiv 2104.04473, Table 1 ("Weak-scaling throughput for GPT models ranging from 1 billion to 1 trillion

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptd_jax.data import GPTData, preprocess
+from ptd_jax.cli import preprocess
+from ptd_jax.data import GPTData
 from ptd_jax.data import indexed_dataset as idx
 from ptd_jax.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 from ptd_jax.data.tokenizer import ByteTokenizer
-from ptd_jax.parallel.pipeline import cli as schedule_cli
+from ptd_jax.cli import schedule as schedule_cli
 
 
 def write(name: str, data) -> str:
@@ -337,6 +338,6 @@ def test_ptd_schedule_into_a_closed_pipe_prints_no_traceback():
     import subprocess
     import sys
 
-    proc = subprocess.run(f"{sys.executable} -m ptd_jax.parallel.pipeline.cli -p 8 -m 256 | head -1", shell=True,
+    proc = subprocess.run(f"{sys.executable} -m ptd_jax.cli.schedule -p 8 -m 256 | head -1", shell=True,
                           capture_output=True, text=True, timeout=120)
     assert proc.stdout.count("\n") == 1 and proc.stderr == ""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ptd_jax.cli import main
+from ptd_jax.cli.train import main
 from ptd_jax.train import checkpoint
 
 QUIET = ["--no-progress", "--eval-iters", "0"]
@@ -210,7 +210,7 @@ def test_ctrl_c_before_training_says_so(monkeypatch, capsys):
 def test_ctrl_c_stops_cleanly_with_exit_130_and_keeps_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli", *TINY, "--fake-devices", "1", "--micro-batch-size",
+    proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli.train", *TINY, "--fake-devices", "1", "--micro-batch-size",
                              "8", "--global-batch-size", "8", "--train-iters", "100000", "--save", str(ckpt),
                              "--save-interval", "3", "--log-interval", "1", "--metrics-file", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

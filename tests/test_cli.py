@@ -11,7 +11,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "ptd_jax.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=600)
 
 
@@ -43,7 +43,7 @@ def test_console_scripts_are_installed():
 
 
 def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):
-    from ptd_jax import cli
+    from ptd_jax.cli import train as cli
 
     args = cli.build_parser().parse_args([])
     monkeypatch.setattr(cli, "accelerator_installed", lambda: False)
@@ -62,7 +62,7 @@ def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):
 
 
 def test_kernel_flags_default_to_the_kernels_on_gpus_only(monkeypatch):
-    from ptd_jax import cli
+    from ptd_jax.cli import train as cli
 
     def config(argv, gpu):
         monkeypatch.setattr(cli, "accelerator_installed", lambda: gpu)
@@ -77,7 +77,7 @@ def test_kernel_flags_default_to_the_kernels_on_gpus_only(monkeypatch):
 
 
 def test_failing_default_kernels_fall_back_with_a_warning(capsys):
-    from ptd_jax import cli
+    from ptd_jax.cli import train as cli
     from ptd_jax.config import ModelConfig
 
     cfg = ModelConfig(attention_backend="pallas", fused_kernels=True, dtype="bfloat16")
@@ -107,7 +107,7 @@ def test_kernel_self_check_at_odd_model_widths_passes_in_interpret_mode():
 
 
 def test_pipeline_branching_flag_reaches_the_layout():
-    from ptd_jax import cli
+    from ptd_jax.cli import train as cli
 
     def layout(argv):
         args = cli.build_parser().parse_args(argv)

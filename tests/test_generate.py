@@ -9,7 +9,8 @@ import pytest
 
 from ptd_jax import model as gpt
 from ptd_jax.config import ConfigError, ModelConfig
-from ptd_jax.generate import generate, main
+from ptd_jax.cli.generate import main
+from ptd_jax.inference.generate import generate
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=257)
 
@@ -62,7 +63,7 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     """On hand-made probabilities [.5, .3, .15, .05]: which tokens can be drawn."""
     import jax.numpy as jnp
 
-    from ptd_jax.generate import sample
+    from ptd_jax.inference.generate import sample
 
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
 
@@ -81,7 +82,7 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 def test_tensor_parallel_generation_equals_one_device(params, t):
     """Heads, MLP columns and vocabulary rows split over t of the 8 simulated devices, the KV cache by heads: the
     same greedy tokens, and logits equal to float32 round-off (the row-parallel sums add in another order)."""
-    from ptd_jax.parallel.decode import TensorParallelDecoder
+    from ptd_jax.inference.decode import TensorParallelDecoder
 
     canonical = {**params, "embed": {**params["embed"], "word": params["embed"]["word"][:CFG.vocab_size]}}
     prompt = np.random.RandomState(1).randint(0, 256, size=(2, 5))
@@ -123,7 +124,7 @@ def test_ptd_generate_uses_the_tokenizer_the_checkpoint_records(params, gpt2_fil
 
 def test_ptd_train_takes_v_from_the_tokenizer_and_records_it(gpt2_files, monkeypatch):
     import ptd_jax.train
-    from ptd_jax.cli import main as train_main
+    from ptd_jax.cli.train import main as train_main
 
     seen = {}
 
@@ -149,8 +150,8 @@ def test_train_with_gpt2_bpe_then_generate_from_its_checkpoint(gpt2_files, tmp_p
     """ptd-preprocess and ptd-train with --tokenizer-type GPT2BPETokenizer (V from the vocabulary, t = 2), then
     ptd-generate with no tokenizer flags: it encodes and decodes with the tokenizer the checkpoint recorded, at the
     checkpoint's t = 2, and writes what one-device generation writes."""
-    from ptd_jax.cli import main as train_main
-    from ptd_jax.data.preprocess import main as preprocess_main
+    from ptd_jax.cli.train import main as train_main
+    from ptd_jax.cli.preprocess import main as preprocess_main
     from ptd_jax.data.tokenizer import GPT2BPETokenizer
     from ptd_jax.train import checkpoint
 

@@ -107,8 +107,8 @@ def test_to_hf_round_trips_bitwise_and_loads_in_transformers(hf_dir, tmp_path):
 def test_ptd_convert_from_hf_then_train_at_3d_then_to_hf(hf_dir, tmp_path, capsys):
     """from-hf writes a checkpoint that ptd-train fine-tunes at (d,p,t) = (2,2,2); to-hf of the trained checkpoint
     loads in transformers with every key matched and gives our logits; HF -> ptd_jax -> HF is bit-exact."""
-    from ptd_jax.cli import main as train_main
-    from ptd_jax.convert import main as convert
+    from ptd_jax.cli.train import main as train_main
+    from ptd_jax.cli.convert import main as convert
     from ptd_jax.data.indexed_dataset import IndexedDatasetWriter
     from ptd_jax.train.checkpoint import read_params
 
@@ -164,7 +164,7 @@ def test_another_architecture_is_refused(hf_dir, tmp_path, change, message):
 def test_a_missing_tensor_is_named(hf_dir, tmp_path, capsys):
     from safetensors.numpy import load_file, save_file
 
-    from ptd_jax.convert import main as convert
+    from ptd_jax.cli.convert import main as convert
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text((hf_dir / "config.json").read_text())
@@ -178,7 +178,7 @@ def test_a_missing_tensor_is_named(hf_dir, tmp_path, capsys):
 
 
 def test_greedy_generation_equals_transformers_generate(hf_dir):
-    from ptd_jax.generate import generate
+    from ptd_jax.inference.generate import generate
 
     cfg, params = from_hf(hf_dir)
     prompt = _tokens(batch=2)[:, :4]

@@ -1,4 +1,4 @@
-"""Several processes (`parallel/multiprocess.py`, `ptd-launch`): who joins how, each process's share of the data,
+"""Several processes (`runtime/multiprocess.py`, `ptd-launch`): who joins how, each process's share of the data,
 two processes equal one, checkpoints across process counts, and a killed process ending the run, never a hang.
 
 The runs start real processes on this machine (gloo collectives over localhost), each simulating its own CPU
@@ -18,7 +18,7 @@ import pytest
 
 from ptd_jax.config import ConfigError, ParallelConfig
 from ptd_jax.data import GPTData, local_rows, microbatches
-from ptd_jax.parallel import multiprocess
+from ptd_jax.runtime import multiprocess
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import BATCH_SPEC
 from ptd_jax.train import checkpoint
@@ -27,8 +27,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--no-progress", "--eval-iters", "0", "--log-interval", "1", "--lr-warmup-iters", "1", "--peak-tflops", "1"]
 LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
              "--global-batch-size", "8"]
-TRAIN = [sys.executable, "-m", "ptd_jax.cli"]
-LAUNCH = [sys.executable, "-m", "ptd_jax.launch"]
+TRAIN = [sys.executable, "-m", "ptd_jax.cli.train"]
+LAUNCH = [sys.executable, "-m", "ptd_jax.cli.launch"]
 
 
 def _env(**extra):
@@ -256,7 +256,7 @@ def test_ctrl_c_to_ptd_launch_stops_every_process_after_the_same_step(small_corp
 
 
 def _free_port():
-    from ptd_jax.launch import free_port
+    from ptd_jax.cli.launch import free_port
 
     return free_port("127.0.0.1")
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ptd_jax.config import ModelConfig, model_preset
-from ptd_jax.perf import HARDWARE, cli, predict
+from ptd_jax.cli import plan as cli
+from ptd_jax.perf import HARDWARE, predict
 from ptd_jax.perf.hardware import ring_allreduce_seconds
 from ptd_jax.perf.memory import activation_bytes_per_layer, memory_per_gpu, stashed_layers
 from ptd_jax.perf.search import make_parallel, search
@@ -303,7 +304,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, word, capsys):
 def test_the_planner_imports_no_jax():
     """Neither importing the planner nor running a search and a prediction imports JAX (which would start a backend:
     on a GPU host, CUDA and its memory pool)."""
-    code = ("import sys, contextlib, io, ptd_jax.perf.cli as c\n"
+    code = ("import sys, contextlib, io, ptd_jax.cli.plan as c\n"
             "flags = ['--model-preset', 'paper-1.7b', '--num-gpus', '8', '--global-batch-size', '64']\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    c.main(['search', *flags])\n"

@@ -1,4 +1,4 @@
-"""`ptd-preprocess`: text files, folders or JSONL -> a Megatron .bin/.idx pair (tokens, EOD appended).
+"""Preprocessing (`ptd-preprocess`, `cli/preprocess.py`): text files, folders or JSONL -> a Megatron .bin/.idx pair (tokens, EOD appended).
 
 Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]
 [--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file vocab.json --merge-file merges.txt]`. Token ids
@@ -19,7 +19,6 @@ fails later leaves nothing behind (`IndexedDatasetWriter`).
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import json
 import os
@@ -30,10 +29,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ptd_jax.argparsing import OneLineParser
-from ptd_jax.data.indexed_dataset import (DataError, IndexedDatasetError, IndexedDatasetWriter, best_dtype,
+from ptd_jax.data.indexed_dataset import (DataError, IndexedDatasetWriter, best_dtype,
                                           bin_path, idx_path)
-from ptd_jax.data.tokenizer import ByteTokenizer, add_tokenizer_args, build_tokenizer
+from ptd_jax.data.tokenizer import ByteTokenizer
 
 DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -187,42 +185,3 @@ def check_output_prefix(output_prefix: str, prefix: str) -> None:
         raise DataError(f"{flag}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise DataError(f"{flag}: the folder {folder} is not writable")
-
-
-def main(argv=None) -> int:
-    parser = OneLineParser(prog="ptd-preprocess", description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, help="text/JSONL files or folders")
-    parser.add_argument("--output-prefix", required=True)
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--extensions", nargs="+", default=list(DEFAULT_EXTENSIONS),
-                        help="file suffixes taken from folders (the dot is optional)")
-    add_tokenizer_args(parser)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
-    args = parser.parse_args(argv)
-    key = "_".join(args.json_keys)
-    prefix = f"{args.output_prefix}_{key}_document"
-    extensions = tuple(e if e.startswith(".") else f".{e}" for e in args.extensions)
-    try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
-        check_output_prefix(args.output_prefix, prefix)
-        stats = build_indexed_dataset(args.input, prefix, json_keys=args.json_keys, append_eod=args.append_eod,
-                                      extensions=extensions, progress=not args.no_progress, tokenizer=tokenizer)
-    except (DataError, IndexedDatasetError, OSError) as err:
-        print(f"ptd-preprocess: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("ptd-preprocess: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    if "replaced_bytes" in stats:
-        print(f"ptd-preprocess: warning: {stats['replaced_bytes']} invalid UTF-8 byte(s) replaced by U+FFFD, "
-              f"e.g. in {stats['replaced_in'][0]}", file=sys.stderr)
-    print(json.dumps(stats))
-    files = (f" --tokenizer-type {tokenizer.name} --vocab-file {tokenizer.vocab_file} --merge-file "
-             f"{tokenizer.merge_file}" if tokenizer.name == "GPT2BPETokenizer" else "")
-    print(f"train with: ptd-train --data-path {prefix}{files}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

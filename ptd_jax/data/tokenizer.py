@@ -164,13 +164,6 @@ def from_description(description: dict):
     return build_tokenizer(kind)
 
 
-def add_tokenizer_args(parser, default: str | None = "ByteTokenizer", help_default: str = "") -> None:
-    """Megatron's tokenizer flags on an argparse parser."""
-    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default,
-                        help=help_default or None)
-    parser.add_argument("--vocab-file", help="GPT-2's vocab.json (GPT2BPETokenizer)")
-    parser.add_argument("--merge-file", help="GPT-2's merges.txt (GPT2BPETokenizer)")
-
 
 def training_tokenizer(tokenizer_type: str | None, vocab_file=None, merge_file=None, vocab_size: int | None = None):
     """ptd-train's rule: V is --tokenizer-type's vocabulary size; without the flag, --vocab-size gives V of data

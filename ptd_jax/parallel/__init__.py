@@ -7,9 +7,6 @@
     pipeline/       pipeline parallelism (§2.2): schedules as data, lockstep ticks, the executor
     step.py         the jit(shard_map) train/eval steps: data parallelism (§2.1) around the other two
     distributed_optimizer.py  Megatron's distributed optimizer (ZeRO-1): state split over data, reduce-scatter
-    decode.py       KV-cache decoding for ptd-generate, one device or tensor-parallel (cache split by heads)
-    collectives.py  counting the collectives of a traced or compiled step
-    multiprocess.py several processes: jax.distributed, each process's batch rows, agreed stops, faults
 
 Importing this package imports no JAX; its modules do (except pipeline's pure-Python schedule modules).
 """

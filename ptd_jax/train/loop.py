@@ -27,7 +27,7 @@ from ptd_jax.data.corpus import default_corpus
 from ptd_jax.data.loader import prefetch
 from ptd_jax.loss_scale import to_meta as loss_scale_meta
 from ptd_jax.optimizer import make_optimizer
-from ptd_jax.parallel import multiprocess
+from ptd_jax.runtime import multiprocess
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import BATCH_SPEC, param_specs
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_train_step,

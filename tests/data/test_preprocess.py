@@ -5,7 +5,7 @@ import sys
 import numpy as np
 
 from ptd_jax.data.indexed_dataset import IndexedDataset
-from ptd_jax.data.preprocess import main
+from ptd_jax.cli.preprocess import main
 from ptd_jax.data.tokenizer import ByteTokenizer
 
 
@@ -39,7 +39,7 @@ def test_empty_corpus_exits_2_and_writes_nothing(tmp_path):
     (tmp_path / "in" / "empty.txt").write_text("")
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ptd_jax.data.preprocess", "--input", str(tmp_path / "in"),
+    proc = subprocess.run([sys.executable, "-m", "ptd_jax.cli.preprocess", "--input", str(tmp_path / "in"),
                            "--output-prefix", str(out / "x"), "--no-progress"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "is empty: 1 file(s) hold no text" in proc.stderr

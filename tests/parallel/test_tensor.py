@@ -11,7 +11,7 @@ from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel import sharding
-from ptd_jax.parallel.collectives import jaxpr_collectives, summarize
+from ptd_jax.analysis.collectives import jaxpr_collectives, summarize
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.step import init_sharded_state, make_parallel_grad_step, make_parallel_train_step
 from ptd_jax.train.reference import accumulate_gradients
@@ -141,7 +141,7 @@ def test_data_parallel_only_reduces_once_per_step():
 
 def test_ptd_train_trace_at_d2_t4_matches_the_single_device_reference(small_corpus, tmp_path):
     """20 float32 iterations through the CLI at (d, t) = (2, 4) on 8 devices vs the reference step on one."""
-    from ptd_jax.cli import run
+    from ptd_jax.cli.train import run
     from ptd_jax.train import RunOptions, train
 
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "8", "--seq-length", "32",

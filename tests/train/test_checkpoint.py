@@ -88,7 +88,7 @@ LAYOUTS = {"1x1x1": ["--fake-devices", "1", "--micro-batch-size", "8", "--hidden
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "ptd_jax.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True,
                           timeout=600)
 
 
@@ -159,7 +159,7 @@ def test_sigkill_during_an_asynchronous_save_leaves_the_last_complete_step(small
     partial, steps = None, []
     for _ in range(3):  # the save may finish between seeing its folder and the kill: then try again
         shutil.rmtree(ckpt, ignore_errors=True)
-        proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli", *args, "--train-iters", "100000"],
+        proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli.train", *args, "--train-iters", "100000"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 300
         try:
@@ -190,7 +190,7 @@ def _main(*args):
     import contextlib
     import io
 
-    from ptd_jax.cli import main
+    from ptd_jax.cli.train import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

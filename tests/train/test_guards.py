@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from ptd_jax import cli
+from ptd_jax.cli import train as cli
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.train import RunOptions, checkpoint, train
 from ptd_jax.train.guards import DivergedError

@@ -13,7 +13,7 @@ from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel import sharding
-from ptd_jax.parallel.collectives import jaxpr_collectives, summarize
+from ptd_jax.analysis.collectives import jaxpr_collectives, summarize
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.pipeline import build, build_forward_only
 from ptd_jax.parallel.pipeline.executor import tick_runs, tick_work

@@ -7,7 +7,7 @@ import pytest
 
 from ptd_jax.parallel.pipeline import lockstep as L
 from ptd_jax.parallel.pipeline import schedule as S
-from ptd_jax.parallel.pipeline.cli import main as schedule_main
+from ptd_jax.cli.schedule import main as schedule_main
 
 # megatron-core 0.16.1's per-rank order for p=4, v=2, m=8, G=4 (recorded by running its schedule; see
 # golden/README.md).

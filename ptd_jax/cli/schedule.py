@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from ptd_jax.argparsing import OneLineParser, positive_float, positive_int
+from ptd_jax.cli.args import OneLineParser, positive_float, positive_int
 from ptd_jax.parallel.pipeline import SCHEDULES, ScheduleError, build, plot, validate
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")

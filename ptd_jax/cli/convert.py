@@ -1,4 +1,4 @@
-"""`ptd-convert`: Hugging Face GPT-2 <-> ptd_jax checkpoints (`ptd_jax/interop.py` does the mapping).
+"""`ptd-convert`: Hugging Face GPT-2 <-> ptd_jax checkpoints (`ptd_jax/interop/` does the mapping).
 
     ptd-convert from-hf --input HF_DIR --output CKPT_DIR   # then: ptd-train --load CKPT_DIR --finetune ...
     ptd-convert to-hf --input CKPT_DIR --output HF_DIR     # the newest step of any layout; params only
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from ptd_jax.argparsing import OneLineParser
+from ptd_jax.cli.args import OneLineParser
 from ptd_jax.config import ConfigError
 
 

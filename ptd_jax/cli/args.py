@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from ptd_jax.data.tokenizer import TOKENIZER_TYPES
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag gets one line (`<prog>: error: ...`) and exit 2, without the usage block."""
@@ -43,3 +45,10 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
     return value
+
+def add_tokenizer_args(parser, default: str | None = "ByteTokenizer", help_default: str = "") -> None:
+    """Megatron's tokenizer flags on an argparse parser."""
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default,
+                        help=help_default or None)
+    parser.add_argument("--vocab-file", help="GPT-2's vocab.json (GPT2BPETokenizer)")
+    parser.add_argument("--merge-file", help="GPT-2's merges.txt (GPT2BPETokenizer)")

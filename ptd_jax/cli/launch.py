@@ -2,7 +2,7 @@
 
 Each child gets the coordinator's address and its place in the environment (`PTD_COORDINATOR_ADDRESS`,
 `PTD_NUM_PROCESSES`, `PTD_PROCESS_ID`; ptd-train passes them to `jax.distributed.initialize`, see
-`parallel/multiprocess.py`) and runs in its own session, so that a terminal's Ctrl-C reaches it once, forwarded
+`runtime/multiprocess.py`) and runs in its own session, so that a terminal's Ctrl-C reaches it once, forwarded
 from here. On CPU the processes talk over gloo: with `--fake-devices K` each simulates K devices, N·K in all.
 
 When a child fails (exit code != 0, or killed by a signal), the launcher says which in one line, stops the others
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from ptd_jax.argparsing import OneLineParser, positive_float, positive_int
+from ptd_jax.cli.args import OneLineParser, positive_float, positive_int
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PROG = "ptd-launch"

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ptd_jax.argparsing import OneLineParser, positive_int
+from ptd_jax.cli.args import OneLineParser, positive_int
 from ptd_jax.config import MODEL_PRESETS, RECOMPUTE_GRANULARITIES, ConfigError, ModelConfig, model_preset
 from ptd_jax.perf.hardware import GIB, HARDWARE
 from ptd_jax.perf.search import describe, layout_record, make_parallel, search

@@ -13,16 +13,16 @@ import os
 import sys
 from pathlib import Path
 
-from ptd_jax.argparsing import OneLineParser, finite_float
+from ptd_jax.cli.args import OneLineParser, add_tokenizer_args, finite_float
 from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS, PIPELINE_SCHEDULES,
                             RECOMPUTE_GRANULARITIES,
                             ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
 from ptd_jax.data import DataError, IndexedDataset, parse_split
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
-from ptd_jax.data.tokenizer import ByteTokenizer, add_tokenizer_args, training_tokenizer
-from ptd_jax.parallel import multiprocess
-from ptd_jax.parallel.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
-from ptd_jax.precision_flags import add_precision_args, compute_dtype, train_config_fields
+from ptd_jax.data.tokenizer import ByteTokenizer, training_tokenizer
+from ptd_jax.runtime import multiprocess
+from ptd_jax.runtime.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
+from ptd_jax.cli.precision import add_precision_args, compute_dtype, train_config_fields
 
 DEMO_PRESET = "tiny"
 MAX_FAKE_DEVICES = 256
@@ -348,8 +348,8 @@ def run(argv=None) -> dict:
         raise ConfigError(f"heartbeat_timeout={args.heartbeat_timeout} must be at least 1 (seconds)")
 
     def join_processes():  # before JAX starts its backend
-        if os.environ.get("PTD_JAX_KEEP_HOST_MEMORY") == "1":  # opt-in (parallel/host_memory.py)
-            from ptd_jax.parallel.host_memory import keep_freed_host_memory
+        if os.environ.get("PTD_JAX_KEEP_HOST_MEMORY") == "1":  # opt-in (runtime/host_memory.py)
+            from ptd_jax.runtime.host_memory import keep_freed_host_memory
 
             keep_freed_host_memory()
         if group is not None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ptd_jax.argparsing import finite_float
+from ptd_jax.cli.args import finite_float
 from ptd_jax.config import ConfigError, TrainConfig
 
 SCALER_FLAGS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")

@@ -1,0 +1,2 @@
+"""The process around the program: several processes under `jax.distributed` (`multiprocess.py`) and glibc's
+allocator setting for XLA:CPU's temporaries (`host_memory.py`)."""
