@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
+
+from ptd_jax.analysis.jaxpr import tally
 
 COLLECTIVE_PRIMITIVES = {
     "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "reduce_scatter",
@@ -24,40 +26,20 @@ def _axes(params) -> tuple[str, ...]:
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
-def _sub_jaxprs(value):
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _sub_jaxprs(item)
-
-
-def jaxpr_collectives(jaxpr, multiplier: int = 1, counts=None) -> dict:
+def jaxpr_collectives(jaxpr) -> dict:
     """{(primitive, axes): {"count": n, "elements": e}} over the whole program, loops unrolled by count.
 
-    `cond` branches are counted once (the largest branch): exactly one runs per execution."""
-    counts = counts if counts is not None else defaultdict(lambda: {"count": 0, "elements": 0})
-    jaxpr = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in COLLECTIVE_PRIMITIVES:
-            entry = counts[(name, _axes(eqn.params))]
-            entry["count"] += multiplier
-            entry["elements"] += multiplier * sum(math.prod(v.aval.shape) for v in eqn.invars)
-            continue
-        if name == "cond":
-            branches = [jaxpr_collectives(b, multiplier) for b in eqn.params["branches"]]
-            biggest = max(branches, key=lambda c: sum(e["count"] for e in c.values()))
-            for key, entry in biggest.items():
-                counts[key]["count"] += entry["count"]
-                counts[key]["elements"] += entry["elements"]
-            continue
-        inner = multiplier * (eqn.params["length"] if name == "scan" else 1)
-        for value in eqn.params.values():
-            for sub in _sub_jaxprs(value):
-                jaxpr_collectives(sub, inner, counts)
+    `cond` branches are counted once (the one with most collectives): exactly one runs per execution."""
+    def count(eqn):
+        if eqn.primitive.name not in COLLECTIVE_PRIMITIVES:
+            return None
+        key = (eqn.primitive.name, _axes(eqn.params))
+        return Counter({(key, "count"): 1, (key, "elements"): sum(math.prod(v.aval.shape) for v in eqn.invars)})
+
+    tallied = tally(jaxpr, count, size=lambda c: sum(v for (_, what), v in c.items() if what == "count"))
+    counts: dict = {}
+    for (key, what), value in tallied.items():
+        counts.setdefault(key, {"count": 0, "elements": 0})[what] = value
     return counts
 
 
