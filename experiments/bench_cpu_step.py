@@ -79,7 +79,7 @@ def torch_step(case: dict, cfg, params, tokens, threads: int):
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        to_hf(cfg, jax.tree.map(np.asarray, params), tmp)
+        to_hf(jax.tree.map(np.asarray, params), cfg, tmp)
         model = GPT2LMHeadModel.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32).train()
     named = list(model.named_parameters())
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": TRAIN["weight_decay"]},

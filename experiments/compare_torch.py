@@ -465,7 +465,7 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         params = gpt.init_params(jax.random.key(seed), cfg)
-        to_hf(cfg, jax.tree.map(np.asarray, params), work / "weights")
+        to_hf(jax.tree.map(np.asarray, params), cfg, work / "weights")
         np.save(work / "data.npy", make_data(iters, micro_batch * microbatches, cfg.seq_length, seed))
         spec = {"model": model, "train": TRAIN, "iters": iters, "micro_batch": micro_batch,
                 "microbatches": microbatches, "threads": threads, "torch_eager_threads": torch_eager_threads,

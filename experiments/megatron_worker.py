@@ -99,7 +99,7 @@ def run_megatron(spec: dict) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg, params = from_hf(spec["weights"])
-    full = {k: torch.from_numpy(np.array(v)) for k, v in to_megatron(cfg, params).items()}
+    full = {k: torch.from_numpy(np.array(v)) for k, v in to_megatron(params, cfg).items()}
     data = torch.from_numpy(np.load(spec["data"]))
     M, b, S = spec["microbatches"], spec["micro_batch"], cfg.seq_length
     total = M * b * S

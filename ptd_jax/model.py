@@ -290,7 +290,7 @@ def forward(params, tokens_BxS, cfg: ModelConfig, *, key=None, recompute: str = 
     return output_logits(params, x_BxSxD, cfg)
 
 
-def logits(cfg: ModelConfig, params: Params, tokens_BxS):
+def logits(params: Params, tokens_BxS, cfg: ModelConfig):
     """Token ids [B, S] -> float32 logits [B, S, V] over the real vocabulary, on one device, deterministic.
     `params` may hold the padded or the unpadded (canonical, e.g. `interop.from_hf`) word embedding."""
     return forward(params, jnp.asarray(tokens_BxS), cfg)[..., :cfg.vocab_size]

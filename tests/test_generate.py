@@ -24,10 +24,10 @@ def params():
 
 def test_cached_greedy_equals_the_full_forward_every_step(params):
     prompt = np.random.RandomState(0).randint(0, 256, size=(2, 5))
-    got = generate(CFG, params, prompt, 6)
+    got = generate(params, prompt, CFG, 6)
     seq = prompt
     for _ in range(6):
-        nxt = np.asarray(gpt.logits(CFG, params, seq)[:, -1]).argmax(-1)
+        nxt = np.asarray(gpt.logits(params, seq, CFG)[:, -1]).argmax(-1)
         seq = np.concatenate([seq, nxt[:, None]], axis=1)
     np.testing.assert_array_equal(got, seq)
     assert len(set(got[0, 5:].tolist())) > 1  # not a degenerate repeat of one token
@@ -35,14 +35,14 @@ def test_cached_greedy_equals_the_full_forward_every_step(params):
 
 def test_sampling_limits(params):
     prompt = np.array([[1, 2, 3]])
-    greedy = generate(CFG, params, prompt, 8)
-    np.testing.assert_array_equal(generate(CFG, params, prompt, 8, temperature=1.0, top_k=1, seed=5), greedy)
-    np.testing.assert_array_equal(generate(CFG, params, prompt, 8, temperature=0.7, top_p=1e-6, seed=5), greedy)
-    a = generate(CFG, params, prompt, 8, temperature=1.5, seed=1)
-    np.testing.assert_array_equal(a, generate(CFG, params, prompt, 8, temperature=1.5, seed=1))
-    assert not np.array_equal(a, generate(CFG, params, prompt, 8, temperature=1.5, seed=2))
+    greedy = generate(params, prompt, CFG, 8)
+    np.testing.assert_array_equal(generate(params, prompt, CFG, 8, temperature=1.0, top_k=1, seed=5), greedy)
+    np.testing.assert_array_equal(generate(params, prompt, CFG, 8, temperature=0.7, top_p=1e-6, seed=5), greedy)
+    a = generate(params, prompt, CFG, 8, temperature=1.5, seed=1)
+    np.testing.assert_array_equal(a, generate(params, prompt, CFG, 8, temperature=1.5, seed=1))
+    assert not np.array_equal(a, generate(params, prompt, CFG, 8, temperature=1.5, seed=2))
     with pytest.raises(ConfigError, match="exceeds the model's 24 positions"):
-        generate(CFG, params, np.zeros((1, 20), np.int32), 5)
+        generate(params, np.zeros((1, 20), np.int32), CFG, 5)
 
 
 def test_ptd_generate_writes_text_from_a_checkpoint(params, tmp_path, capsys):
@@ -86,8 +86,8 @@ def test_tensor_parallel_generation_equals_one_device(params, t):
 
     canonical = {**params, "embed": {**params["embed"], "word": params["embed"]["word"][:CFG.vocab_size]}}
     prompt = np.random.RandomState(1).randint(0, 256, size=(2, 5))
-    want, want_logits = generate(CFG, params, prompt, 8, return_logits=True)
-    got, got_logits = generate(CFG, canonical, prompt, 8, tensor_parallel_size=t, return_logits=True)
+    want, want_logits = generate(params, prompt, CFG, 8, return_logits=True)
+    got, got_logits = generate(canonical, prompt, CFG, 8, tensor_parallel_size=t, return_logits=True)
     np.testing.assert_array_equal(got, want)
     assert want_logits.shape == (2, 8, CFG.vocab_size) and np.abs(want_logits).max() > 1
     np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=1e-5)
@@ -114,7 +114,7 @@ def test_ptd_generate_uses_the_tokenizer_the_checkpoint_records(params, gpt2_fil
     assert main([*prompt, "--tensor-model-parallel-size", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     ids = tok.encode("def fibonacci")
-    want = generate(cfg, params, ids[None], 5)[0]
+    want = generate(params, ids[None], cfg, 5)[0]
     assert json.loads(out[-1]) == {"prompt_tokens": len(ids), "new_tokens": want[len(ids):].tolist()}
     assert out[0] == tok.decode(want) and out[0].startswith("def fibonacci") and len(set(want[len(ids):])) > 1
     assert main([*prompt, "--tokenizer-type", "ByteTokenizer"]) == 2
@@ -171,6 +171,6 @@ def test_train_with_gpt2_bpe_then_generate_from_its_checkpoint(gpt2_files, tmp_p
     assert main(["--load", str(tmp_path / "ckpt"), "--prompt", "def fibonacci", "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out.splitlines()
     ids = tok.encode("def fibonacci")
-    want = generate(cfg, params, ids[None], 5)[0]
+    want = generate(params, ids[None], cfg, 5)[0]
     assert json.loads(out[-1]) == {"prompt_tokens": len(ids), "new_tokens": want[len(ids):].tolist()}
     assert out[0] == tok.decode(want) and out[0].startswith("def fibonacci")

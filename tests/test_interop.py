@@ -56,7 +56,7 @@ def test_logits_equal_transformers_gpt2(hf_dir):
         theirs = _hf(hf_dir).double()(torch.tensor(tokens)).logits.numpy()
     with jax.enable_x64(True):
         cfg64 = dataclasses.replace(cfg, dtype="float64", param_dtype="float64")
-        ours = np.asarray(gpt.logits(cfg64, jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params), tokens))
+        ours = np.asarray(gpt.logits(jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params), tokens, cfg64))
     assert ours.shape == (3, S, V) and ours.dtype == theirs.dtype == np.float64
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
 
@@ -85,7 +85,7 @@ def test_loss_gradients_equal_transformers_gpt2(hf_dir, tmp_path):
         grads = jax.tree.map(np.asarray, grads)
     assert float(value) == pytest.approx(float(their_loss.detach()), rel=1e-12)
     # the loss sees positions < S - 1 only: the last position's embedding gradient is zero on both sides
-    to_hf(cfg, grads, tmp_path / "grads")
+    to_hf(grads, cfg, tmp_path / "grads")
     from safetensors.numpy import load_file
 
     ours = load_file(str(tmp_path / "grads" / "model.safetensors"))
@@ -97,7 +97,7 @@ def test_loss_gradients_equal_transformers_gpt2(hf_dir, tmp_path):
 
 def test_to_hf_round_trips_bitwise_and_loads_in_transformers(hf_dir, tmp_path):
     cfg, params = from_hf(hf_dir)
-    to_hf(cfg, params, tmp_path / "back")
+    to_hf(params, cfg, tmp_path / "back")
     original, back = _hf(hf_dir).state_dict(), _hf(tmp_path / "back").state_dict()
     assert set(original) == set(back)
     for name in original:
@@ -139,7 +139,7 @@ def test_ptd_convert_from_hf_then_train_at_3d_then_to_hf(hf_dir, tmp_path, capsy
     cfg, params = read_params(trained)
     with torch.no_grad():
         theirs = model.eval()(tokens).logits.numpy()
-    ours = np.asarray(gpt.logits(cfg, jax.tree.map(jnp.asarray, params), _tokens()))
+    ours = np.asarray(gpt.logits(jax.tree.map(jnp.asarray, params), _tokens(), cfg))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
     assert not np.allclose(ours, _hf(hf_dir)(tokens).logits.detach().numpy(), atol=1e-4)  # it did train
 
@@ -182,7 +182,7 @@ def test_greedy_generation_equals_transformers_generate(hf_dir):
 
     cfg, params = from_hf(hf_dir)
     prompt = _tokens(batch=2)[:, :4]
-    ours = generate(cfg, params, prompt, 10)
+    ours = generate(params, prompt, cfg, 10)
     model = _hf(hf_dir)
     with torch.no_grad():
         theirs = model.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),

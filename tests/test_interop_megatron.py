@@ -89,7 +89,7 @@ def _tokens():
 def _loaded(build, params):
     model = build(CFG, params["embed"]["word"].shape[0])
     missing, unexpected = model.load_state_dict(
-        {k: torch.from_numpy(v).double() for k, v in to_megatron(CFG, params).items()}, strict=False)
+        {k: torch.from_numpy(v).double() for k, v in to_megatron(params, CFG).items()}, strict=False)
     assert unexpected == [] and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     return model
 
@@ -108,7 +108,7 @@ def test_logits_equal_megatron_cores_gptmodel(megatron):
         theirs = _megatron_forward(_loaded(megatron, params), _tokens()).numpy()[..., :V]
     with jax.enable_x64(True):
         cfg64 = dataclasses.replace(CFG, dtype="float64", param_dtype="float64")
-        ours = np.asarray(gpt.logits(cfg64, jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params), _tokens()))
+        ours = np.asarray(gpt.logits(jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params), _tokens(), cfg64))
     assert ours.shape == theirs.shape == (B, S, V) and theirs.dtype == np.float64
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
 
@@ -136,7 +136,7 @@ def test_loss_gradients_equal_megatron_cores_gptmodel(megatron):
         value, grads = jax.value_and_grad(loss)(jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params))
         grads = jax.tree.map(lambda x: np.asarray(x, np.float64), grads)
     assert float(value) == pytest.approx(float(their_loss.detach()), rel=1e-12)
-    ours = to_megatron(CFG, grads)  # float32: ours rounded once (relative 6e-8)
+    ours = to_megatron(grads, CFG)  # float32: ours rounded once (relative 6e-8)
     assert set(ours) == set(theirs), set(ours) ^ set(theirs)
     for name, g in ours.items():
         np.testing.assert_allclose(g, theirs[name], rtol=1e-7, atol=1e-12, err_msg=name)
@@ -148,26 +148,26 @@ def test_from_megatron_inverts_to_megatron_and_reads_megatrons_own_init(megatron
     params = _params()
     params["embed"]["word"] = params["embed"]["word"][:V]  # canonical: the real vocabulary
     for spec in ("local", "transformer_engine"):
-        back = from_megatron(CFG, to_megatron(CFG, params, layer_spec=spec))
+        back = from_megatron(to_megatron(params, CFG, layer_spec=spec), CFG)
         jax.tree.map(np.testing.assert_array_equal, back, params)
     padded = _params()  # a run's padded embedding comes back cut to the real vocabulary
-    assert from_megatron(CFG, to_megatron(CFG, padded))["embed"]["word"].shape == (V, CFG.hidden_size)
-    bf16 = {k: torch.from_numpy(v).bfloat16() for k, v in to_megatron(CFG, params).items()}  # Megatron's usual dtype
-    back = from_megatron(CFG, bf16)
+    assert from_megatron(to_megatron(padded, CFG), CFG)["embed"]["word"].shape == (V, CFG.hidden_size)
+    bf16 = {k: torch.from_numpy(v).bfloat16() for k, v in to_megatron(params, CFG).items()}  # Megatron's usual dtype
+    back = from_megatron(bf16, CFG)
     np.testing.assert_array_equal(back["layers"]["attn"]["qkv_kernel"],
-                                  from_megatron(CFG, {k: v.float() for k, v in bf16.items()})["layers"]["attn"]
+                                  from_megatron({k: v.float() for k, v in bf16.items()}, CFG)["layers"]["attn"]
                                   ["qkv_kernel"])
     torch.manual_seed(0)
     model = megatron(CFG, V).float()
     with torch.no_grad():
         theirs = _megatron_forward(model, _tokens()).numpy()
-    ours = np.asarray(gpt.logits(CFG, from_megatron(CFG, {f"module.{k}": v for k, v in model.state_dict().items()}),
-                                 _tokens()))
+    ours = np.asarray(gpt.logits(from_megatron({f"module.{k}": v for k, v in model.state_dict().items()}, CFG), _tokens(),
+                                 CFG))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
-    state = to_megatron(CFG, params)
+    state = to_megatron(params, CFG)
     with pytest.raises(ConfigError, match="has no tensor 'decoder.layers.1.mlp.linear_fc2.bias'"):
-        from_megatron(CFG, {k: v for k, v in state.items() if k != "decoder.layers.1.mlp.linear_fc2.bias"})
+        from_megatron({k: v for k, v in state.items() if k != "decoder.layers.1.mlp.linear_fc2.bias"}, CFG)
     with pytest.raises(ConfigError, match="output_layer.weight is not tied"):
-        from_megatron(CFG, {**state, "output_layer.weight": state["embedding.word_embeddings.weight"] + 1})
+        from_megatron({**state, "output_layer.weight": state["embedding.word_embeddings.weight"] + 1}, CFG)
     with pytest.raises(ConfigError, match="layer_spec='te' is not one of"):
-        to_megatron(CFG, params, layer_spec="te")
+        to_megatron(params, CFG, layer_spec="te")

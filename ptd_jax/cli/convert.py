@@ -40,7 +40,7 @@ def main(argv=None) -> int:
             if not Path(args.input).is_dir():
                 raise ConfigError(f"input={args.input!r} is not a checkpoint folder")
             cfg, params = checkpoint.read_params(args.input)
-            to_hf(cfg, params, out)
+            to_hf(params, cfg, out)
     except (ConfigError, OSError) as err:
         print(f"ptd-convert: error: {err}", file=sys.stderr)
         return 2

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"prompt_ids={args.prompt_ids!r} is not a comma-separated list of ids") from None
             if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
                 raise ConfigError(f"prompt_ids hold ids outside [0, {cfg.vocab_size})")
-        out = generate(cfg, params, ids[None], args.max_new_tokens, temperature=args.temperature,
+        out = generate(params, ids[None], cfg, args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                        tensor_parallel_size=tensor_parallel_size(args, cfg, meta))[0]
     except (ConfigError, DataError) as err:

@@ -39,7 +39,7 @@ def sample(logits_BxV, key, temperature: float, top_k: int | None, top_p: float 
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def generate(cfg: ModelConfig, params, prompt_BxP, max_new_tokens: int, *, temperature: float = 0.0,
+def generate(params, prompt_BxP, cfg: ModelConfig, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, tensor_parallel_size: int = 1,
              devices=None, return_logits: bool = False):
     """Prompt ids [B, P] -> [B, P + max_new_tokens] (float32 compute, no dropout); with `return_logits`, also the

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 <-> ptd_jax: `from_hf(path) -> (ModelConfig, params)` and `to_hf(model_cfg, params, path)`.
+"""Hugging Face GPT-2 <-> ptd_jax: `from_hf(path) -> (ModelConfig, params)` and `to_hf(params, model_cfg, path)`.
 
 Megatron's GPT is GPT-2 (learned positions, pre-LN, tanh GeLU, tied output layer), so the conversion is a renaming
 and a few reshapes, with no torch (the `safetensors` numpy API). HF's layout facts:
@@ -112,7 +112,7 @@ def from_hf(path) -> tuple[ModelConfig, dict]:
     return cfg, params
 
 
-def to_hf(model_cfg: ModelConfig, params, path) -> Path:
+def to_hf(params, model_cfg: ModelConfig, path) -> Path:
     """Canonical params (as `from_hf` returns them, or a checkpoint stores them) -> an HF GPT2LMHeadModel folder."""
     from safetensors.numpy import save_file
 

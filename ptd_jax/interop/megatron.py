@@ -1,5 +1,5 @@
-"""megatron-core's GPTModel state dict <-> ptd_jax: `from_megatron(model_cfg, state)` and `to_megatron(model_cfg,
-params)` (numpy, no torch, t = p = 1). The params are the canonical form (layers [L, ...], the unpadded vocabulary).
+"""megatron-core's GPTModel state dict <-> ptd_jax: `from_megatron(state, model_cfg)` and `to_megatron(params,
+model_cfg)` (numpy, no torch, t = p = 1). The params are the canonical form (layers [L, ...], the unpadded vocabulary).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _MEGATRON_LN = {
 _LN_FIELDS = {"scale": "weight", "bias": "bias"}
 
 
-def to_megatron(model_cfg: ModelConfig, params, layer_spec: str = "local") -> dict[str, np.ndarray]:
+def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> dict[str, np.ndarray]:
     """Canonical params -> megatron-core GPTModel's state dict (t = p = 1) as float32 numpy arrays, for
     `model.load_state_dict({k: torch.from_numpy(v) ...}, strict=False)` (strict=False: it also lists
     `_extra_state` entries). `layer_spec` is "local" or "transformer_engine" (where the LayerNorms live). The word
@@ -56,7 +56,7 @@ def to_megatron(model_cfg: ModelConfig, params, layer_spec: str = "local") -> di
     return out
 
 
-def from_megatron(model_cfg: ModelConfig, state: dict) -> dict:
+def from_megatron(state: dict, model_cfg: ModelConfig) -> dict:
     """megatron-core GPTModel's state dict (t = p = 1; tensors of any float dtype, or arrays; the local or
     Transformer Engine layer spec, told apart by its names; "module." prefixes, `_extra_state` and a tied
     `output_layer.weight` equal to the word embedding ignored) -> canonical float32 numpy params: the word embedding
