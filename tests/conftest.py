@@ -46,3 +46,23 @@ def gpt2_files(tmp_path_factory):
                             vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"], show_progress=False)
     vocab, merges = bpe.save_model(str(folder))
     return vocab, merges
+
+
+# The quick subset (`pytest -m quick`, a few minutes): the architecture rules, configs and bad input, the schedules,
+# the model against transformers, and one exactness case of each parallelism against the single-device reference.
+QUICK = (
+    "tests/test_layout.py", "tests/test_code_shape.py", "tests/test_config.py", "tests/test_readme.py",
+    "tests/parallel/pipeline/test_schedule.py", "tests/test_interop.py::test_logits_equal_transformers_gpt2",
+    "tests/parallel/test_tensor.py",
+    "tests/parallel/pipeline/test_executor.py::test_float64_pipeline_equals_the_reference[d2p2t2-1f1b-per-rank]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    matched = set()
+    for item in items:
+        if item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.quick)
+            matched.update(prefix for prefix in QUICK if item.nodeid.startswith(prefix))
+    if config.getoption("markexpr") == "quick" and not config.args[1:] and set(QUICK) - matched:
+        raise pytest.UsageError(f"QUICK names tests that do not exist: {sorted(set(QUICK) - matched)}")
