@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ptd_jax.config import ModelConfig, model_preset
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, model_preset
 from ptd_jax.cli import plan as cli
 from ptd_jax.perf import HARDWARE, predict
 from ptd_jax.perf.hardware import ring_allreduce_seconds
-from ptd_jax.perf.memory import activation_bytes_per_layer, memory_per_gpu, stashed_layers
+from ptd_jax.perf.memory import activation_bytes_per_layer, memory_per_gpu, stash_slots, stashed_layers
 from ptd_jax.perf.search import make_parallel, search
 from ptd_jax.perf.timing import data_parallel_seconds, tensor_allreduce_seconds
 
@@ -121,13 +121,37 @@ def test_activation_formula_by_hand():
 
 
 def test_stashed_layers_per_schedule():
-    """First stage: 1F1B holds p microbatches of l/p layers = l; interleaved l (1 + (p−1)/(p v)); GPipe m l/p."""
+    """Every rank's stash holds the lockstep table's slots, each one microbatch through l/(p v) layers: 1F1B
+    min(m, 2p − 1) slots of l/p layers, interleaved min(v m, (v + 1) p) of l/(p v), GPipe m of l/p."""
     cfg = model_preset("paper-1.7b")  # l = 24
-    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16)) == 24
-    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, 3)) == pytest.approx(24 * (1 + 3 / 8))  # v = 2
+    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16)) == 7 * 24 / 4
+    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, 3)) == 12 * 24 / 8  # v = 2
     gpipe = make_parallel(cfg, 4, 1, 4, 1, 16).replace(pipeline_schedule="gpipe")
     assert stashed_layers(cfg, gpipe) == 16 * 24 / 4
-    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16), rank=3) == 24 / 4  # the last stage: one
+    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 1, 16)) == 24  # p = 1: one microbatch at a time
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_stash_slots_are_the_lockstep_tables(schedule):
+    """The closed forms of `stash_slots` equal the executor's table (`num_act_slots`), and a non-default
+    interleaved group size reads the table itself."""
+    from ptd_jax.parallel.pipeline import build
+
+    for p in (1, 2, 3, 4, 6):
+        for v in ((2, 3, 4) if schedule == "interleaved" and p > 1 else (1,)):
+            for m in (1, 2, 3, 4, 6, 8, 9, 12, 16, 24):
+                layout = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": p, "micro_batch_size": 1,
+                          "global_batch_size": m, "virtual_pipeline_stages": v,
+                          "pipeline_schedule": schedule if p > 1 else "1f1b"}
+                try:
+                    parallel = ParallelConfig.for_devices(p, **layout)
+                except ConfigError:
+                    continue  # m not allowed with this (p, v)
+                assert stash_slots(parallel) == build(parallel.pipeline_schedule, p, v, m).num_act_slots, layout
+    grouped = ParallelConfig.for_devices(2, pipeline_model_parallel_size=2, virtual_pipeline_stages=2,
+                                         pipeline_schedule="interleaved", micro_batch_size=1, global_batch_size=12,
+                                         microbatch_group_size=4)
+    assert stash_slots(grouped) == build("interleaved", 2, 2, 12, 4).num_act_slots == 10
 
 
 def test_ring_allreduce_and_tensor_parallelism_leaving_the_node():
@@ -257,7 +281,7 @@ def test_cli_json_keys(capsys):
     assert cli.main(["search", "--num-gpus", "64", "--global-batch-size", "128", "--model-preset", "paper-18.4b",
                      "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["layouts"]
-    assert rows and all(SEARCH_KEYS <= set(r) for r in rows)
+    assert rows and all(set(r) >= SEARCH_KEYS for r in rows)
     assert [r["iteration_time_s"] for r in rows] == sorted(r["iteration_time_s"] for r in rows)
 
 
@@ -318,7 +342,7 @@ def test_table1_script_cites_the_papers_numbers_and_predicts_through_the_cli():
     from experiments.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
     from ptd_jax.config import PAPER_TABLE_1
 
-    assert PUBLISHED_TFLOPS_PER_GPU == {r.name: r.published_tflops_per_gpu for r in PAPER_TABLE_1}
+    assert {r.name: r.published_tflops_per_gpu for r in PAPER_TABLE_1} == PUBLISHED_TFLOPS_PER_GPU
     row = predict_row(PAPER_TABLE_1[0])
     assert row["num_gpus"] == 32 and row["tensor_model_parallel_size"] == 1 and row["tflops_per_gpu"] > 0
 
@@ -331,7 +355,7 @@ def test_break_even_reports_a_tie_at_the_preset_instead_of_a_crossing_next_to_it
 
     knob = KNOBS[0]
     preset = knob.get(A100)
-    layout = {k: 1 for k in SHORT}
+    layout = dict.fromkeys(SHORT, 1)
 
     def rerun_with(slower_at_preset: float):
         def rerun(hw):  # t = 8 gets faster with the knob; t = 4 does not depend on it

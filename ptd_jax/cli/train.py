@@ -20,6 +20,7 @@ from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS,
 from ptd_jax.data import DataError, IndexedDataset, parse_split
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer, training_tokenizer
+from ptd_jax.perf.memory import check_fits
 from ptd_jax.runtime import multiprocess
 from ptd_jax.runtime.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
 from ptd_jax.cli.precision import add_precision_args, compute_dtype, train_config_fields
@@ -379,9 +380,7 @@ def run(argv=None) -> dict:
     check_implemented(parallel)
     check_backend(model_cfg)
     check_outputs(args)
-    from ptd_jax.train.memory import check_fits
-
-    check_fits(model_cfg, parallel, train_cfg)
+    check_fits(model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count())
     if args.sequence_parallel and not parallel.sequence_parallel:
         print("ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
               "running without it (as Megatron does)", file=sys.stderr)
@@ -414,7 +413,7 @@ def _main(argv) -> int:
     except DivergedError as err:  # --max-skipped-iters: not bad input, a run that failed
         print(f"ptd-train: error: {err}", file=sys.stderr)
         return 1
-    except RuntimeError as err:  # XLA's out-of-memory, past the estimate of train/memory.py
+    except RuntimeError as err:  # XLA's out-of-memory, past the estimate of perf/memory.py
         multiprocess.exit_if_peer_failed(err, "ptd-train")
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

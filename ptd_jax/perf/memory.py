@@ -1,6 +1,7 @@
-"""Memory per GPU of a Megatron PTD-P run: weights, gradients and optimizer state, and the activations the
-pipeline schedule stashes under a recompute policy (paper §3.5; Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", §4).
+"""Memory per GPU of a PTD-P run: weights, gradients and optimizer state, and the activations the pipeline
+executor stashes under a recompute policy (paper §3.5; Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", §4). The one memory model of the project: `ptd-plan` ranks layouts by it and
+`ptd-train` refuses, before allocating anything, a run it puts over a device's memory (`check_fits`).
 
 State (mixed-precision Adam), Megatron-LM's documented bytes per parameter (README, "Distributed Optimizer"; d the
 data-parallel size):
@@ -16,16 +17,22 @@ h hidden, a heads, t tensor-parallel size):
     no recomputation       s b h (10 + 24/t + 5 a s/(h t))        with sequence parallelism  s b h (34 + 5 a s/h)/t
     selective              s b h (10 + 24/t)                                                 34 s b h / t
     full                   2 s b h (each layer's input only)                                 2 s b h / t
-  plus, under "full", one layer's activations without recomputation (rebuilt during its backward).
-Stashed layers on the first stage (Megatron's asynchronous schedules): one microbatch of all l layers at p = 1;
-1F1B: min(p, m) microbatches of l/p layers (l layers' worth whatever p); GPipe: m of l/p; interleaved:
-min(p·v + p − 1, m·v) chunks of l/(p·v) layers = l (1 + (p−1)/(p v)). The last stage adds the fp32 logits of the
-loss, 4 s b V/t. The model leaves out the CUDA context, NCCL buffers and fragmentation (`Hardware.usable_memory`).
+  plus, under "full", one layer's activations without recomputation (rebuilt during its backward). The attention
+  scores (the 5 a s/(h t) term) count only where the XLA backend materialises them; the flash kernels do not.
+Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots on every pipeline rank (one
+SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v) layers. `stash_slots` gives
+that count: closed forms of the lockstep table (`ptd_jax.parallel.pipeline.build`), checked against it in
+tests/test_perf.py, because building the table takes seconds at the planner's sizes (p = 64, m = 1536). The last
+stage adds the fp32 logits of the loss, 4 s b V/t. The model leaves out the CUDA context, NCCL buffers, XLA's
+temporaries and fragmentation (`Hardware.usable_memory`), so a run it admits may still not fit.
 """
 
 from __future__ import annotations
 
-from ptd_jax.config import ModelConfig, ParallelConfig
+from functools import lru_cache
+
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig
+from ptd_jax.perf.hardware import GIB
 
 
 def layer_params(cfg: ModelConfig) -> float:
@@ -73,23 +80,40 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     linear = 34 / t if sp else 10 + 24 / t
-    scores = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    materialised = recompute == "none" and cfg.attention_backend == "xla"
+    scores = 5 * a * s / (h * t) if materialised else 0.0
     return s * b * h * (linear + scores)
 
 
-def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig, rank: int = 0) -> float:
-    """Layers' worth of one microbatch's activations pipeline rank `rank` holds at its peak: Megatron's warm-up
-    forwards plus the one in flight (1F1B: p−1−r; interleaved: 2(p−1−r) + (v−1)·G, G = p by default)."""
+def stash_slots(parallel: ParallelConfig) -> int:
+    """Slots of the executor's activation stash on each pipeline rank, the lockstep table's `num_act_slots`:
+    GPipe m; 1F1B min(m, 2p − 1) (the lockstep warm-up sends one forward a tick, so rank 0 holds 2p − 1 before
+    its first backward); interleaved with groups of p microbatches min(v m, (v + 1) p); another group size: the
+    table itself. One slot at p = 1 (microbatches one after another)."""
     p, v, m = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches
-    L = cfg.num_layers
+    group = parallel.microbatch_group_size
     if p == 1:
-        return L
+        return 1
     if parallel.pipeline_schedule == "gpipe":
-        return m * L / p
+        return m
     if parallel.pipeline_schedule == "1f1b":
-        return min(p - rank, m) * L / p
-    group = parallel.microbatch_group_size or p
-    return min(2 * (p - 1 - rank) + (v - 1) * group + 1, m * v) * L / (p * v)
+        return min(m, 2 * p - 1)
+    if group in (None, p):
+        return min(v * m, (v + 1) * p)
+    return _table_slots(parallel.pipeline_schedule, p, v, m, group)
+
+
+@lru_cache(maxsize=64)
+def _table_slots(schedule: str, p: int, v: int, m: int, group: int) -> int:
+    from ptd_jax.parallel.pipeline import build  # pure Python, no JAX
+
+    return build(schedule, p, v, m, group).num_act_slots
+
+
+def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Layers' worth of one microbatch's activations a pipeline rank stashes: `stash_slots` chunks of l/(p v)."""
+    chunk = cfg.num_layers / (parallel.pipeline_model_parallel_size * parallel.virtual_pipeline_stages)
+    return stash_slots(parallel) * chunk
 
 
 def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = "full") -> dict[str, float]:
@@ -98,14 +122,40 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     t, b, s = parallel.tensor_model_parallel_size, parallel.micro_batch_size, cfg.seq_length
     params = params_per_gpu(cfg, parallel)
     per_param = state_bytes_per_param(parallel, cfg)
-    layer = activation_bytes_per_layer(cfg, parallel, recompute)
+    stash = stashed_layers(cfg, parallel) * activation_bytes_per_layer(cfg, parallel, recompute)
     # the layer being recomputed under "full" holds its full activations meanwhile
-    extra = activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
+    stash += activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
     logits = 4 * s * b * cfg.padded_vocab_size(t) / t
-    last_rank = parallel.pipeline_model_parallel_size - 1
-    stages = {"first": (params["first"], stashed_layers(cfg, parallel, 0) * layer + extra),
-              "last": (params["last"], stashed_layers(cfg, parallel, last_rank) * layer + extra + logits)}
-    if last_rank == 0:
-        stages = {"first": (params["first"], stages["first"][1] + logits)}
+    stages = {"first": (params["first"], stash), "last": (params["last"], stash + logits)}
+    if parallel.pipeline_model_parallel_size == 1:
+        stages = {"first": (params["first"], stash + logits)}
     name, (n, a) = max(stages.items(), key=lambda kv: kv[1][0] * per_param + kv[1][1])
     return {"stage": name, "params": n, "state": n * per_param, "activations": a, "total": n * per_param + a}
+
+
+def device_memory_bytes(device, num_local_devices: int) -> tuple[float | None, str]:
+    """(bytes one device may use, where the figure comes from) for a JAX device; None when unknown. On CPU the
+    simulated devices share the host's RAM."""
+    import os
+
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"{device.device_kind} memory"
+    if device.platform == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None, "unknown"
+        return total / num_local_devices, f"host RAM / {num_local_devices} simulated device(s)"
+    return None, "unknown"
+
+
+def check_fits(cfg: ModelConfig, parallel: ParallelConfig, recompute: str, device, num_local_devices: int) -> None:
+    """Refuse, with the numbers, a run whose estimate exceeds the memory of `device` (a JAX device)."""
+    need = memory_per_gpu(cfg, parallel, recompute)
+    have, source = device_memory_bytes(device, num_local_devices)
+    if have is not None and need["total"] > have:
+        raise ConfigError(f"the run needs about {need['total'] / GIB:,.1f} GiB per device (state "
+                          f"{need['state'] / GIB:,.1f} GiB, activations {need['activations'] / GIB:,.1f} GiB) but a "
+                          f"device has {have / GIB:,.1f} GiB ({source}); use more devices, a larger t or p, a smaller "
+                          f"micro batch or sequence, or --recompute-granularity full")

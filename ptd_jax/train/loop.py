@@ -35,7 +35,6 @@ from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, 
 from ptd_jax.train import bubble, checkpoint
 from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
                                  model_flops_per_iteration)
-from ptd_jax.train.memory import check_fits
 from ptd_jax.train.guards import SkipCounter, state_is_finite, with_loss_scale
 from ptd_jax.train.metrics import MetricsLogger
 from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
@@ -112,7 +111,6 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
     """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line)."""
     options = options or RunOptions()
     parallel.check_model(model_cfg)
-    check_fits(model_cfg, parallel, train_cfg)
     messages: list[str] = []
     resume = _resume_point(options, model_cfg, train_cfg, messages)  # refusals first: before data or devices
     data_path = options.data_path or default_corpus(progress=options.progress)
