@@ -13,27 +13,27 @@ export PYTHONPATH=.
   "${PYTHON:-python}" -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/gpu_env.txt"
 # 1. kernels at the 1.3B widths, compiled: values and all gradients against the references (seconds)
 # 2. attention vs XLA and cuDNN over sequence lengths, LayerNorm and loss vs XLA, the 1.3B step (5 variants)
-timeout "${BENCH_TIMEOUT_S:-360}" "${PYTHON:-python}" experiments/bench_kernels.py --out "$out/bench_kernels.json" \
+timeout "${BENCH_TIMEOUT_S:-360}" "${PYTHON:-python}" -m experiments.bench.bench_kernels --out "$out/bench_kernels.json" \
     --plot "$out/bench_kernels.png" 2>&1 | tail -n 40
 echo "bench exit: ${PIPESTATUS[0]}"
 # 3. the pipeline executor's own machinery at p = 1 (tick scans, residual stash, conds) against the reference
 #    step, recompute none and full: the one pipeline measurement a single GPU can make
-timeout "${EXECUTOR_TIMEOUT_S:-90}" "${PYTHON:-python}" experiments/bench_executor_p1.py --rounds 5 \
+timeout "${EXECUTOR_TIMEOUT_S:-90}" "${PYTHON:-python}" -m experiments.bench.bench_executor_p1 --rounds 5 \
     --out "$out/bench_executor_p1.json" 2>&1 | tail -n 5
 echo "executor bench exit: ${PIPESTATUS[0]}"
 # 3b. the training step's bytes per parameter on the GPU (bfloat16, d = 1, m = 1 and 4, compiled, not run): what
 #     XLA:GPU holds where XLA:CPU converts bf16 weights to float32 and runs its all-reduce out of place
-timeout "${MEMORY_TIMEOUT_S:-60}" "${PYTHON:-python}" -m experiments.bench_optimizer_memory --dtypes bfloat16 \
+timeout "${MEMORY_TIMEOUT_S:-60}" "${PYTHON:-python}" -m experiments.bench.bench_optimizer_memory --dtypes bfloat16 \
     --data-sizes 1 --out "$out/optimizer_memory_gpu.json" 2>&1 | tail -n 3
 echo "memory bench exit: ${PIPESTATUS[0]}"
 # 4. pipe-divergent branches (per-rank) against uniform on 4 devices, with a hang timeout; with fewer than 4 GPUs it
 #    says "skipped" at once. 5. the p = 4 pipeline benchmark (interleaved vs 1F1B, both branchings), when 4 GPUs
 #    exist; skipped otherwise.
-timeout "${PROBE_TIMEOUT_S:-120}" "${PYTHON:-python}" -m experiments.probe_divergent_branches --timeout-s 90 \
+timeout "${PROBE_TIMEOUT_S:-120}" "${PYTHON:-python}" -m experiments.bench.probe_divergent_branches --timeout-s 90 \
     --out "$out/probe_divergent_branches.json" 2>&1 | tail -n 3
 echo "divergent-branches probe exit: ${PIPESTATUS[0]}"
 if "${PYTHON:-python}" -c "import jax, sys; sys.exit(len(jax.devices()) < 4)" 2>/dev/null; then
-  timeout "${PIPELINE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench_interleaving --rounds 3 \
+  timeout "${PIPELINE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.bench_interleaving --rounds 3 \
       --out "$out/bench_interleaving_gpu.json" 2>&1 | tail -n 3
   echo "pipeline bench exit: ${PIPESTATUS[0]}"
 else

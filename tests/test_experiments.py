@@ -12,7 +12,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_kernels_smoke_checks_every_kernel_and_the_fused_training_step(tmp_path):
-    from experiments.bench_kernels import main
+    from experiments.bench.bench_kernels import main
 
     out = tmp_path / "bench.json"
     main(["--smoke", "--out", str(out), "--plot", str(tmp_path / "bench.png")])
@@ -32,7 +32,7 @@ def test_bench_kernels_smoke_checks_every_kernel_and_the_fused_training_step(tmp
 def test_bench_interleaving_smoke_runs_every_case(tmp_path):
     out = tmp_path / "bench.json"  # its own process: the benchmark sets 4 fake devices before JAX starts
     env = {**os.environ, "XLA_FLAGS": ""}
-    subprocess.run([sys.executable, "-m", "experiments.bench_interleaving", "--smoke", "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "experiments.bench.bench_interleaving", "--smoke", "--out", str(out)],
                    check=True, cwd=Path(__file__).resolve().parents[1], env=env)
     (result,) = json.loads(out.read_text()).values()
     assert len(result["median_step_s"]) == 5 and all(t > 0 for t in result["median_step_s"].values())
@@ -46,7 +46,7 @@ def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
     count of Megatron's schedule on every rank, for per-rank branching, less what JAX's checkpoint does not
     recompute because the backward does not need its output (Megatron reruns it): under full the fc2 matmul, under
     selective the attention core's context matmul; uniform adds the bubble's dummy cells."""
-    from experiments.pipeline_flops import measure
+    from experiments.bench.pipeline_flops import measure
 
     model = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
     p, m, t = 2, 4, 2
@@ -65,7 +65,7 @@ def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
 def test_compare_torch_refuses_a_tensor_parallel_layout_with_nothing_to_compare_it_with():
     """t > 1 runs only in ptd_jax and megatron-core: without megatron-core, or with GPipe (which it lacks), the
     layout is refused in one line before anything runs."""
-    from experiments.compare_torch import main
+    from experiments.compare_torch.compare_torch import main
 
     with pytest.raises(SystemExit, match=r"layouts \['t2'\] have t > 1, .*--no-megatron-core"):
         main(["--layouts", "serial", "t2", "--no-megatron-core", "--rounds", "1"])
@@ -83,11 +83,12 @@ def test_compare_torch_losses_agree_with_torch_and_megatron_core_at_serial_p2_an
     12% low, which the losses showed only as 5e-6 since Adam barely sees the clipping scale)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from experiments.compare_torch import main
+    from experiments.compare_torch.compare_torch import main
 
     out = tmp_path / "compare.json"
-    result = main(["--layouts", "serial", "p2-1f1b", "p2t2-1f1b", "--iters", "4", "--rounds", "1", "--micro-batch-size", "1",
-                   "--microbatches", "2", "--model", '{"num_layers": 2, "hidden_size": 32, "seq_length": 32}',
+    result = main(["--layouts", "serial", "p2-1f1b", "p2t2-1f1b", "--iters", "4", "--rounds", "1",
+                   "--micro-batch-size", "1", "--microbatches", "2",
+                   "--model", '{"num_layers": 2, "hidden_size": 32, "seq_length": 32}',
                    "--out", str(out)])
     assert json.loads(out.read_text()) == result and (tmp_path / "compare.png").stat().st_size > 0
     for name in ("serial", "p2-1f1b"):
@@ -112,7 +113,7 @@ def test_compare_torch_losses_agree_with_torch_and_megatron_core_at_serial_p2_an
 
 def test_figure_predictions_at_the_papers_scale_point_the_papers_way():
     """The figure scripts' predicted halves (pure Python, ptd_jax.perf): the directions the paper's text states."""
-    from experiments import fig12_interleaved, fig13_15_parallelism, fig17_recompute, fig18_scatter_gather
+    from experiments.paper import fig12_interleaved, fig13_15_parallelism, fig17_recompute, fig18_scatter_gather
 
     fig12 = fig12_interleaved.predicted()
     ratios = [r["ratio"] for r in fig12]
@@ -126,8 +127,8 @@ def test_figure_predictions_at_the_papers_scale_point_the_papers_way():
 def test_calibration_recovers_the_rates_of_synthetic_steps():
     """calibrate_fake_devices fits (matmul rate, memory rate) to steps timed by the model itself: it must find
     rates that predict them, and a step time changed by 50% must show up as that step's error."""
-    from experiments.calibrate_fake_devices import fit, predict_step
-    from experiments.figures import SMALL
+    from experiments.common import SMALL
+    from experiments.paper.calibrate_fake_devices import fit, predict_step
 
     layouts = [dict(schedule="1f1b", p=4, m=8), dict(schedule="interleaved", p=4, v=2, m=8),
                dict(schedule="1f1b", t=2, p=2, m=4), dict(d=4, m=4), dict(b=4, m=2),
@@ -151,10 +152,11 @@ def test_predicted_only_keeps_the_measured_half_and_recomputes_the_predicted(tmp
     flag's implementation refuses it."""
     import importlib
 
-    from experiments import figures
+    from experiments.common import RESULTS
+    from experiments.paper import figures
 
-    module = importlib.import_module(f"experiments.{script}")
-    source = json.loads((figures.RESULTS / f"{script}.json").read_text())
+    module = importlib.import_module(f"experiments.paper.{script}")
+    source = json.loads((RESULTS / f"{script}.json").read_text())
     out = tmp_path / f"{script}.json"
     out.write_text(json.dumps({**source, "predicted": "stale"}, indent=1))
     module.main(["--predicted-only", "--out", str(out)])
@@ -180,7 +182,7 @@ def test_predicted_only_keeps_the_measured_half_and_recomputes_the_predicted(tmp
 @pytest.mark.parametrize("script", ["fig_bubble", "fig18_scatter_gather"])
 def test_figure_script_smoke_runs(tmp_path, script):
     out = tmp_path / f"{script}.json"  # its own process: the script sets its fake devices before JAX starts
-    subprocess.run([sys.executable, "-m", f"experiments.{script}", "--smoke", "--out", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", f"experiments.paper.{script}", "--smoke", "--out", str(out)], check=True,
                    cwd=Path(__file__).resolve().parents[1], env={**os.environ, "XLA_FLAGS": ""})
     result = json.loads(out.read_text())
     assert all(t > 0 for t in result["measured"]["median_step_s"].values())
@@ -190,7 +192,7 @@ def test_figure_script_smoke_runs(tmp_path, script):
 @pytest.mark.slow
 def test_divergent_branches_probe_agrees_with_uniform(tmp_path):
     """The GPU probe, run here on fake CPU devices: per-rank (pipe-divergent conds) equals uniform."""
-    from experiments.probe_divergent_branches import main
+    from experiments.bench.probe_divergent_branches import main
 
     result = main(["--out", str(tmp_path / "probe.json")])
     assert result["status"] == "ok" and result["max_rel_diff"] <= 1e-5
@@ -200,8 +202,8 @@ def test_divergent_branches_probe_agrees_with_uniform(tmp_path):
 @pytest.mark.slow
 def test_bench_branching_smoke_times_both_branchings(tmp_path):
     out = tmp_path / "branching.json"
-    subprocess.run([sys.executable, "-m", "experiments.bench_branching", "--smoke", "--out", str(out)], check=True,
-                   cwd=Path(__file__).resolve().parents[1], env={**os.environ, "XLA_FLAGS": ""})
+    subprocess.run([sys.executable, "-m", "experiments.bench.bench_branching", "--smoke", "--out", str(out)],
+                   check=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "XLA_FLAGS": ""})
     rows = json.loads(out.read_text())["layouts"]
     assert set(rows) == {"compare_torch p2 1f1b", "demo d2 p2 t2 interleaved"}
     for row in rows.values():

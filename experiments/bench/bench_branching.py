@@ -3,15 +3,15 @@
 p = 2 1F1B (t = 1) and the demo's d2 p2 t2 interleaved layout (tiny preset). The ratio uniform / per-rank is the
 step time "auto" saves on CPU. On a GPU both are expected to take the same lockstep time (unmeasured).
 
-Usage: python -m experiments.bench_branching [--rounds 5] [--smoke] [--out experiments/results/bench_branching.json]
+Usage: python -m experiments.bench.bench_branching [--rounds 5] [--smoke]
+       [--out experiments/results/bench_branching.json]
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import argparse
 
-from experiments import figures
+from experiments import common
 
 LAYOUTS = {
     "compare_torch p2 1f1b": (dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128,
@@ -21,23 +21,27 @@ LAYOUTS = {
 
 
 def main(argv=None) -> dict:
-    args = figures.parse_args(__doc__.splitlines()[0], argv)
-    figures.fake_devices(8)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    parser.add_argument("--out", default=str(common.RESULTS / "bench_branching.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and one round: checks that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds = 1
+    common.fake_devices(8)
     from ptd_jax.config import ModelConfig, model_preset
 
-    result = {"rounds": args.rounds, "timing_note": figures.TIMING_NOTE, "layouts": {}}
+    result = {"rounds": args.rounds, "timing_note": common.TIMING_NOTE, "layouts": {}}
     for name, (model, layout) in LAYOUTS.items():
         cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
         if args.smoke:
-            cfg = figures.small_model(True)
-        out = figures.measure_layouts(cfg, {br: dict(layout, branching=br) for br in ("uniform", "per-rank")},
+            cfg = common.small_model(True)
+        out = common.measure_layouts(cfg, {br: dict(layout, branching=br) for br in ("uniform", "per-rank")},
                                       args.rounds)
         med = out["median_step_s"]
         result["layouts"][name] = {**out, "uniform_over_per_rank": med["uniform"] / med["per-rank"]}
         print(name, {k: round(v, 4) for k, v in med.items()}, round(med["uniform"] / med["per-rank"], 3))
-    path = Path(args.out or figures.RESULTS / "bench_branching.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    common.write_json(args.out, result)
     return result
 
 

@@ -5,7 +5,7 @@ A GPT of about 150M parameters (+ Adam moments: ~1.8 GB of float32 state) on 8 f
 write. For scale, the same arrays are also handed to orbax unconverted (`orbax_only_blocked_s`: the copy alone).
 Then the step is restored at (1,4,2) with v = 2. JSON to experiments/results/checkpoint.json.
 
-    python experiments/bench_checkpoint.py [--layers 16 --hidden 768]  (layers divisible by 8)
+Usage: python -m experiments.bench.bench_checkpoint [--layers 16 --hidden 768]  (layers divisible by 8)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
+from experiments.common import RESULTS, write_json  # noqa: E402
 from ptd_jax import model as gpt  # noqa: E402
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from ptd_jax.optimizer import make_optimizer  # noqa: E402
@@ -91,8 +92,7 @@ def main() -> None:
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
     }
     result["blocked_fraction"] = result["median_blocked_s"] / result["median_total_s"]
-    out = Path(__file__).parent / "results" / "checkpoint.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(RESULTS / "checkpoint.json", result, indent=2, end="\n")
     print(json.dumps(result, indent=2))
 
 

@@ -3,12 +3,13 @@ first step, cold (no cache: the largest-token scan and the epoch index build) an
 the stats file and the epoch index files exist), and how long the first global batch takes (B = 512, s = 2048).
 
 The corpus is synthetic: uint16 random tokens (a 64 Mi-token random block repeated) in ~1.5M documents of
-exponentially distributed lengths (uniform random cut points), written with numpy and `indexed_dataset.write_index`, so it has no stats file (as data
-preprocessed by Megatron would not). Each measurement runs in a fresh Python process; before the cold run and
-the first warm run the .bin/.idx pages are dropped from the page cache (posix_fadvise DONTNEED), so those read
-from disk; the second warm run finds them in memory. The files are deleted at the end.
+exponentially distributed lengths (uniform random cut points), written with numpy and `indexed_dataset.write_index`,
+so it has no stats file (as data preprocessed by Megatron would not). Each measurement runs in a fresh Python
+process; before the cold run and the first warm run the .bin/.idx pages are dropped from the page cache
+(posix_fadvise DONTNEED), so those read from disk; the second warm run finds them in memory. The files are deleted
+at the end.
 
-Usage: python -m experiments.bench_data_startup [--tokens 1e9] [--documents 1.5e6] [--dir /tmp]
+Usage: python -m experiments.bench.bench_data_startup [--tokens 1e9] [--documents 1.5e6] [--dir /tmp]
                                                  [--out experiments/results/data_startup.json]
 """
 
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from experiments.common import write_json
 
 SEQ_LENGTH, GLOBAL_BATCH, EVAL_ITERS, SEED, VOCAB = 2048, 512, 10, 1234, 65536
 BLOCK = 1 << 26  # tokens of the random block that fills the .bin
@@ -79,7 +82,7 @@ def child(prefix: str) -> None:
 
 
 def run_child(prefix: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "experiments.bench_data_startup", "--child", str(prefix)],
+    out = subprocess.run([sys.executable, "-m", "experiments.bench.bench_data_startup", "--child", str(prefix)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -117,8 +120,7 @@ def main(argv=None) -> None:
               "eval_iters": EVAL_ITERS, "cold": cold, "warm": warm, "warm_page_cache": warm_in_memory,
               "cache_files": cache_files, "cpu_count": os.cpu_count(),
               "target": "warm start-up (construct + first batch) <= 5 s"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, end="\n")
     print(json.dumps(result, indent=1))
 
 

@@ -8,7 +8,7 @@ Prints and writes {"<policy>": {"executor_s", "reference_s", "reference_over_exe
 "reference_over_executor_cpu_time"}} (wall and process CPU time; the CPU time follows the work executed on a loaded
 machine): the issue's target is a ratio ≥ 0.95.
 
-Usage: python -m experiments.bench_executor_p1 [--rounds 7] [--out experiments/results/bench_executor_p1.json]
+Usage: python -m experiments.bench.bench_executor_p1 [--rounds 7] [--out experiments/results/bench_executor_p1.json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
+
+from experiments.common import alternate, pipeline_step, reference_step, write_json
 
 MODEL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
 M = 8
@@ -24,7 +25,6 @@ M = 8
 
 def steps(recompute: str):
     """{"executor": (compiled, args), "reference": (compiled, args)} for the policy."""
-    from experiments.bench_interleaving import pipeline_step, reference_step
     from ptd_jax.config import ModelConfig
 
     cfg = ModelConfig(**MODEL)
@@ -38,8 +38,6 @@ def main(argv=None) -> None:
     parser.add_argument("--recompute", nargs="+", default=["none", "full"], choices=["none", "selective", "full"])
     parser.add_argument("--out", default="experiments/results/bench_executor_p1.json")
     args = parser.parse_args(argv)
-    from experiments.bench_interleaving import alternate
-
     compiled = {(r, name): step for r in args.recompute for name, step in steps(r).items()}
     times = alternate(compiled, args.rounds)
     result = {"model": {**MODEL, "m": M, "micro_batch_size": 1}, "rounds": args.rounds}
@@ -52,8 +50,7 @@ def main(argv=None) -> None:
                      "all_executor": times[(r, "executor")], "all_reference": times[(r, "reference")]}
         print(json.dumps({r: {k: result[r][k] for k in ("executor_s", "reference_s", "reference_over_executor",
                                                         "reference_over_executor_cpu_time")}}))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

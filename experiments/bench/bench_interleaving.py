@@ -5,13 +5,14 @@ h 256, V 6400 = 25·h, as GPT-3's 51200/2048; the output layer costs about one c
 vocabulary (8 layers, h 512, V 1024). For each, the gradient step of 1F1B (v = 1) and interleaved 1F1B (v = 2)
 under both `--pipeline-branching` modes, and the single-device reference step, all with the same
 `--recompute-granularity` (default none: the executor stashes each layer's vjp residuals and recomputes no matmul,
-as the reference's plain autodiff does). Medians of alternating rounds, ratios from the same run. On fake devices the step time follows the work
-that every rank executes: "uniform" (idle cells compute masked dummies) stands for a lockstep GPU step, whose
-tick lasts as long as its busiest rank; "per-rank" (idle cells compute nothing) measures the total work.
+as the reference's plain autodiff does). Medians of alternating rounds, ratios from the same run. On fake devices
+the step time follows the work that every rank executes: "uniform" (idle cells compute masked dummies) stands for a
+lockstep GPU step, whose tick lasts as long as its busiest rank; "per-rank" (idle cells compute nothing) measures
+the total work.
 
-Usage: python -m experiments.bench_interleaving [--rounds 5] [--recompute none|selective|full]
+Usage: python -m experiments.bench.bench_interleaving [--rounds 5] [--recompute none|selective|full]
        [--out experiments/results/bench_interleaving.json]
-       python -m experiments.bench_interleaving --smoke --out /tmp/x.json   # tiny shapes, one round (checks only)
+       python -m experiments.bench.bench_interleaving --smoke --out /tmp/x.json   # tiny shapes, one round (checks only)
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
+
+from experiments.common import BENCH_MODEL, alternate, fake_devices, pipeline_step, reference_step, write_json
 
 P, M, SEQ = 4, 8, 256
 MODELS = {
-    "paper_ratio": dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400),
+    "paper_ratio": {k: v for k, v in BENCH_MODEL.items() if k != "seq_length"},
     "wide_small_vocab": dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=1024),
 }
 SMOKE_MODEL = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=257)
@@ -31,69 +33,13 @@ CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per
          ("interleaved", 2, "per-rank")]
 
 
-def pipeline_step(cfg, schedule, v, branching, recompute, p=P, m=M, *, t=1, d=1, b=1, **parallel_fields):
-    """(compiled grad step, its arguments) for the layout (d, p, t, v, b) on the first d·p·t devices: the training
-    step's gradients (`parallel.step.make_parallel_grad_step`; at p = 1 the executor's 1F1B table at p = 1 when
-    m > 1). `parallel_fields`: further `ParallelConfig` fields (scatter_gather, sequence_parallel)."""
-    import jax
-    import numpy as np
-
-    from ptd_jax import model as gpt
-    from ptd_jax.config import ParallelConfig
-    from ptd_jax.parallel import sharding
-    from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.step import make_parallel_grad_step
-
-    parallel = ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                              virtual_pipeline_stages=v, pipeline_schedule=schedule if p > 1 else "1f1b",
-                              micro_batch_size=b, global_batch_size=m * b * d, pipeline_branching=branching,
-                              **parallel_fields)
-    mesh = make_mesh(parallel)
-    params = gpt.init_params(jax.random.key(0), cfg, t)
-    if p > 1:
-        params = {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
-    specs = sharding.param_specs(params, pipelined=p > 1)
-    params = jax.device_put(params, sharding.named(mesh, specs))
-    step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute,
-                                   scatter_gather=parallel.scatter_gather)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, d * b, cfg.seq_length), dtype=np.int32)
-    args = (params, tokens, tokens, np.ones_like(tokens))
-    return step.lower(*args).compile(), args
-
-
-def reference_step(cfg, recompute, m=M):
-    import jax
-    import numpy as np
-
-    from ptd_jax import model as gpt
-    from ptd_jax.train.reference import accumulate_gradients
-
-    params = gpt.init_params(jax.random.key(0), cfg)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
-    args = (params, tokens, tokens, np.ones_like(tokens))
-    step = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=recompute))
-    return step.lower(*args).compile(), args
-
-
-def alternate(steps: dict, rounds: int) -> dict:
-    """{name: {"wall": [s...], "cpu": [s...]}} from alternating rounds after one warm-up run of each
-    (`train.bubble.time_alternating`; the CPU time sums every XLA thread's work, so on a shared, loaded machine it
-    follows the work executed better than the wall time: both are reported)."""
-    from ptd_jax.train.bubble import time_alternating
-
-    cpu = {}
-    wall = time_alternating(steps, rounds, cpu_times=cpu)
-    return {name: {"wall": wall[name], "cpu": cpu[name]} for name in steps}
-
-
 def measure(model_name, rounds, smoke=False, recompute="none"):
-
     from ptd_jax.config import ModelConfig
 
     shape, seq = (SMOKE_MODEL, 16) if smoke else (MODELS[model_name], SEQ)
     cfg = ModelConfig(seq_length=seq, **shape)
-    steps = {f"{s} v={v} {b}": pipeline_step(cfg, s, v, b, recompute) for s, v, b in CASES}
-    steps["reference"] = reference_step(cfg, recompute)
+    steps = {f"{s} v={v} {b}": pipeline_step(cfg, s, v, b, recompute, p=P, m=M) for s, v, b in CASES}
+    steps["reference"] = reference_step(cfg, recompute, m=M)
     times = alternate(steps, rounds)
     median = {name: statistics.median(ts["wall"]) for name, ts in times.items()}
     median_cpu = {name: statistics.median(ts["cpu"]) for name, ts in times.items()}
@@ -120,16 +66,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.rounds = args.models[:1], 1
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(P)
+    fake_devices(P)
     result = {}
     for name in args.models:
         result[name] = measure(name, args.rounds, args.smoke, args.recompute)
         print(json.dumps({name: {"median_step_s": result[name]["median_step_s"], "ratios": result[name]["ratios"],
                                  "ratios_cpu_time": result[name]["ratios_cpu_time"]}}), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

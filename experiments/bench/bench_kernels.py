@@ -1,8 +1,8 @@
 """Pallas kernels against XLA (and cuDNN attention) over a sweep of sequence lengths, plus one training step of a
 ~1.3B GPT on one device (TFLOP/s per device by eq. 3, and MFU). JSON and a plot.
 
-On a GPU:   PYTHONPATH=. python experiments/bench_kernels.py            (bf16, compiled kernels)
-On a CPU:   python -m experiments.bench_kernels --smoke                  (tiny shapes, interpret mode: checks only)
+On a GPU:   python -m experiments.bench.bench_kernels            (bf16, compiled kernels)
+On a CPU:   python -m experiments.bench.bench_kernels --smoke    (tiny shapes, interpret mode: checks only)
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def attention_rows(seqs, batch, heads, head_dim, dtype, interpret, repeats):
         row = {"seq": s}
         try:  # the compiled kernel against the float32 definition: output and all three gradients
             probe = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
-            def loss(fn):
-                return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * probe)
+            def loss(fn, probe=probe):
+                return lambda q_, k_, v_: jnp.sum(fn(q_, k_, v_).astype(jnp.float32) * probe)
             got = jax.jit(jax.value_and_grad(loss(impls["pallas"]), argnums=(0, 1, 2)))(q, k, v)
             want = jax.jit(jax.value_and_grad(loss(impls["xla"]), argnums=(0, 1, 2)))(
                 *(a.astype(jnp.float32) for a in (q, k, v)))
@@ -94,7 +94,7 @@ def norm_and_loss_rows(tokens, hidden, vocab, dtype, interpret, repeats):
         grads = {}
         probe = jax.random.normal(jax.random.key(3), jax.eval_shape(xla_fn, arg).shape, jnp.float32)
         for impl, fn in (("pallas", pallas_fn), ("xla", xla_fn)):
-            grad = jax.jit(jax.value_and_grad(lambda a, fn=fn: jnp.sum(fn(a).astype(jnp.float32) * probe)))
+            grad = jax.jit(jax.value_and_grad(lambda a, fn=fn, probe=probe: jnp.sum(fn(a).astype(jnp.float32) * probe)))
             try:
                 grads[impl] = grad(arg)
                 out[f"{name}_{impl}_fwd_bwd_ms"] = 1e3 * timed(grad, arg, repeats=repeats)

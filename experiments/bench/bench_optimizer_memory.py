@@ -27,15 +27,15 @@ On XLA:CPU an all-reduce is out of place (XLA:GPU runs NCCL's in place), so with
 step holds a second float32 gradient while the data-parallel all-reduce runs, also at d = 1 (a one-device
 all-reduce that XLA:CPU keeps as a copy): +4 bytes per parameter on CPU.
 
-Usage: python -m experiments.bench_optimizer_memory [--dtypes float16 bfloat16 float32] [--data-sizes 1 2 4 8]
+Usage: python -m experiments.bench.bench_optimizer_memory [--dtypes float16 bfloat16 float32] [--data-sizes 1 2 4 8]
        [--microbatches 1 4] [--out experiments/results/optimizer_memory.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from experiments.common import fake_devices, write_json
 
 MODEL = dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=1024)
 SEQ_LENGTHS = (16, 32)
@@ -97,9 +97,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     import jax
 
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(max(args.data_sizes))
+    fake_devices(max(args.data_sizes))
     backend = jax.default_backend()
     rows = []
     for dtype in args.dtypes:
@@ -113,8 +111,7 @@ def main(argv=None) -> dict:
                           f"activations at s=16 {r['activation_bytes_per_param_at_s16']:.2f} taken out); Megatron "
                           f"{r['megatron_bytes_per_param']:.2f} ({100 * r['relative_error']:+.1f}%)", flush=True)
     out = {"backend": backend, "model": MODEL, "seq_lengths": SEQ_LENGTHS, "micro_batch_size": 1, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.out, out, end="\n")
     return out
 
 

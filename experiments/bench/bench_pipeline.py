@@ -3,7 +3,7 @@ lockstep ticks, simulated bubble next to the formula, peak stash per rank, XLA `
 device, compile time and step time; plus compile time at m = 64 vs m = 8 and the executor at p = 1 against the
 reference step with the same (full) recomputation. JSON and a plot.
 
-Usage: python -m experiments.bench_pipeline [--quick] [--out experiments/results/bench_pipeline.json]
+Usage: python -m experiments.bench.bench_pipeline [--quick] [--out experiments/results/bench_pipeline.json]
 Step times on 8 simulated devices sharing the host's cores are not GPU speedups; ratios in one run are comparable.
 """
 
@@ -13,7 +13,8 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
+
+from experiments.common import fake_devices, write_json
 
 
 def compile_and_time(step, args, repeats: int):
@@ -100,9 +101,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="experiments/results/bench_pipeline.json")
     parser.add_argument("--plot", default="experiments/results/bench_pipeline.png")
     args = parser.parse_args(argv)
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(8)
+    fake_devices(8)
     from ptd_jax.config import ModelConfig
 
     cfg = ModelConfig(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
@@ -130,8 +129,7 @@ def main(argv=None) -> None:
     }
     result = {"model": {"num_layers": 8, "hidden_size": 128, "seq_length": 128, "micro_batch_size": 1},
               "grid": rows, "compile_m8_m64": compile_rows, "executor_p1": p1, "reference": ref, "summary": summary}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(json.dumps(summary))
     if args.plot:
         import matplotlib

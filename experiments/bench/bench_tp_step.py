@@ -2,7 +2,7 @@
 parallel machinery when there is nothing to parallelise (target: ratio >= 1, i.e. no slower).
 
 Alternating rounds in one process (the machine is shared and noisy), medians, JSON out.
-Usage: python -m experiments.bench_tp_step [--rounds 7] [--steps 5] [--out experiments/results/bench_tp_step.json]
+Usage: python -m experiments.bench.bench_tp_step [--rounds 7] [--steps 5] [--out experiments/results/bench_tp_step.json]
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
+
+from experiments.common import write_json
 
 
 def main(argv=None) -> None:
@@ -70,8 +71,7 @@ def main(argv=None) -> None:
         "median_step_s": median, "all_step_s": times, "first_call_s": compile_s,
         "speed_ratio_shard_map_over_reference": median["reference"] / median["shard_map"],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(json.dumps({k: result[k] for k in ("median_step_s", "first_call_s",
                                              "speed_ratio_shard_map_over_reference")}))
 

@@ -2,7 +2,7 @@
 8·b·s·h·(t−1)/t elements per layer per microbatch (§3.2: 4 all-reduces of b·s·h per layer, forward + backward,
 each moving 2(t−1)/t of its payload per device in a ring).
 
-Usage: python -m experiments.comm_report [--fake-devices 8] [--out experiments/results/comm_report.json]
+Usage: python -m experiments.bench.comm_report [--fake-devices 8] [--out experiments/results/comm_report.json]
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from pathlib import Path
+
+from experiments.common import fake_devices, write_json
 
 
 def group_size(groups: str) -> int:
@@ -24,9 +25,9 @@ def report(L: int, h: int, heads: int, s: int, b: int, m: int, d: int, t: int, s
     import jax
     import jax.numpy as jnp
 
+    from ptd_jax.analysis.collectives import hlo_collectives, jaxpr_collectives, summarize
     from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
     from ptd_jax.optimizer import make_optimizer
-    from ptd_jax.analysis.collectives import hlo_collectives, jaxpr_collectives, summarize
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
 
@@ -81,9 +82,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-microbatches", type=int, default=2)
     parser.add_argument("--out", default="experiments/results/comm_report.json")
     args = parser.parse_args(argv)
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(args.fake_devices)
+    fake_devices(args.fake_devices)
     rows = []
     for d, t in [(1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]:
         for sp in (False, True):
@@ -92,8 +91,7 @@ def main(argv=None) -> None:
             rows.append(row)
             print(json.dumps({**row["layout"], "measured": row["measured_layer_bytes_per_layer_per_microbatch"],
                               "analytic": row["analytic_bytes_per_layer_per_microbatch"], "ratio": row["ratio"]}))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 §3.5), counted from the traced step without compiling or running it.
 
 For each named piece of the executor's work (`chunk_forward`, `chunk_backward`, `head_backward`: one call each in
-the jaxpr), the matmul FLOPs of its jaxpr are summed (2·M·N·K per dot_general, loops multiplied by their trip counts,
-the larger branch of any inner conditional). The schedule table says what each tick (uniform) or cell (per-rank)
+the jaxpr, found by `ptd_jax.analysis.jaxpr.named_calls`), the matmul FLOPs of its jaxpr are summed by
+`analysis.jaxpr.dot_flops` (2·M·N·K per dot_general, loops multiplied by their trip counts, the larger branch of
+any inner conditional). The schedule table says what each tick (uniform) or cell (per-rank)
 runs (`executor.tick_work`: where the head runs), so:
 - executed FLOPs of rank r = Σ over ticks of what r runs: a chunk's forward or backward, plus the head where the
   table puts it (under "uniform" an idle cell runs its tick's chunk work on a dummy, and every rank runs the head
@@ -13,11 +14,11 @@ runs (`executor.tick_work`: where the head runs), so:
   k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that, plus a recomputed forward under recompute="full" or the
   attention core's two batched matmuls (k·4·b·s²·h/t) under "selective", and the last stage adds the output
   layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
-The bench model is the one of `bench_interleaving.py` (paper's vocabulary/hidden ratio; GPipe, 1F1B and
-interleaved at p = 4, m = 8); the 1.3B preset runs 1F1B and interleaved at (p, m, t) = (4, 16, 2), v = 1 or 2,
+The bench model is `common.BENCH_MODEL`, as in `bench_interleaving.py` (the paper's vocabulary/hidden ratio; GPipe,
+1F1B and interleaved at p = 4, m = 8); the 1.3B preset runs 1F1B and interleaved at (p, m, t) = (4, 16, 2), v = 1 or 2,
 b = 1, traced on fake CPU devices.
 
-Usage: python -m experiments.pipeline_flops [--recompute none|selective|full]
+Usage: python -m experiments.bench.pipeline_flops [--recompute none|selective|full]
        [--out experiments/results/pipeline_flops.json]
 """
 
@@ -25,59 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from pathlib import Path
+
+from experiments.common import BENCH_MODEL, fake_devices, write_json
 
 CASES = [  # (name, model overrides or preset, p, v, m, t)
-    ("bench 1f1b", dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256),
-     "1f1b", 4, 1, 8, 1),
-    ("bench interleaved", dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400,
-                               seq_length=256), "interleaved", 4, 2, 8, 1),
-    ("bench gpipe", dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256),
-     "gpipe", 4, 1, 8, 1),
+    ("bench 1f1b", BENCH_MODEL, "1f1b", 4, 1, 8, 1),
+    ("bench interleaved", BENCH_MODEL, "interleaved", 4, 2, 8, 1),
+    ("bench gpipe", BENCH_MODEL, "gpipe", 4, 1, 8, 1),
     ("1.3b 1f1b", "1.3b", "1f1b", 4, 1, 16, 2),
     ("1.3b interleaved", "1.3b", "interleaved", 4, 2, 16, 2),
 ]
-
-
-def dot_flops(jaxpr) -> float:
-    """Matmul FLOPs of a jaxpr, scans multiplied by their trip counts, conditionals by their largest branch.
-    Loops without a static trip count (`while`) and Pallas kernels (counted per block) are refused."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in ("while", "pallas_call"):
-            raise ValueError(f"cannot count the matmul FLOPs of a {name!r} (no static trip count / per-block kernel)")
-        if name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
-            continue
-        if name == "cond":
-            total += max(dot_flops(b.jaxpr) for b in eqn.params["branches"])
-            continue
-        times = eqn.params["length"] if name == "scan" else 1
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (list, tuple)) else [value]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += times * dot_flops(inner)
-    return total
-
-
-def named_call(jaxpr, name):
-    """The jaxpr of the first call named `name` inside `jaxpr` (the executor's `named` work), or None."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "jit" and eqn.params["name"] == name:
-            return eqn.params["jaxpr"].jaxpr
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (list, tuple)) else [value]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found = named_call(inner, name)
-                    if found is not None:
-                        return found
-    return None
 
 
 def megatron_flops(cfg, p, v, m, t, recompute="none", b=1):
@@ -95,6 +53,7 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
     import numpy as np
 
     from ptd_jax import model as gpt
+    from ptd_jax.analysis.jaxpr import dot_flops, named_calls
     from ptd_jax.config import ModelConfig, ParallelConfig, model_preset
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
@@ -102,8 +61,8 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
     from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
 
     cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
-    row = {"case": name, "recompute": recompute, "p": p, "v": v, "m": m, "t": t, "num_layers": cfg.num_layers, "hidden": cfg.hidden_size,
-           "seq": cfg.seq_length, "vocab_padded": cfg.padded_vocab_size(t)}
+    row = {"case": name, "recompute": recompute, "p": p, "v": v, "m": m, "t": t, "num_layers": cfg.num_layers,
+           "hidden": cfg.hidden_size, "seq": cfg.seq_length, "vocab_padded": cfg.padded_vocab_size(t)}
     megatron = megatron_flops(cfg, p, v, m, t, recompute)
     for branching in ("uniform", "per-rank"):
         parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v, pipeline_schedule=schedule,
@@ -116,7 +75,7 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
         step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
         batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
         jaxpr = jax.make_jaxpr(step)(abstract, batch, batch, batch)
-        work = {name: dot_flops(named_call(jaxpr.jaxpr, name))
+        work = {name: dot_flops(next(named_calls(jaxpr, name)))
                 for name in ("chunk_forward", "chunk_backward", "head_backward")}
         where = tick_work(sched, branching)
         chunk = np.array([[work["chunk_forward" if kind == "F" else "chunk_backward"]] * p for kind in sched.kinds])
@@ -142,9 +101,7 @@ def main(argv=None) -> None:
     parser.add_argument("--recompute", nargs="+", choices=["none", "selective", "full"],
                         default=["none", "selective", "full"])
     args = parser.parse_args(argv)
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(8)
+    fake_devices(8)
     rows = [measure(*case, recompute=r) for r in args.recompute for case in CASES if case[0] in args.cases]
     summary = {}
     for row in rows:
@@ -161,8 +118,7 @@ def main(argv=None) -> None:
             for b in ("uniform", "per-rank"):
                 summary[f"{model} critical path interleaved/1f1b ({b}, {r})"] = round(
                     by[inter][b]["critical_path_flops"] / by[one][b]["critical_path_flops"], 4)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    write_json(args.out, {"rows": rows, "summary": summary})
     print(json.dumps(summary, indent=1))
 
 

@@ -5,20 +5,22 @@ For GPipe and 1F1B at p = 4 and m ∈ {8, 32}, and interleaved (v = 2), with `--
 (Megatron's default: every F stashes each layer's vjp residuals, no matmul is recomputed) and full (each layer is
 checkpointed: the stash holds each layer's input, every B recomputes its layers): temp bytes per device of the
 compiled step next to the table's peak stash × bytes per slot (the residuals of one chunk's k layers and one
-microbatch, as `stash.Residuals` traces a layer: under full, k layer inputs of b·s·h). Compiled, not run, on fake CPU devices. The rest of the temp bytes is one
-tick's working set, which does not grow with m. Megatron's activation formula (Korthikanti et al. 2022, per layer
-and 16-bit activations: s·b·h·(34 + 5·a·s/h) bytes) is printed next to the residual bytes for scale.
+microbatch, as `stash.Residuals` traces a layer: under full, k layer inputs of b·s·h). Compiled, not run, on fake
+CPU devices. The rest of the temp bytes is one tick's working set, which does not grow with m. Megatron's activation
+formula (Korthikanti et al. 2022, per layer and 16-bit activations: s·b·h·(34 + 5·a·s/h) bytes) is printed next to
+the residual bytes for scale.
 
-Usage: python -m experiments.pipeline_memory [--out experiments/results/pipeline_memory.json]
+Usage: python -m experiments.bench.pipeline_memory [--out experiments/results/pipeline_memory.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-MODEL = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
+from experiments.common import BENCH_MODEL, fake_devices, write_json
+
+MODEL = BENCH_MODEL
 CASES = [(s, v, m, r) for r in ("none", "full") for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
          for m in (8, 32)]
 P = 4
@@ -32,10 +34,9 @@ def residual_slot_bytes(cfg, layers_per_chunk: int, recompute: str) -> int:
     from jax.sharding import AxisType, PartitionSpec
 
     from ptd_jax import model as gpt
+    from ptd_jax.parallel import sharding
     from ptd_jax.parallel import tensor as tp
     from ptd_jax.parallel.pipeline.stash import Residuals
-
-    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.vma import mark_varying
 
     # Typed as in the executor: the chunk's weights split over "tensor" (here of size 1), everything varying over
@@ -101,9 +102,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results/pipeline_memory.json")
     args = parser.parse_args(argv)
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(P)
+    fake_devices(P)
     rows = [measure(*case) for case in CASES]
     by = {(r["schedule"], r["recompute"], r["m"]): r for r in rows}
     summary = {f"{s} {r}: temp m=32 / m=8": by[(s, r, 32)]["temp_bytes_per_device"]
@@ -113,8 +112,7 @@ def main(argv=None) -> None:
         print(json.dumps({k: r[k] for k in ("schedule", "recompute", "m", "peak_stash", "slot_bytes",
                                              "stash_bytes_rank0", "temp_bytes_per_device")}))
     print(json.dumps(summary))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": MODEL, "rows": rows, "summary": summary}, indent=1))
+    write_json(args.out, {"model": MODEL, "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ exits 0 (one GPU cannot show pipe-divergent behaviour).
 Prints and writes {"backend", "devices", "status": "ok" | "mismatch" | "hung" | "skipped", "max_rel_diff",
 "uniform_s", "per_rank_s"}.
 
-Usage: python -m experiments.probe_divergent_branches [--timeout-s 180] [--out FILE]
+Usage: python -m experiments.bench.probe_divergent_branches [--timeout-s 180] [--out FILE]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import json
 import os
 import threading
 import time
-from pathlib import Path
+
+from experiments.common import fake_devices, pipeline_step, write_json
 
 DEVICES = 4
 MODEL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, vocab_size=1024, seq_length=64)
@@ -52,13 +53,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="experiments/results/probe_divergent_branches.json")
     args = parser.parse_args(argv)
     if args.fake_devices:
-        from ptd_jax.parallel.mesh import set_fake_devices
-
-        set_fake_devices(args.fake_devices)
+        fake_devices(args.fake_devices)
     import jax
     import numpy as np
 
-    from experiments.bench_interleaving import pipeline_step
     from ptd_jax.config import ModelConfig
 
     devices = jax.devices()
@@ -70,7 +68,7 @@ def main(argv=None) -> dict:
         outs = {}
         for branching in ("uniform", "per-rank"):
             compiled, step_args = pipeline_step(cfg, "interleaved", 2, branching, "none", p=2, m=4, t=2)
-            out, seconds = run_with_timeout(lambda: compiled(*step_args), args.timeout_s)
+            out, seconds = run_with_timeout(lambda c=compiled, a=step_args: c(*a), args.timeout_s)
             if out is None:
                 result.update(status="hung", hung_branching=branching, timeout_s=args.timeout_s)
                 break
@@ -85,8 +83,7 @@ def main(argv=None) -> dict:
             result["max_rel_diff"] = max(diffs)
             result["status"] = "ok" if result["max_rel_diff"] <= 1e-5 else "mismatch"
     print(json.dumps(result), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     if result["status"] == "hung":
         os._exit(2)  # the hung thread holds the devices: leave without waiting for it
     return result

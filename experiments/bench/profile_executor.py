@@ -2,37 +2,51 @@
 reference step with the same recomputation policy, leaf operations grouped by kind, per step. Explains the ratio
 measured by `bench_executor_p1.py`.
 
-Usage: python -m experiments.profile_executor [--recompute none|full] [--out experiments/results/profile_executor.json]
+Usage: python -m experiments.bench.profile_executor [--recompute none|full]
+       [--out experiments/results/profile_executor.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import gzip
 import json
-import re
 import tempfile
-from pathlib import Path
 
-CONTAINERS = re.compile(r"(while|cond|call|conditional)(\.\d+)*(\.clone)?$")
+from experiments.common import fake_devices, leaf_times, write_json
 
 
-def leaf_times(trace_file: str, windows: list[tuple[float, float]]) -> tuple[dict, dict]:
-    """Summed duration (ms) and count of leaf thunks per operation kind ("fusion.12" -> "fusion") whose start
-    falls inside any window."""
-    events = [e for e in json.load(gzip.open(trace_file))["traceEvents"] if e.get("ph") == "X"]
-    ms, count = collections.defaultdict(float), collections.Counter()
-    for e in events:
-        name = e["name"]
-        if name.startswith("$") or "Thunk" in name or "Await" in name or CONTAINERS.match(name):
-            continue
-        if any(lo <= e["ts"] < hi for lo, hi in windows):
-            kind = re.sub(r"\.\d+$", "", name)
-            ms[kind] += e["dur"] / 1e3
-            count[kind] += 1
-    return ms, count
+def profile(steps: dict, runs: int) -> dict:
+    """{name: {"wall_ms", "leaf_ms", "ops"}} per step of each compiled `(fn, args)`: `runs` runs each under the
+    profiler (after one warm-up call), the first of each left out."""
+    import jax
+
+    for fn, fn_args in steps.values():
+        jax.block_until_ready(fn(*fn_args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for fn, fn_args in steps.values():
+                for _ in range(runs):
+                    jax.block_until_ready(fn(*fn_args))
+        trace_file = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+        # One window per run: from the end of the previous run's wait to the end of its own (dispatch is async).
+        with gzip.open(trace_file) as f:
+            events = json.load(f)["traceEvents"]
+        waits = sorted((e for e in events if e.get("ph") == "X" and "block_until_ready" in e["name"]),
+                       key=lambda e: e["ts"])
+        ends = [e["ts"] + e["dur"] for e in waits]
+        windows = list(zip([waits[0]["ts"] - 1e6, *ends[:-1]], ends))
+        names = [name for name in steps for _ in range(runs)]
+        per_step = {}
+        for name in steps:
+            mine = [w for w, n in zip(windows, names) if n == name][1:]  # the first run of each warms up
+            ms, count = leaf_times(trace_file, mine)
+            k = len(mine)
+            per_step[name] = {"wall_ms": sum(hi - lo for lo, hi in mine) / 1e3 / k,
+                              "leaf_ms": sum(ms.values()) / k,
+                              "ops": {kind: {"ms": ms[kind] / k, "count": count[kind] // k} for kind in ms}}
+    return per_step
 
 
 def main(argv=None) -> None:
@@ -42,9 +56,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="experiments/results/profile_executor.json")
     args = parser.parse_args(argv)
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(8)
+    fake_devices(8)
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as P
@@ -81,28 +93,7 @@ def main(argv=None) -> None:
                                                                              recompute=args.recompute)),
                       (params, tokens, tokens, mask)),
     }
-    for fn, fn_args in steps.values():
-        jax.block_until_ready(fn(*fn_args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for fn, fn_args in steps.values():
-                for _ in range(args.runs):
-                    jax.block_until_ready(fn(*fn_args))
-        trace_file = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
-        # One window per run: from the end of the previous run's wait to the end of its own (dispatch is async).
-        waits = sorted((e for e in json.load(gzip.open(trace_file))["traceEvents"]
-                        if e.get("ph") == "X" and "block_until_ready" in e["name"]), key=lambda e: e["ts"])
-        ends = [e["ts"] + e["dur"] for e in waits]
-        windows = list(zip([waits[0]["ts"] - 1e6, *ends[:-1]], ends))
-        names = [name for name in steps for _ in range(args.runs)]
-        per_step = {}
-        for name in steps:
-            mine = [w for w, n in zip(windows, names) if n == name][1:]  # the first run of each warms up
-            ms, count = leaf_times(trace_file, mine)
-            k = len(mine)
-            per_step[name] = {"wall_ms": sum(hi - lo for lo, hi in mine) / 1e3 / k,
-                              "leaf_ms": sum(ms.values()) / k,
-                              "ops": {kind: {"ms": ms[kind] / k, "count": count[kind] // k} for kind in ms}}
+    per_step = profile(steps, args.runs)
     ex, ref = per_step["executor"]["ops"], per_step["reference"]["ops"]
     kinds = sorted(set(ex) | set(ref), key=lambda kd: -(ex.get(kd, {}).get("ms", 0) - ref.get(kd, {}).get("ms", 0)))
     extra = [{"op": kd, "executor_ms": ex.get(kd, {}).get("ms", 0.0), "executor_count": ex.get(kd, {}).get("count", 0),
@@ -113,8 +104,7 @@ def main(argv=None) -> None:
               "wall_ms": {name: per_step[name]["wall_ms"] for name in steps},
               "leaf_ms": {name: per_step[name]["leaf_ms"] for name in steps},
               "largest_differences": extra}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(json.dumps({k: result[k] for k in ("executor_recompute", "wall_ms", "leaf_ms")}))
     for row in extra:
         print(json.dumps(row))

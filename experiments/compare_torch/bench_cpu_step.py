@@ -16,7 +16,7 @@ the common yardstick). `--profile` adds, per case, an XLA:CPU profile of both ja
 kind, the top ones with their HLO, minor page faults per step) and a torch profile. `--xla-flags` appends XLA:CPU
 flags, for trying them.
 
-Usage: python -m experiments.bench_cpu_step [--rounds 7] [--steps 3] [--cases wide small] [--profile]
+Usage: python -m experiments.compare_torch.bench_cpu_step [--rounds 7] [--steps 3] [--cases wide small] [--profile]
        [--out experiments/results/bench_cpu_step.json]
 """
 
@@ -28,6 +28,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+from experiments.common import ROOT, write_json
 
 CASES = {
     "wide": dict(model=dict(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=257),
@@ -74,7 +76,7 @@ def torch_step(case: dict, cfg, params, tokens, threads: int):
     import torch
     from transformers import GPT2LMHeadModel
 
-    from experiments.compare_torch import schedule_lr_factor
+    from experiments.compare_torch.common import schedule_lr_factor
     from ptd_jax.interop import to_hf
 
     torch.set_num_threads(threads)
@@ -113,13 +115,12 @@ def profile_jax(run, hlo_text: str, steps: int = 3, top: int = 15) -> dict:
     import glob
     import gzip
     import re
+    import resource
     import tempfile
 
     import jax
 
-    from experiments.profile_executor import leaf_times
-
-    import resource
+    from experiments.common import leaf_times
 
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -132,7 +133,9 @@ def profile_jax(run, hlo_text: str, steps: int = 3, top: int = 15) -> dict:
         trace_file = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
         kinds, counts = leaf_times(trace_file, [(-float("inf"), float("inf"))])
         names = collections.defaultdict(float)
-        for e in json.load(gzip.open(trace_file))["traceEvents"]:
+        with gzip.open(trace_file) as f:
+            events = json.load(f)["traceEvents"]
+        for e in events:
             if e.get("ph") == "X" and not e["name"].startswith("$") and "Thunk" not in e["name"]:
                 names[e["name"]] += e["dur"] / 1e3 / steps
     lines = {m[2]: m[0].strip() for m in re.finditer(r"^\s*(ROOT\s+)?%?([\w.-]+) = .*$", hlo_text, re.M)}
@@ -171,14 +174,13 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("glibc_default", "kept"):
             out = Path(tmp) / f"{mode}.json"
-            subprocess.run([sys.executable, "-m", "experiments.bench_cpu_step", *rest, "--mode", mode, "--out",
-                            str(out)], check=True, cwd=Path(__file__).resolve().parents[1])
+            subprocess.run([sys.executable, "-m", "experiments.compare_torch.bench_cpu_step", *rest, "--mode", mode,
+                            "--out", str(out)], check=True, cwd=ROOT)
             result[mode] = json.loads(out.read_text())
     result["summary"] = {name: {f"{mode}_jax_speedup_over_torch": result[mode]["cases"][name]["jax_speedup_over_torch"]
                                 for mode in ("glibc_default", "kept")} for name in result["kept"]["cases"]}
     print(json.dumps(result["summary"]))
-    Path(known.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(known.out).write_text(json.dumps(result, indent=1))
+    write_json(known.out, result)
     return result
 
 
@@ -202,7 +204,7 @@ def run_mode(argv) -> dict:
         os.environ["PTD_JAX_KEEP_HOST_MEMORY"] = "0"  # glibc's defaults throughout
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
-    from experiments.compare_torch import make_data
+    from experiments.compare_torch.common import make_data
 
     result = {"mode": args.mode, "threads": args.threads, "rounds": args.rounds, "steps_per_round": args.steps,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "train": TRAIN, "cases": {}}
@@ -237,8 +239,7 @@ def run_mode(argv) -> dict:
                                                 "torch": profile_torch(run_torch)}
         print(json.dumps({name: {k: result["cases"][name][k] for k in
                                  ("jax_step_s", "torch_step_s", "jax_speedup_over_torch", "first_step_loss")}}))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return result
 
 

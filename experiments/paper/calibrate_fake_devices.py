@@ -10,7 +10,7 @@ for a gradient step is the model's iteration time without the optimizer term. Th
 error over all steps (a grid search over R and W, coarse then fine); the error per step is reported, with its
 median and largest absolute value. Nothing from the paper enters.
 
-Usage: python -m experiments.calibrate_fake_devices [--out experiments/results/calibrate_fake_devices.json]
+Usage: python -m experiments.paper.calibrate_fake_devices [--out experiments/results/calibrate_fake_devices.json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from experiments import figures
+from experiments import common
+from experiments.paper import figures
 
 
 def measured_steps(results: Path) -> list[dict]:
@@ -101,7 +102,7 @@ def plot(result, plt):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default=str(figures.RESULTS), help="folder of the figure scripts' JSON")
+    parser.add_argument("--results", default=str(common.RESULTS), help="folder of the figure scripts' JSON")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     steps = measured_steps(Path(args.results))
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
     result = {"fitted": {"matmul_flops_per_s_host": r, "memory_bytes_per_s_host": w,
                          "per_device": "R/n and W/n on n fake devices"},
               "num_steps": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
-              "steps": rows, "timing_note": figures.TIMING_NOTE,
+              "steps": rows, "timing_note": common.TIMING_NOTE,
               "note": "two rates fitted on all steps at once (not per figure); the error is in-sample"}
     figures.write("calibrate_fake_devices", result, plot, args.out)
     print(json.dumps({k: result[k] for k in ("fitted", "num_steps", "median_abs_error", "max_abs_error")}))

@@ -11,14 +11,15 @@
 Paper (text): the best micro-batch size for Fig. 16's model is 2; the best b depends on the model and the batch
 (it trades GEMM efficiency against the bubble).
 
-Usage: python -m experiments.fig07_08_16_microbatch [--rounds 5] [--smoke] [--out PATH]
+Usage: python -m experiments.paper.fig07_08_16_microbatch [--rounds 5] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import json
 
-from experiments import figures
+from experiments import common
+from experiments.paper import figures
 
 PAPER_BEST_B_FIG16 = 2
 PAPER_TEXT = ("Fig. 16 (91B, (t, p) = (8, 8), 64 GPUs, two batch sizes): the best micro-batch size is 2 for this "
@@ -53,7 +54,7 @@ def predicted() -> dict:
 def measured(rounds, smoke) -> dict:
     single = {f"single b={b}": dict(b=b, m=8 // b) for b in (1, 2, 4, 8)}
     piped = {f"p=4 b={b}": dict(schedule="1f1b", p=4, b=b, m=16 // b) for b in (1, 2, 4)}
-    out = figures.measure_layouts(figures.small_model(smoke), {**single, **piped}, rounds)
+    out = common.measure_layouts(common.small_model(smoke), {**single, **piped}, rounds)
     med = out["median_step_s"]
     per_mb = {b: med[f"single b={b}"] / (8 // b) for b in (1, 2, 4, 8)}
     out["fig7_sequences_per_s"] = {b: 8 / med[f"single b={b}"] for b in (1, 2, 4, 8)}
@@ -107,9 +108,9 @@ def plot(result, plt):
 
 def main(argv=None) -> None:
     args = figures.parse_args(__doc__.splitlines()[0], argv)
-    figures.fake_devices(4)
+    common.fake_devices(4)
     result = {"predicted": predicted(), "measured": measured(args.rounds, args.smoke), "paper_text": PAPER_TEXT,
-              "paper_best_b_fig16": PAPER_BEST_B_FIG16, "timing_note": figures.TIMING_NOTE}
+              "paper_best_b_fig16": PAPER_BEST_B_FIG16, "timing_note": common.TIMING_NOTE}
     figures.write("fig07_08_16_microbatch", result, plot, args.out)
     meas = result["measured"]
     print(json.dumps({"measured_fig7_sequences_per_s": meas["fig7_sequences_per_s"],

@@ -9,7 +9,7 @@ choice, the paper does not state v for this figure in the text cited).
 Paper: qualitative only (the figure's values are not printed): the interleaved schedule with scatter/gather is
 faster, and the gap closes as the batch grows.
 
-Usage: python -m experiments.fig12_interleaved [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
+Usage: python -m experiments.paper.fig12_interleaved [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
 (--predicted-only: recompute the predicted part, keep the measured part of the existing JSON)
 """
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 
-from experiments import figures
+from experiments import common
+from experiments.paper import figures
 
 P, V = 4, 2
 BATCHES = (12, 24, 36, 48, 60)
@@ -43,7 +44,7 @@ def predicted(k: int = 4, scatter_gather: bool = True) -> list[dict]:
 def measured(ms, rounds, smoke):
     layouts = {f"{s} v={v} m={m}": dict(schedule=s, p=P, v=v, m=m) for s, v in (("1f1b", 1), ("interleaved", V))
                for m in ms}
-    out = figures.measure_layouts(figures.small_model(smoke), layouts, rounds)
+    out = common.measure_layouts(common.small_model(smoke), layouts, rounds)
     med = out["median_step_s"]
     out["rows"] = [{"m": m, "throughput_ratio": med[f"1f1b v=1 m={m}"] / med[f"interleaved v={V} m={m}"],
                     "ideal_ratio": (m + P - 1) / (m + (P - 1) / V)} for m in ms]
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
     ms = [4, 8] if args.smoke else [4, 8, 16]
 
     def measure() -> dict:
-        figures.fake_devices(P)
+        common.fake_devices(P)
         return measured(ms, args.rounds, args.smoke)
 
     measured_part, timing_note = figures.measured_or_kept("fig12_interleaved", args, measure)

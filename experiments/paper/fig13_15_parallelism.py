@@ -18,7 +18,7 @@ Paper (text, qualitative): tensor parallelism is best within a node (t up to 8) 
 nodes (Takeaway #1, Fig. 13's best is t = 8); for a model that fits, throughput falls as the pipeline size (Fig. 14)
 or the tensor size (Fig. 15) grows at the expense of data parallelism (Takeaway #2).
 
-Usage: python -m experiments.fig13_15_parallelism [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
+Usage: python -m experiments.paper.fig13_15_parallelism [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
 (--predicted-only recomputes the predicted half and keeps the measured half of the existing JSON.)
 """
 
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import json
 
-from experiments import figures
+from experiments import common
+from experiments.paper import figures
 
 MEASURED = {"fig13": [(1, 4, 1), (2, 2, 1), (4, 1, 1)], "fig14": [(1, 4, 1), (1, 2, 2), (1, 1, 4)],
             "fig15": [(4, 1, 1), (2, 1, 2), (1, 1, 4)]}
@@ -75,7 +76,7 @@ def measured(rounds, smoke):
     for configs in MEASURED.values():
         for t, p, d in configs:
             layouts[layout_name(t, p, d)] = dict(schedule="1f1b", t=t, p=p, d=d, m=16 // d)
-    out = figures.measure_layouts(figures.small_model(smoke), layouts, rounds)
+    out = common.measure_layouts(common.small_model(smoke), layouts, rounds)
     med = out["median_step_s"]
     out["relative_throughput"] = {}
     for fig, configs in MEASURED.items():
@@ -115,7 +116,7 @@ def main(argv=None) -> None:
     args = figures.parse_args(__doc__.splitlines()[0], argv, predicted_only=True)
 
     def measure():
-        figures.fake_devices(4)
+        common.fake_devices(4)
         return measured(args.rounds, args.smoke)
 
     measured_half, timing_note = figures.measured_or_kept("fig13_15_parallelism", args, measure)

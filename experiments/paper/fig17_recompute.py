@@ -9,14 +9,15 @@ Predicted: `ptd_jax.perf` for the paper's setting, the 145B model (80 layers, h 
 Paper (text): at small batch sizes recomputation costs up to 33% of the throughput (sequences/s); at large batch
 sizes throughput with recomputation is up to 2x the best without it (which fits only smaller batches).
 
-Usage: python -m experiments.fig17_recompute [--rounds 5] [--smoke] [--out PATH]
+Usage: python -m experiments.paper.fig17_recompute [--rounds 5] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import json
 
-from experiments import figures
+from experiments import common
+from experiments.paper import figures
 
 P = 4
 BATCHES = (8, 16, 32, 64, 128, 256, 512)
@@ -46,7 +47,7 @@ def predicted() -> dict:
 def measured(ms, rounds, smoke):
     policies = ("none", "selective", "full")
     layouts = {f"{r} m={m}": dict(schedule="1f1b", p=P, m=m, recompute=r) for r in policies for m in ms}
-    out = figures.measure_layouts(figures.small_model(smoke), layouts, rounds)
+    out = common.measure_layouts(common.small_model(smoke), layouts, rounds)
     med, temp = out["median_step_s"], out["temp_bytes_per_device"]
     out["rows"] = [{"m": m, **{f"{r}/none step time": med[f"{r} m={m}"] / med[f"none m={m}"] for r in policies},
                     **{f"{r} temp MB": (temp[f"{r} m={m}"] or 0) / 1e6 for r in policies}} for m in ms]
@@ -84,9 +85,9 @@ def plot(result, plt):
 def main(argv=None) -> None:
     args = figures.parse_args(__doc__.splitlines()[0], argv)
     ms = [4] if args.smoke else [4, 16]
-    figures.fake_devices(P)
+    common.fake_devices(P)
     result = {"predicted": predicted(), "measured": measured(ms, args.rounds, args.smoke), "paper_text": PAPER_TEXT,
-              "paper_small_batch_loss": 0.33, "paper_large_batch_gain": 2.0, "timing_note": figures.TIMING_NOTE}
+              "paper_small_batch_loss": 0.33, "paper_large_batch_gain": 2.0, "timing_note": common.TIMING_NOTE}
     figures.write("fig17_recompute", result, plot, args.out)
     pred = result["predicted"]
     print(json.dumps({"measured": result["measured"]["rows"],

@@ -10,7 +10,7 @@ k = 4 (v = 2, our choice), b = 1, full recomputation, batch 12 ... 60.
 Paper (text): scatter/gather improves throughput by up to 11% for communication-intensive schedules (large batch
 with interleaving).
 
-Usage: python -m experiments.fig18_scatter_gather [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
+Usage: python -m experiments.paper.fig18_scatter_gather [--rounds 5] [--smoke] [--out PATH] [--predicted-only]
 (--predicted-only: recompute the predicted part, keep the measured part of the existing JSON)
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 
-from experiments import figures
+from experiments import common
+from experiments.paper import figures
 
 BATCHES = (12, 24, 36, 48, 60)
 PAPER_UP_TO = 0.11
@@ -41,7 +42,7 @@ def predicted() -> list[dict]:
 def measured(ms, rounds, smoke):
     layouts = {f"sg={sg} m={m}": dict(schedule="interleaved", p=2, v=2, t=2, m=m, scatter_gather=sg)
                for sg in (True, False) for m in ms}
-    out = figures.measure_layouts(figures.small_model(smoke), layouts, rounds)
+    out = common.measure_layouts(common.small_model(smoke), layouts, rounds)
     med = out["median_step_s"]
     out["rows"] = [{"m": m, "speedup": med[f"sg=False m={m}"] / med[f"sg=True m={m}"]} for m in ms]
     return out
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     ms = [4] if args.smoke else [4, 8]
 
     def measure() -> dict:
-        figures.fake_devices(4)
+        common.fake_devices(4)
         return measured(ms, args.rounds, args.smoke)
 
     measured_part, timing_note = figures.measured_or_kept("fig18_scatter_gather", args, measure)

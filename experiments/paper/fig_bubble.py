@@ -2,19 +2,20 @@
 formulas (p−1)/m and (p−1)/(v·m)): simulated on ptd_jax's lockstep tables, and measured on fake CPU devices.
 
 Simulated: `schedule.py` + `lockstep.py` (`Schedule.simulate`, backward = 2 forwards) at p = 4, next to the
-formula. Measured: the small model's gradient step (`bench_interleaving.pipeline_step`, uniform branching) at
+formula. Measured: the small model's gradient step (`common.pipeline_step`, uniform branching) at
 p = 4 on 4 fake devices for each m; per schedule the step times are fitted as T(m) = c + m·t_mb (least squares),
 and the measured bubble at m is (T(m) − m·t_mb)/(m·t_mb), the paper's t_pb/t_id (the same split as the loop's
 measured bubble, `ptd_jax/train/bubble.py`; c also holds per-step fixed costs, so it is an upper bound).
 
-Usage: python -m experiments.fig_bubble [--rounds 5] [--ms 4 8 16 24] [--smoke] [--out PATH]
+Usage: python -m experiments.paper.fig_bubble [--rounds 5] [--ms 4 8 16 24] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import json
 
-from experiments import figures
+from experiments import common
+from experiments.paper import figures
 
 P, V = 4, 2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", V)]
@@ -46,7 +47,7 @@ def fit_line(xs, ys):
 
 def measured(ms, rounds: int, smoke: bool) -> dict:
     layouts = {f"{s} v={v} m={m}": dict(schedule=s, p=P, v=v, m=m) for s, v in SCHEDULES for m in ms}
-    out = {**figures.measure_layouts(figures.small_model(smoke), layouts, rounds), "p": P, "ms": list(ms), "fits": {}}
+    out = {**common.measure_layouts(common.small_model(smoke), layouts, rounds), "p": P, "ms": list(ms), "fits": {}}
     for schedule, v in SCHEDULES:
         name = f"{schedule} v={v}"
         ts = [out["median_step_s"][f"{name} m={m}"] for m in ms]
@@ -87,9 +88,9 @@ def main(argv=None) -> None:
         "--ms", type=int, nargs="+", default=[4, 8, 16, 24]))
     if args.smoke:
         args.ms = [4, 8]
-    figures.fake_devices(P)
+    common.fake_devices(P)
     result = {"simulated": simulated(), "measured": measured(args.ms, args.rounds, args.smoke),
-              "timing_note": figures.TIMING_NOTE,
+              "timing_note": common.TIMING_NOTE,
               "paper": "bubble (p−1)/m (GPipe, 1F1B) and (p−1)/(v·m) (interleaved), §2.2.1-2.2.2"}
     figures.write("fig_bubble", result, plot, args.out)
     fits = result["measured"]["fits"]

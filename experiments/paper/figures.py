@@ -1,73 +1,18 @@
-"""Shared pieces of the figure scripts (`fig_*.py`): the small model measured on fake CPU devices, timing in
-alternating rounds, the performance model (`ptd_jax.perf`, `ptd-plan`'s) at the paper's scale, the paper's models,
-and writing JSON + PNG under experiments/results/. No library logic: the steps come from
-`experiments/bench_interleaving.py` (`pipeline_step`), the timing from `ptd_jax/train/bubble.py`.
-
-Measured figures are ratios of step times taken in the same run, medians of alternating rounds: the development
-machine has 2 cores shared with other jobs, so absolute times are noisy, and on fake devices (which share those
-cores) a step's time follows the work that every rank executes, not a GPU's critical path.
+"""Shared pieces of the figure scripts (`paper/fig*.py`, `paper/calibrate_fake_devices.py`): the performance model
+(`ptd_jax.perf`, `ptd-plan`'s) at the paper's scale, the paper's models, the common flags (--predicted-only among
+them) and writing JSON + PNG under experiments/results/. The measured half (the small model on fake CPU devices,
+alternating rounds) comes from `experiments/common.py`.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.common import RESULTS, TIMING_NOTE
+
 PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM "
          "(arXiv 2104.04473)")
-TIMING_NOTE = ("fake CPU devices sharing a 2-core host with other jobs: medians of alternating rounds, ratios within "
-               "one run; step time follows the work every rank executes (idle cells' dummies under uniform branching)")
-SMALL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512)
-"""The measured model (fast defaults: a step takes tens of milliseconds on fake devices)."""
-SMOKE = dict(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128)
-
-
-def fake_devices(n: int) -> None:
-    from ptd_jax.parallel.mesh import set_fake_devices
-
-    set_fake_devices(n)
-
-
-def small_model(smoke: bool = False, **overrides):
-    from ptd_jax.config import ModelConfig
-
-    return ModelConfig(**{**(SMOKE if smoke else SMALL), **overrides})
-
-
-def grad_step(cfg, *, schedule="1f1b", p=1, v=1, m=4, t=1, d=1, b=1, recompute="none", branching="uniform",
-              **fields):
-    """`bench_interleaving.pipeline_step` with keyword arguments: (compiled grad step, its arguments)."""
-    from experiments.bench_interleaving import pipeline_step
-
-    return pipeline_step(cfg, schedule, v, branching, recompute, p=p, m=m, t=t, d=d, b=b, **fields)
-
-
-def time_steps(steps: dict, rounds: int) -> dict:
-    """{"median_step_s", "all_step_s"} of each compiled `(fn, args)`, alternating rounds after one warm-up call."""
-    from ptd_jax.train.bubble import time_alternating
-
-    times = time_alternating(steps, rounds)
-    return {"median_step_s": {k: statistics.median(v) for k, v in times.items()}, "all_step_s": times}
-
-
-def measure_layouts(cfg, layouts: dict, rounds: int) -> dict:
-    """Compile `grad_step(cfg, **layout)` for each named layout, time them all in alternating rounds. The record
-    keeps each layout and the model, which `calibrate_fake_devices.py` reads back, and XLA's temp bytes per
-    device of each compiled step."""
-    import dataclasses
-
-    steps, temp = {}, {}
-    for name, layout in layouts.items():
-        compiled, args = grad_step(cfg, **layout)
-        steps[name] = (compiled, args)
-        memory = compiled.memory_analysis()
-        temp[name] = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
-    model = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-             if f.name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")}
-    return {"model": model, "layouts": layouts, "temp_bytes_per_device": temp, "rounds": rounds,
-            **time_steps(steps, rounds)}
 
 
 def paper_model(name: str):
@@ -107,7 +52,7 @@ def write(name: str, result: dict, plot, out: str | None = None) -> Path:
     """Write `result` to results/<name>.json (or `out`) and `plot(result, png_path)` beside it; returns the JSON."""
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"figure_script": f"experiments/{name}.py", "paper": PAPER, **result}
+    result = {"figure_script": f"experiments/paper/{name}.py", "paper": PAPER, **result}
     import os
 
     import matplotlib
@@ -154,9 +99,11 @@ def parse_args(description: str, argv=None, rounds: int = 5, extra=None, predict
         predicted_only = True
     args = parser.parse_args(argv)
     if args.predicted_only and not predicted_only:
-        parser.error(f"--predicted-only is not implemented by this script (only by {', '.join(PREDICTED_ONLY_SCRIPTS)})")
+        parser.error("--predicted-only is not implemented by this script "
+                     f"(only by {', '.join(PREDICTED_ONLY_SCRIPTS)})")
     if args.predicted_only and (args.smoke or args.rounds is not None):
-        parser.error(f"--predicted-only measures nothing: drop {'--smoke' if args.smoke else f'--rounds {args.rounds}'}")
+        dropped = "--smoke" if args.smoke else f"--rounds {args.rounds}"
+        parser.error(f"--predicted-only measures nothing: drop {dropped}")
     if args.rounds is None:
         args.rounds = rounds
     if args.smoke:

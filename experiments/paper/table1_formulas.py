@@ -1,7 +1,7 @@
 """Paper Table 1 through the paper's formulas: parameters (eq. 2), FLOPs per iteration (eq. 3), and the
 end-to-end training time of eq. (4) at the published per-GPU throughput.
 
-Usage: python -m experiments.table1_formulas [--tokens 300e9] [--out experiments/results/table1_formulas.json]
+Usage: python -m experiments.paper.table1_formulas [--tokens 300e9] [--out experiments/results/table1_formulas.json]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ examples/pretrain_gpt3_175B.sh passes --fp16: 20 bytes per parameter, fp16 gradi
 (what eq. 3 counts), b = 1 and plain 1F1B — Table 1 gives neither the micro-batch size nor the interleaving — and,
 beside it, the planner's best (b, k) at the same (t, p) among the layouts that fit.
 
-Usage: python -m experiments.table1_plan [--out experiments/results/table1_plan.json]
+Usage: python -m experiments.paper.table1_plan [--out experiments/results/table1_plan.json]
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def main(argv=None) -> None:
     plot(result, str(Path(args.out).with_suffix(".png")))
     for r in result["rows"]:
         best = r["best_b_k_at_papers_t_p"]
-        print(f"{r['model']:>7} t={r['t']} p={r['p']:>2} N={r['gpus']:>4}: predicted {r['predicted_tflops_per_gpu']:6.1f}"
+        print(f"{r['model']:>7} t={r['t']} p={r['p']:>2} N={r['gpus']:>4}: "
+              f"predicted {r['predicted_tflops_per_gpu']:6.1f}"
               f" published {r['published_tflops_per_gpu']}  error {r['error']:+6.1%}"
               + (f"   best b={best['micro_batch_size']} k={best['num_layers_per_virtual_pipeline_stage']}: "
                  f"{best['predicted_tflops_per_gpu']:.1f} ({best['error']:+.1%})" if best else ""))
