@@ -1,6 +1,8 @@
 """The architecture's rules, checked on the source (docs/architecture.md, "Layout"): imports flow one way
-(config, data -> model, optimizer -> parallel -> train -> the CLI), no import cycles, no private names across
-packages, `pallas_kernels` independent of `ptd_jax`, the schedule modules free of JAX, and small modules."""
+(config, data -> model, optimizer -> parallel -> train -> the CLI), no import cycles anywhere (experiments/ and the
+tests included), no private names across packages, `pallas_kernels` independent of `ptd_jax`, the library
+independent of `experiments` and each experiments room importing only `experiments.common` of the others, the
+schedule modules free of JAX, and small modules."""
 
 import ast
 import subprocess
@@ -11,6 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ptd_jax", "pallas_kernels")
+ALL_ROOTS = (*PACKAGES, "experiments", "tests")
+"""Every folder of Python modules in the repository: the cycle check covers them all."""
 MAX_LINES = 450
 
 # Layer of each part: a module may import its own layer or lower ones only (cycles within a layer are checked
@@ -21,9 +25,9 @@ LAYERS = [("pallas_kernels", 0), ("ptd_jax.config", 1), ("ptd_jax.analysis", 1),
           ("ptd_jax.perf", 6), ("ptd_jax.cli", 7)]
 
 
-def module_files() -> dict[str, Path]:
+def module_files(roots=PACKAGES) -> dict[str, Path]:
     mods = {}
-    for package in PACKAGES:
+    for package in roots:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -54,15 +58,16 @@ def imports(path: Path, module: str, mods: dict):
                 yield (sub, None, node.lineno) if sub in mods else (base, alias.name, node.lineno)
 
 
-def graph():
-    """Module -> modules it makes Python run (explicit targets and their parent packages, except its own)."""
-    mods = module_files()
+def graph(roots=PACKAGES):
+    """Module -> modules it makes Python run (explicit targets and their parent packages, except its own), over the
+    modules under `roots`."""
+    mods = module_files(roots)
     edges: dict[str, set] = {m: set() for m in mods}
     records = []
     for module, path in mods.items():
         ancestors = {".".join(module.split(".")[:i]) for i in range(1, len(module.split(".")) + 1)}
         for target, name, line in imports(path, module, mods):
-            if target.split(".")[0] not in PACKAGES:
+            if target.split(".")[0] not in roots:
                 continue
             records.append((module, target, name, line))
             parts = target.split(".")
@@ -74,7 +79,7 @@ def graph():
 
 
 def test_no_import_cycles():
-    edges, _ = graph()
+    edges, _ = graph(ALL_ROOTS)
     state: dict[str, int] = {}
 
     def visit(node, stack):
@@ -90,6 +95,28 @@ def test_no_import_cycles():
     for node in sorted(edges):
         if node not in state:
             visit(node, [node])
+
+
+def test_the_library_does_not_import_the_experiments():
+    _, records = graph(ALL_ROOTS)
+    found = [f"{m}:{line} imports {t}" for m, t, _, line in records
+             if m.split(".")[0] in PACKAGES and t.split(".")[0] == "experiments"]
+    assert found == []
+
+
+def test_experiment_rooms_share_only_common():
+    """A script in experiments/<room>/ imports its own room, `experiments.common` and the library, no other room."""
+    _, records = graph(("experiments",))
+    crossing = []
+    for m, t, n, line in records:
+        parts = m.split(".")
+        if len(parts) < 3:  # experiments.common, experiments itself
+            continue
+        target = f"{t}.{n}" if n else t
+        if target != "experiments.common" and target.split(".")[:2] not in (["experiments", parts[1]],
+                                                                           ["experiments", "common"]):
+            crossing.append(f"{m}:{line} imports {target}")
+    assert crossing == []
 
 
 def test_imports_flow_one_way():
