@@ -6,7 +6,8 @@ and a planner that searches the PTD-P layouts of a GPU count. Pure Python, no JA
     timing.py     `predict()`: GEMMs, elementwise kernels, recomputation, TP all-reduce, pipeline p2p, bubble,
                   data-parallel all-reduce, optimizer step
     search.py     every layout of N GPUs that fits, ranked, and why the best one wins (the paper's takeaways)
-    cli.py        `ptd-plan predict|search`
+
+The console script, `ptd-plan predict|search`, is `ptd_jax/cli/plan.py`.
 """
 
 from ptd_jax.perf.hardware import HARDWARE, Hardware

@@ -11,25 +11,19 @@ numeric by comparing the best layout with the fastest layout of each other value
   efficiency (bisection over 0.3x..3x the preset, efficiencies at most 1, the whole search re-run at each trial
   value), and the fastest layout of each t without interleaving and at b = 1.
 
-What it says for GPT-3 175B on 1,024 A100-80GB, batch 1,536, fp16: t = 4, p = 16, b = 1, k = 1 first (179.2
-TFLOP/s per GPU). The best t = 8 at the same t·p = 64 (p = 8, b = 2, k = 2: 171.5) takes 4.5% longer per
-iteration; the layout of Megatron-LM's examples/pretrain_gpt3_175B.sh (t = 8, p = 16, b = 1, plain 1F1B: 160.1)
-11.9% longer (the paper, §5.1, reports 140 for 175B on 1,024 GPUs at batch 1,536, without naming the layout). Why:
-at a fixed t·p (the same d and m), t = 8 holds twice the layers per GPU, so it runs (12 layers × 2·7/8) / (6 ×
-2·3/4) = 2.33x the all-reduced bytes of t = 4 (6 all-reduces of b·s·h per layer and microbatch with full
-recomputation) and twice the LayerNorms and bias-dropout-adds that every tensor rank repeats (22·s·b·h bytes per
-layer, whatever t). At h = 12288 that outweighs what t = 8 saves (bubble, p2p); the compute per all-reduced byte
-grows with h, and at Fig. 13's h = 20480 the model puts t = 8 first at both batch sizes, as the paper measured.
+What it says for GPT-3 175B on 1,024 A100-80GB at batch 1,536 in fp16 (the figures are in experiments/README.md):
+t = 4 comes first, ahead of the t = 8 of Megatron-LM's examples/pretrain_gpt3_175B.sh (the paper, §5.1, reports
+the throughput of that run but not its layout). Why: at a fixed t·p (the same d and m), t = 8 holds twice the
+layers per GPU, so it all-reduces more than twice the bytes of t = 4 (6 all-reduces of b·s·h per layer and
+microbatch with full recomputation, each moving 2(t−1)/t of them) and repeats twice the LayerNorms and
+bias-dropout-adds that every tensor rank runs (22·s·b·h bytes per layer, whatever t). At h = 12288 that outweighs
+what t = 8 saves in bubble and p2p; the compute per all-reduced byte grows with h, and at Fig. 13's h = 20480 the
+model puts t = 8 first at both batch sizes, as the paper measured.
 
-How robust t = 4 is there (the sensitivity lines): no NVLink bus bandwidth in 70.5..705 GB/s (preset 235, NCCL's
-A100 cap) puts t = 8 first — at 705 it is still 0.3% behind (it would take 813.6 GB/s, 2.7x the A100's 300 GB/s
-line rate), at 70.5 19.8%: the all-reduces are most of t = 8's deficit at the preset (tensor_comm +1.05 s, +0.52 s
-more in recomputation), but the LayerNorm/dropout bytes every tensor rank repeats (+0.69 s) do not shrink with the
-bandwidth. Only a GEMM efficiency <= 0.249 (preset 0.80) puts t = 8 first (t = 8, p = 8, b = 2, k = 1), and no
-InfiniBand efficiency in 0.27..1 does (t = 8 +2.8% … +4.6%). Interleaving is most of t = 4's lead: with plain 1F1B
-only, t = 4, p = 16, b = 1 is first by 1.0% (164.4 against t = 8, p = 8, b = 1: 162.7; p = 16 has twice the bubble
-of p = 8); with b = 1 only, t = 4, p = 16, k = 1 stays first (179.2) and t = 8's best (p = 8, k = 3: 169.3) takes
-5.8% longer — t = 8's best layout needs b = 2.
+The sensitivity lines test that answer: the NVLink bus bandwidth over 0.3x..3x its preset, the GEMM efficiency and
+the InfiniBand efficiency, each re-ranking every layout; part of t = 8's deficit (the repeated LayerNorm and
+dropout bytes) does not shrink with the bandwidth. Interleaving is most of t = 4's lead, and t = 8's best
+layout needs b = 2: the rankings restricted to plain 1F1B and to b = 1 show both.
 """
 
 from __future__ import annotations

@@ -1,26 +1,24 @@
 """Host memory for XLA:CPU steps: keep freed memory in the process instead of handing it back to the OS.
 
-XLA:CPU allocates an execution's temporaries as one block (409 MB for the 8-layer, h 256, s 128, b 8 training
-step; 61 MB at 4 layers, h 128, b 4) from one of its worker threads and frees it at the end. glibc serves a block
-that large by mmap (it is above the 32 MB dynamic mmap threshold, and no thread arena holds it) and unmaps it on
-free, so every step writes to fresh pages: 105k minor page faults per step for the 409 MB
-(experiments/bench_cpu_step.py). Eager PyTorch allocates each
-tensor on its own, below the threshold, from the heap, which glibc keeps: no faults after the first step.
+XLA:CPU allocates an execution's temporaries as one large block from one of its worker threads and frees it at the
+end. glibc serves a block that large by mmap (it is above the dynamic mmap threshold, at most 32 MB, and no thread
+arena holds it) and unmaps it on free, so every step writes to fresh pages and pays their minor page faults. Eager
+PyTorch allocates each tensor on its own, below the threshold, from the heap, which glibc keeps: no faults after the
+first step.
 
-`keep_freed_host_memory()` makes glibc keep such blocks: M_ARENA_MAX 1 (every thread allocates from the main
-heap, which can grow past the 64 MB a thread arena holds), M_MMAP_THRESHOLD and M_TRIM_THRESHOLD 2 GiB (blocks below
+`keep_freed_host_memory()` makes glibc keep such blocks: M_ARENA_MAX 1 (every thread allocates from the main heap,
+which can grow past the 64 MB a thread arena holds), M_MMAP_THRESHOLD and M_TRIM_THRESHOLD 2 GiB (blocks below
 come from the heap, and the heap is not shrunk), so the next step reuses the same pages. The resident size then
 stays at its peak, as with any caching allocator. The arena limit only binds threads that have not allocated yet:
 call it before JAX's CPU backend starts (before the first computation); called later, it keeps only the blocks
 that fit a worker thread's arena (under 64 MB). It changes only how glibc's malloc behaves in this process; a
 no-op off glibc, or with PTD_JAX_KEEP_HOST_MEMORY=0.
 
-Measured (experiments/bench_cpu_step.py, a loaded 2-core machine): the page faults per step go from 105k to 0,
-but the step time did not measurably change (the spread between rounds was larger). On a quiet machine
-(2026-12-02, 3 rounds) it helps the large step and slows the small one (the single arena's lock): 0.59 -> 0.44 s at
-8 layers h 256 b 8, 0.154 -> 0.205 s at 4 layers h 128 b 4 m 4. So it is opt-in: `ptd-train`
-calls it before the backend starts only with PTD_JAX_KEEP_HOST_MEMORY=1, and the CPU benchmarks call it
-explicitly; nothing else (tests included) changes the process's malloc.
+It removes the page faults, but its effect on step time depends on the step: a large step gains, while a small
+one loses to the single arena's lock (experiments/compare_torch/bench_cpu_step.py; the numbers are in
+experiments/README.md). So it is opt-in: `ptd-train` calls it before the backend starts only with
+PTD_JAX_KEEP_HOST_MEMORY=1, and the CPU benchmarks call it explicitly; nothing else (tests included) changes the
+process's malloc.
 """
 
 from __future__ import annotations
