@@ -162,7 +162,7 @@ class ModelConfig:
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel_size)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -228,7 +228,7 @@ class ParallelConfig:
                                    self.virtual_pipeline_stages, self.num_microbatches, self.microbatch_group_size)
 
     @classmethod
-    def for_devices(cls, num_devices: int, **kwargs) -> "ParallelConfig":
+    def for_devices(cls, num_devices: int, **kwargs) -> ParallelConfig:
         """Megatron's rule: data-parallel size = devices / (t · p)."""
         t = kwargs.get("tensor_model_parallel_size", 1)
         p = kwargs.get("pipeline_model_parallel_size", 1)
@@ -267,7 +267,7 @@ class ParallelConfig:
                    f"seq_length={model.seq_length} is not divisible by tensor_model_parallel_size={t} "
                    f"(needed by sequence parallelism)")
 
-    def replace(self, **changes) -> "ParallelConfig":
+    def replace(self, **changes) -> ParallelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -349,7 +349,7 @@ class TrainConfig:
     def decay_iters(self) -> int:
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -430,12 +430,8 @@ def paper_parallel_config(row: PaperRow, micro_batch_size: int = 1) -> ParallelC
     )
 
 
-def to_dict(config) -> dict:
-    return dataclasses.asdict(config)
-
-
 __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PaperRow", "PAPER_TABLE_1",
     "MODEL_PRESETS", "GPT2_VOCAB_SIZE", "PAPER_VOCAB_SIZE", "model_preset", "paper_parallel_config",
-    "pad_vocab_size", "to_dict",
+    "pad_vocab_size",
 ]

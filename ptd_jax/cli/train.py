@@ -33,7 +33,16 @@ MAX_FAKE_DEVICES = 256
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="ptd-train", description="Train a GPT with PTD-P parallelism on JAX.",
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model (unset flags come from --model-preset)")
+    add_model_args(p.add_argument_group("model (unset flags come from --model-preset)"))
+    add_parallel_args(p.add_argument_group("parallelism"))
+    add_process_args(p.add_argument_group("several processes (jax.distributed; default: from ptd-launch, SLURM or "
+                                          "Open MPI, else one process)"))
+    add_training_args(p.add_argument_group("training"))
+    add_data_args(p.add_argument_group("data, checkpoints, logging"))
+    return p
+
+
+def add_model_args(g) -> None:
     g.add_argument("--model-preset", default=DEMO_PRESET, choices=sorted(MODEL_PRESETS))
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
@@ -56,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction,
                    help="LayerNorm and cross-entropy by the Pallas kernels (default: on with a GPU, off elsewhere)")
 
-    g = p.add_argument_group("parallelism")
+
+def add_parallel_args(g) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, help="t (default 1; see the demo layout below)")
     g.add_argument("--pipeline-model-parallel-size", type=int, help="p (default 1; see the demo layout below)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
@@ -77,15 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fake-devices", type=int, help="simulate N CPU devices per process (sets XLA_FLAGS before JAX "
                    "starts)")
 
-    g = p.add_argument_group("several processes (jax.distributed; default: from ptd-launch, SLURM or Open MPI, "
-                             "else one process)")
+
+def add_process_args(g) -> None:
     g.add_argument("--coordinator-address", help="host:port of process 0's coordination service")
     g.add_argument("--num-processes", type=int)
     g.add_argument("--process-id", type=int)
     g.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
                    help="seconds without a heartbeat after which a process is declared dead and the others stop")
 
-    g = p.add_argument_group("training")
+
+def add_training_args(g) -> None:
     g.add_argument("--train-iters", type=int, default=300)
     g.add_argument("--lr", type=finite_float, default=2e-3)
     g.add_argument("--min-lr", type=finite_float, default=2e-4)
@@ -102,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default="none")
 
-    g = p.add_argument_group("data, checkpoints, logging")
+
+def add_data_args(g) -> None:
+    """Data, checkpoints (Megatron's --save/--load family) and logging."""
     g.add_argument("--data-path", help="prefix of a .bin/.idx pair (default: the embedded stdlib corpus)")
     add_tokenizer_args(g, default=None, help_default="the data's tokenizer; V is its vocabulary size (default: "
                        "ByteTokenizer, 257)")
@@ -130,7 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot-dir", help="write loss_curve.png here")
     g.add_argument("--peak-tflops", type=finite_float, help="device peak for MFU (default: datasheet or measured)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 DEMO_LAYOUT = {"fake_devices": 8, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
@@ -281,14 +293,6 @@ def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool,
     return model_cfg.replace(**changes)
 
 
-def check_implemented(parallel: ParallelConfig) -> None:
-    """Layouts whose executors land in later issues fail clearly instead of silently running on one device."""
-    pending: dict = {}  # name -> (value, supported value, feature); none pending now
-    for name, (value, supported, feature) in pending.items():
-        if value != supported:
-            raise ConfigError(f"{name}={value} needs {feature}, which is not implemented yet")
-
-
 def _check_path(flag: str, value: str, kind: str) -> None:
     """`value` can become a `kind` ("file" or "folder"): it is not the other kind, no parent is a regular file,
     and the nearest existing parent is writable."""
@@ -344,6 +348,35 @@ def run(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     demo = apply_demo_layout(args)
     fill_defaults(args)
+    start_backend(args)
+    import logging
+
+    import jax
+
+    from ptd_jax.train import train
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's info/warnings; our own lines say what happened
+
+    tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
+    model_cfg = check_default_kernels(model_config_from_args(args, tokenizer), args)
+    train_cfg = train_config_from_args(args)
+    parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
+    check_backend(model_cfg)
+    check_outputs(args)
+    check_fits(model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count())
+    if args.sequence_parallel and not parallel.sequence_parallel:
+        print("ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
+              "running without it (as Megatron does)", file=sys.stderr)
+
+    if demo:
+        print("ptd-train: no accelerator found and no layout given: running the 3-D demo layout d=2 p=2 t=2 "
+              "(interleaved 1F1B, v=2) on 8 simulated CPU devices (--fake-devices 1 for a single device)",
+              file=sys.stderr)
+    return train(model_cfg, parallel, train_cfg, run_options(args, tokenizer))
+
+
+def start_backend(args) -> None:
+    """Join the other processes (if any) and simulate --fake-devices, both before JAX starts its backend."""
     group = multiprocess.resolve(args.coordinator_address, args.num_processes, args.process_id)
     if args.heartbeat_timeout < 1:
         raise ConfigError(f"heartbeat_timeout={args.heartbeat_timeout} must be at least 1 (seconds)")
@@ -365,37 +398,18 @@ def run(argv=None) -> dict:
         set_fake_devices(args.fake_devices, before_backend=join_processes)
     else:
         join_processes()
-    import logging
 
-    import jax
 
-    from ptd_jax.train import RunOptions, train
+def run_options(args, tokenizer):
+    """The `RunOptions` of the data, checkpoint and logging flags."""
+    from ptd_jax.train import RunOptions
 
-    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's info/warnings; our own lines say what happened
-
-    tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
-    model_cfg = check_default_kernels(model_config_from_args(args, tokenizer), args)
-    train_cfg = train_config_from_args(args)
-    parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
-    check_implemented(parallel)
-    check_backend(model_cfg)
-    check_outputs(args)
-    check_fits(model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count())
-    if args.sequence_parallel and not parallel.sequence_parallel:
-        print("ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
-              "running without it (as Megatron does)", file=sys.stderr)
-
-    if demo:
-        print("ptd-train: no accelerator found and no layout given: running the 3-D demo layout d=2 p=2 t=2 "
-              "(interleaved 1F1B, v=2) on 8 simulated CPU devices (--fake-devices 1 for a single device)",
-              file=sys.stderr)
-    options = RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
-                         metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
-                         progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
-                         load_optim=not args.no_load_optim, finetune=args.finetune,
-                         override_data_config=args.override_data_config, data_cache_path=args.data_cache_path,
-                         async_save=args.async_save, tokenizer=tokenizer.describe() if tokenizer else None)
-    return train(model_cfg, parallel, train_cfg, options)
+    return RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
+                      metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
+                      progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
+                      load_optim=not args.no_load_optim, finetune=args.finetune,
+                      override_data_config=args.override_data_config, data_cache_path=args.data_cache_path,
+                      async_save=args.async_save, tokenizer=tokenizer.describe() if tokenizer else None)
 
 
 def main(argv=None) -> int:

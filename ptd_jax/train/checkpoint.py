@@ -17,6 +17,7 @@ written by N processes loads in any number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from functools import partial
@@ -174,10 +175,8 @@ def data_config_changes(saved: dict, current: dict) -> dict:
         out = {k: v for k, v in config.items() if k != "data_path"}
         out["data_name"] = Path(config.get("data_path") or "").name
         if "split" in out:
-            try:
+            with contextlib.suppress(DataError):  # an unparsable split is compared as written
                 out["split"] = tuple(round(x, 12) for x in parse_split(out["split"]))
-            except DataError:
-                pass
         return out
 
     a, b = comparable(saved), comparable(current)

@@ -6,9 +6,10 @@ Three figures, because they answer different questions:
   out, fc1, fc2; scores and context), backward twice that; the logit layer 2hV forward. With F = 4h this is
   72 B s l h² (1 + s/(6h)) + 6 B s h V.
 - hardware FLOPs: what was executed — model FLOPs plus recomputation (`--recompute-granularity`: selective
-  recomputes Q·Kᵀ, 2sh per layer and token, full the layer's forward but fc2, as JAX's remat runs them) and, on a pipeline, what the
-  lockstep table runs beyond that (`parallel/pipeline/executor.py`): under "uniform" branching idle cells compute
-  on a dummy and the output layer runs on every rank of the ticks that need it (counted from the table;
+  recomputes Q·Kᵀ, 2sh per layer and token, full the layer's forward but fc2, as JAX's remat runs them) and, on a
+  pipeline, what the lockstep table runs beyond that (`parallel/pipeline/executor.py`): under "uniform" branching
+  idle cells compute on a dummy and the output layer runs on every rank of the ticks that need it (counted from the
+  table;
   `experiments/pipeline_flops.py` counts the same on the traced program).
 - eq. (3), the paper's "achieved teraFLOP/s" numerator, as published (full recomputation, F = 4h assumed):
       F = 96 B s l h² (1 + s/(6h) + V/(16 l h))
@@ -27,17 +28,17 @@ from ptd_jax.config import ModelConfig, resolve_branching
 
 def num_params(cfg: ModelConfig, vocab_size: int | None = None) -> float:
     """eq. (2); excludes the final LayerNorm's 2h, as the paper does."""
-    l, h, s = cfg.num_layers, cfg.hidden_size, cfg.max_positions
+    L, h, s = cfg.num_layers, cfg.hidden_size, cfg.max_positions
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
-    return 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+    return 12 * L * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
 
 
 def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None) -> float:
     """eq. (3) as published: FLOPs of one iteration with full recomputation and an MLP of 4h, whatever the run's
     recompute flag and MLP width (the paper's 'achieved teraFLOP/s' numerator, for comparison with its tables)."""
-    l, h, s, B = cfg.num_layers, cfg.hidden_size, cfg.seq_length, global_batch_size
+    L, h, s, B = cfg.num_layers, cfg.hidden_size, cfg.seq_length, global_batch_size
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
-    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    return 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
 
 
 def layer_forward_flops(cfg: ModelConfig, tokens: float) -> float:

@@ -3,7 +3,9 @@
 Each iteration takes the next B samples of the data stream (sample k is a function of the seed and k alone, so
 `--train-iters` never moves it), cuts them into the layout's microbatches on a prefetching thread, runs the
 jit(shard_map) train step of `parallel/step.py` (or, for comparisons on one device, the reference step), logs loss,
-grad norm, throughput, TFLOP/s (model, hardware and the paper's eq. 3) and MFU, evaluates, and saves orbax checkpoints asynchronously.
+grad norm, throughput, TFLOP/s (model, hardware and the paper's eq. 3) and MFU, evaluates, and saves orbax
+checkpoints asynchronously. The loop itself only fetches batches, runs the step and calls hooks (`train/hooks.py`):
+the bubble measurement after the first step, the progress bar, logging, evaluation and checkpointing.
 
 Resume (Megatron's): `--load D` continues from D's newest complete step, in any layout, with the iteration, the
 consumed samples and the dropout key it saved; `--save D --load D` on an empty D starts fresh (auto-resume).
@@ -13,9 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -36,8 +36,11 @@ from ptd_jax.train import bubble, checkpoint
 from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
                                  model_flops_per_iteration)
 from ptd_jax.train.guards import SkipCounter, state_is_finite, with_loss_scale
-from ptd_jax.train.metrics import MetricsLogger
+from ptd_jax.train.hooks import Hooks, StepInfo, StepTimer
+from ptd_jax.train.interrupt import CtrlC
+from ptd_jax.train.metrics import MetricsLogger, medians
 from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
+from ptd_jax.train.resume import check_data_config, resume_point
 
 
 @dataclass
@@ -108,21 +111,128 @@ def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops,
 
 def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
           options: RunOptions | None = None) -> dict:
-    """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line)."""
+    """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line).
+
+    1. Refuse what cannot run, before data or devices are touched (the layout, the resume point).
+    2. Open the data, build or restore the state, make the train and eval steps (`_prepare`).
+    3. Say what runs: the layout, the pipeline table, the FLOPs per iteration (`_announce`).
+    4. Loop: fetch a batch, run the step, call the hooks (`_loop`, `_hooks`).
+    5. Summarise: medians over the timed records (`_summary`)."""
     options = options or RunOptions()
     parallel.check_model(model_cfg)
+    run = _prepare(model_cfg, parallel, train_cfg, options)
+    _announce(run)
+    timer = StepTimer(jax.block_until_ready)
+    _loop(run, _hooks(run, timer), timer)
+    return _summary(run, timer)
+
+
+@dataclass
+class _Run:
+    """One run's fixed parts (configs, data, steps, logger) and its progress (state, iteration, results)."""
+
+    model_cfg: ModelConfig
+    parallel: ParallelConfig
+    train_cfg: TrainConfig
+    options: RunOptions
+    data: GPTData
+    data_path: str
+    mesh: object
+    optimizer: object
+    state: dict
+    dropout_key: object
+    start: int
+    consumed: int
+    train_step: object
+    eval_step: object
+    logger: MetricsLogger
+    primary: bool
+    num_params: int = 0
+    ranks: list = field(default_factory=list)
+    rows: object = None
+    sched: object = None
+    flops: dict = field(default_factory=dict)
+    peak: float = 0.0
+    peak_source: str = ""
+    device_kind: str = ""
+    saver: object = None
+    skips: SkipCounter | None = None
+    done: int = 0
+    records: list = field(default_factory=list)
+    first_loss: float | None = None
+    exit_reason: str | None = None
+    measured_bubble: dict | None = None
+
+    def to_devices(self, batch):
+        """The batch cut into microbatches and, for the shard_map step, assembled into global arrays from this
+        process's data ranks."""
+        cut = microbatches(batch, self.parallel, len(self.ranks))
+        if self.options.reference_step:
+            return cut
+        return tuple(multiprocess.global_batch(self.mesh, x, self.ranks, BATCH_SPEC) for x in cut)
+
+    def batch_of(self, iteration):
+        """The next B samples of the stream, whatever the run's length."""
+        B = self.parallel.global_batch_size
+        return self.to_devices(self.data.train_samples(self.consumed + (iteration - self.start) * B, B, self.rows))
+
+    def save(self, done: int) -> None:
+        consumed = self.consumed + (done - self.start) * self.parallel.global_batch_size
+        meta = checkpoint.run_meta(self.model_cfg, self.parallel, self.train_cfg, consumed_samples=consumed,
+                                   rng_key=self.dropout_key, data_config=self.data.data_config(),
+                                   tokenizer=self.options.tokenizer)
+        if not bool(state_is_finite(self.state)):  # the guards keep this from happening; never write it if it does
+            self.logger.message(f"ptd_jax: not saving iteration {done}: the parameters or optimizer state are not "
+                                f"finite")
+            return
+        self.saver.save(done, self.state, {**meta, "loss_scale": loss_scale_meta(self.state.get("loss_scale"))})
+
+
+def _prepare(model_cfg, parallel, train_cfg, options) -> _Run:
+    """The data, the state (fresh or restored), the steps and the logger; refusals come first."""
     messages: list[str] = []
-    resume = _resume_point(options, model_cfg, train_cfg, messages)  # refusals first: before data or devices
+    resume = resume_point(options, model_cfg, train_cfg, messages)  # refusals first: before data or devices
     data_path = options.data_path or default_corpus(progress=options.progress)
     data = GPTData(data_path, seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
                    eval_iters=train_cfg.eval_iters, seed=train_cfg.seed, split=options.split,
                    vocab_size=model_cfg.vocab_size, cache_dir=options.data_cache_path)
-
     if resume is not None and not options.finetune:
-        _check_data_config(options, resume[0], resume[1]["data"], data.data_config(), messages)
+        check_data_config(options, resume[0], resume[1]["data"], data.data_config(), messages)
     optimizer = make_optimizer(train_cfg)
-    init_key, dropout_key = jax.random.split(jax.random.key(train_cfg.seed))
     mesh = make_mesh(parallel)
+    state, dropout_key, start, consumed = _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh,
+                                                         resume, messages)
+    num_params = gpt.count_params(state["params"])
+    train_step, eval_step = _steps(model_cfg, parallel, train_cfg, options, optimizer, mesh, state)
+    primary = jax.process_index() == 0  # only process 0 prints and writes metrics
+    run = _Run(model_cfg, parallel, train_cfg, options, data, data_path, mesh, optimizer, state, dropout_key, start,
+               consumed, train_step, eval_step, logger=None, primary=primary, num_params=num_params, done=start)
+    run.peak, run.peak_source = device_peak_tflops(jax.local_devices()[0].device_kind,
+                                                   model_cfg.dtype in ("bfloat16", "float16"), options.peak_tflops,
+                                                   jax.local_device_count())
+    run.device_kind = jax.local_devices()[0].device_kind
+    if data.valid is None and train_cfg.eval_iters > 0 and primary:
+        print(f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
+              f"no validation loss will be reported", file=sys.stderr)
+    # each process reads only its data ranks' rows, and the global arrays are assembled from them
+    run.ranks = multiprocess.local_data_ranks(mesh)
+    run.rows = None if len(run.ranks) == parallel.data_parallel_size else local_rows(parallel, run.ranks)
+    run.logger = MetricsLogger(train_cfg.train_iters, start_iter=start, quiet=not primary,
+                               metrics_file=options.metrics_file if primary else None,
+                               progress=options.progress and primary)
+    for text in messages:
+        run.logger.message(text)
+    run.sched = pipeline_schedule(parallel) if parallel.pipeline_model_parallel_size > 1 else None
+    run.flops = iteration_flops(model_cfg, parallel, train_cfg, run.sched)
+    run.saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,
+                                         keep=options.keep_checkpoints, async_save=options.async_save, mesh=mesh)
+                 if options.save else None)
+    return run
+
+
+def _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh, resume, messages):
+    """(state, dropout key, start iteration, consumed samples): fresh, or restored from `resume` = (step, meta)."""
+    init_key, dropout_key = jax.random.split(jax.random.key(train_cfg.seed))
     if options.reference_step:
         if parallel.num_devices != 1:
             raise ConfigError(f"the reference step runs on one device, not num_devices={parallel.num_devices}")
@@ -131,148 +241,124 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         restoring_all = resume is not None and options.load_optim and not options.finetune
         state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel, shapes_only=restoring_all,
                                    train_cfg=train_cfg)
+    if resume is None:
+        return state, dropout_key, 0, 0
+    load_step, meta = resume
     start, consumed = 0, 0
-    if resume is not None:
-        load_step, meta = resume
-        if not options.finetune:
-            start, consumed = meta["iteration"], meta["consumed_samples"]
-            dropout_key = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
-        load_optim = options.load_optim and not options.finetune
-        state = checkpoint.set_step(
-            checkpoint.restore(options.load, load_step, state, optimizer=optimizer, model_cfg=model_cfg,
-                               parallel=parallel, mesh=mesh, load_optim=load_optim, iteration=start), start, mesh)
-        state = with_loss_scale(state, meta if load_optim else None, model_cfg, train_cfg, mesh)
-        messages.append(f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
-                        f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
-                        f"{'' if load_optim else '; optimizer state not loaded'})")
-    num_params = gpt.count_params(state["params"])
+    if not options.finetune:
+        start, consumed = meta["iteration"], meta["consumed_samples"]
+        dropout_key = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
+    load_optim = options.load_optim and not options.finetune
+    state = checkpoint.set_step(
+        checkpoint.restore(options.load, load_step, state, optimizer=optimizer, model_cfg=model_cfg,
+                           parallel=parallel, mesh=mesh, load_optim=load_optim, iteration=start), start, mesh)
+    state = with_loss_scale(state, meta if load_optim else None, model_cfg, train_cfg, mesh)
+    messages.append(f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
+                    f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
+                    f"{'' if load_optim else '; optimizer state not loaded'})")
+    return state, dropout_key, start, consumed
 
+
+def _steps(model_cfg, parallel, train_cfg, options, optimizer, mesh, state):
+    """(train_step, eval_step): the shard_map steps, or the single-device reference ones."""
     if options.reference_step:
-        train_step = make_train_step(model_cfg, train_cfg, optimizer, poison_steps=options.poison_steps)
-        eval_step = make_eval_step(model_cfg)
-    else:
-        train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state,
-                                              poison_steps=options.poison_steps)
-        pipelined = parallel.pipeline_model_parallel_size > 1
-        eval_step = make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"], pipelined))
-    device = jax.local_devices()[0]
-    num_devices = parallel.num_devices
-    peak, peak_source = device_peak_tflops(device.device_kind, model_cfg.dtype in ("bfloat16", "float16"),
-                                           options.peak_tflops, jax.local_device_count())
-    primary = jax.process_index() == 0  # only process 0 prints and writes metrics
-    if data.valid is None and train_cfg.eval_iters > 0 and primary:
-        print(f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
-              f"no validation loss will be reported", file=sys.stderr)
+        return (make_train_step(model_cfg, train_cfg, optimizer, poison_steps=options.poison_steps),
+                make_eval_step(model_cfg))
+    train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state,
+                                          poison_steps=options.poison_steps)
+    pipelined = parallel.pipeline_model_parallel_size > 1
+    return train_step, make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"], pipelined))
 
-    # each process reads only its data ranks' rows, and the global arrays are assembled from them
-    ranks = multiprocess.local_data_ranks(mesh)
-    rows = None if len(ranks) == parallel.data_parallel_size else local_rows(parallel, ranks)
 
-    def to_devices(batch):
-        cut = microbatches(batch, parallel, len(ranks))
-        return cut if options.reference_step else tuple(multiprocess.global_batch(mesh, x, ranks, BATCH_SPEC)
-                                                        for x in cut)
-
-    def evaluate(params):
-        losses = [float(eval_step(params, *to_devices(b))) for b in data.valid_batches(rows)]
-        return float(np.mean(losses)) if losses else None
-
-    logger = MetricsLogger(train_cfg.train_iters, start_iter=start, metrics_file=options.metrics_file if primary
-                           else None, progress=options.progress and primary, quiet=not primary)
-    for text in messages:
-        logger.message(text)
-    logger.message(f"ptd_jax: {num_params / 1e6:.2f}M parameters, layout d={parallel.data_parallel_size} "
-                   f"p={parallel.pipeline_model_parallel_size} t={parallel.tensor_model_parallel_size}, "
-                   f"B={parallel.global_batch_size} b={parallel.micro_batch_size} m={parallel.num_microbatches}, "
-                   f"{model_cfg.dtype}, attention {model_cfg.attention_backend}, fused LayerNorm/loss kernels "
-                   f"{'on' if model_cfg.fused_kernels else 'off'}, peak {peak:.3g} TFLOP/s/device ({peak_source}), "
-                   f"data {data_path}")
-    sched = pipeline_schedule(parallel) if parallel.pipeline_model_parallel_size > 1 else None
+def _announce(run: _Run) -> None:
+    model_cfg, parallel, sched, flops = run.model_cfg, run.parallel, run.sched, run.flops
+    run.logger.message(
+        f"ptd_jax: {run.num_params / 1e6:.2f}M parameters, layout "
+        f"d={parallel.data_parallel_size} p={parallel.pipeline_model_parallel_size} "
+        f"t={parallel.tensor_model_parallel_size}, B={parallel.global_batch_size} b={parallel.micro_batch_size} "
+        f"m={parallel.num_microbatches}, {model_cfg.dtype}, attention {model_cfg.attention_backend}, fused "
+        f"LayerNorm/loss kernels {'on' if model_cfg.fused_kernels else 'off'}, peak {run.peak:.3g} TFLOP/s/device "
+        f"({run.peak_source}), data {run.data_path}")
     if sched is not None:
         sim = sched.simulate()
-        logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
-                       f"simulated bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = "
-                       f"{sched.formula_bubble():.3f}), peak stash per rank {sched.peak_stash}; measured bubble: after "
-                       f"the first step, if measured (train/bubble.py)")
-    flops = iteration_flops(model_cfg, parallel, train_cfg, sched)
-    logger.message(f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
-                   f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="
-                   f"{train_cfg.recompute_granularity}{', the pipeline table' if sched else ''}), paper eq. (3) "
-                   f"{flops['eq3']:.3g}")
-    B = parallel.global_batch_size
+        run.logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep "
+                           f"ticks, simulated bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = "
+                           f"{sched.formula_bubble():.3f}), peak stash per rank {sched.peak_stash}; measured bubble: "
+                           f"after the first step, if measured (train/bubble.py)")
+    run.logger.message(f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
+                       f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="
+                       f"{run.train_cfg.recompute_granularity}{', the pipeline table' if sched else ''}), paper eq. "
+                       f"(3) {flops['eq3']:.3g}")
 
-    def batch_of(iteration):  # the next B samples of the stream, whatever the run's length
-        return to_devices(data.train_samples(consumed + (iteration - start) * B, B, rows))
 
-    def save(done):
-        meta = checkpoint.run_meta(model_cfg, parallel, train_cfg, consumed_samples=consumed + (done - start) * B,
-                                   rng_key=dropout_key, data_config=data.data_config(), tokenizer=options.tokenizer)
-        if not bool(state_is_finite(state)):  # the guards keep this from happening; never write it if it does
-            logger.message(f"ptd_jax: not saving iteration {done}: the parameters or optimizer state are not finite")
-            return
-        saver.save(done, state, {**meta, "loss_scale": loss_scale_meta(state.get("loss_scale"))})
+def _hooks(run: _Run, timer: StepTimer) -> Hooks:
+    """After each step, in this order: the bubble measurement (after the first), the progress bar, the log record,
+    the validation loss, the checkpoint."""
+    cfg = run.train_cfg
+    hooks = Hooks()
+    hooks.add_hook(lambda info: _after_first_step(run, info), first=True)
+    hooks.add_hook(lambda info: run.logger.advance(), every=1)
+    hooks.add_hook(lambda info: _log(run, timer, info), every=cfg.log_interval, final=True)
+    if run.data.valid is not None:
+        hooks.add_hook(lambda info: _evaluate(run, info), every=cfg.eval_interval, final=True)
+    if run.saver is not None:
+        hooks.add_hook(lambda info: run.save(info.iteration), every=cfg.save_interval, final=True, exiting=True)
+    return hooks
 
-    saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,
-                                     keep=options.keep_checkpoints, async_save=options.async_save, mesh=mesh)
-             if options.save else None)
-    wall_start = time.perf_counter()
-    records, compile_time = [], None
-    window_start, window_iters = time.perf_counter(), 0
-    first_loss, done, exit_reason, measured_bubble = None, start, None, None
-    batches = prefetch(batch_of, range(start, train_cfg.train_iters))
-    skips = SkipCounter(train_cfg.max_skipped_iters)
-    ctrl_c = _CtrlC()
+
+def _after_first_step(run: _Run, info: StepInfo) -> None:
+    run.first_loss = float(info.metrics["lm_loss"])
+    try:  # a second copy of the state and the step at 2m: it may not fit where the run does
+        run.measured_bubble = bubble.after_first_step(
+            run.options.measure_bubble, run.train_step, info.state, info.batch, run.dropout_key, run.mesh,
+            run.model_cfg, run.parallel, run.train_cfg, run.optimizer, run.train_cfg.train_iters - run.start,
+            run.logger.message)
+    except Exception as err:  # noqa: BLE001 - a measurement, never a reason to stop training
+        run.logger.message(f"pipeline: measured bubble skipped ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''})")
+
+
+def _log(run: _Run, timer: StepTimer, info: StepInfo) -> None:
+    step_time, includes_compile = timer.lap(info.metrics)
+    record = _log_record(info.iteration, info.metrics, step_time, run.model_cfg, run.parallel, run.peak,
+                         run.parallel.num_devices, run.flops)
+    record["includes_compile"] = includes_compile
+    record["skipped_iters"], record["loss_scale"] = run.skips.take_window(), float(info.metrics["loss_scale"])
+    run.records.append(record)
+    run.logger.log_train(record)
+    if run.options.on_record is not None:
+        run.options.on_record(record)
+
+
+def _evaluate(run: _Run, info: StepInfo) -> None:
+    losses = [float(run.eval_step(info.state["params"], *run.to_devices(b))) for b in run.data.valid_batches(run.rows)]
+    valid = float(np.mean(losses)) if losses else None
+    run.logger.log_eval({"kind": "valid", "iteration": info.iteration, "valid_lm_loss": valid,
+                         "valid_ppl": math.exp(min(valid, 50))})
+
+
+def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:
+    """Fetch a batch, run the step, call the hooks, until train_iters or an --exit-interval stop. Ctrl-C and a
+    stop the processes agreed on end it after the current step with KeyboardInterrupt (saying where); the
+    prefetcher, the checkpointer (its last write) and the logger are closed whatever happens."""
+    cfg = run.train_cfg
+    run.skips = SkipCounter(cfg.max_skipped_iters)
+    batches = prefetch(run.batch_of, range(run.start, cfg.train_iters))
+    ctrl_c = CtrlC()
     try:
-        for iteration, batch in zip(range(start, train_cfg.train_iters), batches):
-            if multiprocess.stop_agreed(iteration):  # several processes: a SIGTERM, all stop at this step
-                if saver and done > start and not (train_cfg.save_interval and done % train_cfg.save_interval == 0):
-                    save(done)  # a preempted run resumes from here
-                raise KeyboardInterrupt
-            if ctrl_c.requested:  # checked between steps: a checkpoint being written is finished first
-                raise KeyboardInterrupt
-            state, metrics = train_step(state, *batch, dropout_key)
-            skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
-            window_iters += 1
-            if compile_time is None:  # the first step includes compilation: time it apart
-                jax.block_until_ready(metrics)
-                compile_time = time.perf_counter() - window_start
-                first_loss = float(metrics["lm_loss"])
-                try:  # a second copy of the state and the step at 2m: it may not fit where the run does
-                    measured_bubble = bubble.after_first_step(
-                        options.measure_bubble, train_step, state, batch, dropout_key, mesh, model_cfg, parallel,
-                        train_cfg, optimizer, train_cfg.train_iters - done, logger.message)
-                except Exception as err:  # noqa: BLE001 - a measurement, never a reason to stop training
-                    logger.message(f"pipeline: measured bubble skipped ({type(err).__name__}: "
-                                   f"{str(err).splitlines()[0] if str(err) else ''})")
-                window_start, window_iters = time.perf_counter(), 0
-            logger.advance()
-            done = iteration + 1
-            if done % train_cfg.log_interval == 0 or done == train_cfg.train_iters:
-                jax.block_until_ready(metrics)
-                now = time.perf_counter()
-                step_time = (now - window_start) / window_iters if window_iters else compile_time
-                record = _log_record(done, metrics, step_time, model_cfg, parallel, peak, num_devices, flops)
-                record["includes_compile"] = not window_iters
-                record["skipped_iters"], record["loss_scale"] = skips.take_window(), float(metrics["loss_scale"])
-                records.append(record)
-                logger.log_train(record)
-                if options.on_record is not None:
-                    options.on_record(record)
-                window_start, window_iters = now, 0
-            if data.valid is not None and (done % train_cfg.eval_interval == 0 or done == train_cfg.train_iters):
-                valid = evaluate(state["params"])
-                logger.log_eval({"kind": "valid", "iteration": done, "valid_lm_loss": valid,
-                                 "valid_ppl": math.exp(min(valid, 50))})
-            exiting = bool(train_cfg.exit_interval) and done % train_cfg.exit_interval == 0
-            if saver and ((train_cfg.save_interval and done % train_cfg.save_interval == 0)
-                          or done == train_cfg.train_iters or exiting):
-                save(done)
-            if exiting and done < train_cfg.train_iters:  # Megatron's --exit-interval
-                exit_reason = f"exit_interval={train_cfg.exit_interval}"
-                logger.message(f"ptd_jax: exiting at iteration {done} ({exit_reason})")
+        for iteration, batch in zip(range(run.start, cfg.train_iters), batches):
+            _stop_if_asked(run, ctrl_c, iteration)
+            run.state, metrics = run.train_step(run.state, *batch, run.dropout_key)
+            run.skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
+            first = timer.step_done(metrics)
+            run.done = done = iteration + 1
+            exiting = bool(cfg.exit_interval) and done % cfg.exit_interval == 0
+            hooks.run(StepInfo(done, run.state, metrics, batch, first, done == cfg.train_iters, exiting))
+            if exiting and done < cfg.train_iters:  # Megatron's --exit-interval
+                run.exit_reason = f"exit_interval={cfg.exit_interval}"
+                run.logger.message(f"ptd_jax: exiting at iteration {done} ({run.exit_reason})")
                 break
-            if window_iters == 0:  # eval and save are not training time: restart the window after them
-                window_start = time.perf_counter()
+            timer.exclude_hooks()
         if ctrl_c.requested:
             raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -284,144 +370,62 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
         interrupted = False
     finally:
         ctrl_c.restore()
-        try:
-            batches.close()
-        finally:
-            try:
-                if saver:
-                    saver.close()  # waits for the last asynchronous write: every step listed is complete
-            finally:
-                logger.close()
+        _close(batches, run.saver, run.logger)
     if interrupted:
-        newest = checkpoint.latest_step(options.save) if options.save else None
-        kept = f"newest checkpoint: step {newest} in {options.save}" if newest is not None else "no checkpoint"
-        raise KeyboardInterrupt(f"after iteration {done}; {kept}")
+        newest = checkpoint.latest_step(run.options.save) if run.options.save else None
+        kept = f"newest checkpoint: step {newest} in {run.options.save}" if newest is not None else "no checkpoint"
+        raise KeyboardInterrupt(f"after iteration {run.done}; {kept}")
 
-    timed = [r for r in records if not r["includes_compile"]]
+
+def _stop_if_asked(run: _Run, ctrl_c: CtrlC, iteration: int) -> None:
+    """Between steps (a checkpoint being written is finished first): several processes stop together on a SIGTERM
+    at the step they agreed on, saving it unless it was just saved (a preempted run resumes from there); Ctrl-C."""
+    if multiprocess.stop_agreed(iteration):
+        interval = run.train_cfg.save_interval
+        if run.saver and run.done > run.start and not (interval and run.done % interval == 0):
+            run.save(run.done)
+        raise KeyboardInterrupt
+    if ctrl_c.requested:
+        raise KeyboardInterrupt
+
+
+def _close(batches, saver, logger) -> None:
+    try:
+        batches.close()
+    finally:
+        try:
+            if saver:
+                saver.close()  # waits for the last asynchronous write: every step listed is complete
+        finally:
+            logger.close()
+
+
+def _summary(run: _Run, timer: StepTimer) -> dict:
+    """The run's summary (the CLI's last stdout line): throughput figures are medians over the logged windows
+    that do not include compilation."""
+    logger, flops = run.logger, run.flops
     summary = {
-        "iterations": done - start,
-        "start_iteration": start,
-        "last_iteration": done,
-        "exit_reason": exit_reason,
-        "num_params": num_params,
-        "wall_time_s": time.perf_counter() - wall_start,
-        "compile_time_s": compile_time,
-        "first_lm_loss": first_loss,
-        "final_lm_loss": records[-1]["lm_loss"] if records else None,
+        "iterations": run.done - run.start,
+        "start_iteration": run.start,
+        "last_iteration": run.done,
+        "exit_reason": run.exit_reason,
+        "num_params": run.num_params,
+        "wall_time_s": timer.wall_time(),
+        "compile_time_s": timer.compile_time,
+        "first_lm_loss": run.first_loss,
+        "final_lm_loss": run.records[-1]["lm_loss"] if run.records else None,
         "final_valid_lm_loss": logger.eval_records[-1]["valid_lm_loss"] if logger.eval_records else None,
-        "tokens_per_s": float(np.median([r["tokens_per_s"] for r in timed])) if timed else None,
-        "tflops_per_device": float(np.median([r["tflops_per_device"] for r in timed])) if timed else None,
-        "mfu": float(np.median([r["mfu"] for r in timed])) if timed else None,
-        "hardware_tflops_per_device": (float(np.median([r["hardware_tflops_per_device"] for r in timed]))
-                                       if timed else None),
-        "eq3_tflops_per_device": float(np.median([r["eq3_tflops_per_device"] for r in timed])) if timed else None,
+        **medians(run.records),
         "hardware_over_model_flops": flops["hardware"] / flops["model"],
-        "peak_tflops": peak,
-        "peak_source": peak_source,
-        "device": device.device_kind,
-        "num_devices": num_devices,
-        "attention_backend": model_cfg.attention_backend,
-        "fused_kernels": model_cfg.fused_kernels,
-        "skipped_iters": skips.total,
-        "measured_bubble": measured_bubble,
+        "peak_tflops": run.peak,
+        "peak_source": run.peak_source,
+        "device": run.device_kind,
+        "num_devices": run.parallel.num_devices,
+        "attention_backend": run.model_cfg.attention_backend,
+        "fused_kernels": run.model_cfg.fused_kernels,
+        "skipped_iters": run.skips.total,
+        "measured_bubble": run.measured_bubble,
     }
-    if options.plot_dir and primary:
-        summary["plot"] = logger.plot(options.plot_dir)
+    if run.options.plot_dir and run.primary:
+        summary["plot"] = logger.plot(run.options.plot_dir)
     return summary
-
-
-def _same_folder(a, b) -> bool:
-    return Path(a).absolute().resolve() == Path(b).absolute().resolve()
-
-
-def _resume_point(options: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, messages: list[str]):
-    """(step, meta) that `--load` resumes from — the newest complete step — or None; refuses a checkpoint that
-    does not fit this run, and a --save folder that holds another run's steps, with one line each (the data
-    configuration is compared once the data is open, `_check_data_config`)."""
-    step = None
-    if options.load:
-        step = checkpoint.latest_step(options.load)
-        if step is None:
-            if not (options.save and _same_folder(options.save, options.load)):
-                raise ConfigError(f"--load {options.load} holds no checkpoint")
-            messages.append(f"ptd_jax: --load {options.load} holds no checkpoint yet: starting from scratch")
-    _check_save_dir(options, step)
-    if step is None:
-        return None
-    meta = checkpoint.read_meta(options.load, step)
-    checkpoint.check_architecture(options.load, step, meta, model_cfg)
-    if meta.get("params_only") and not options.finetune:
-        raise ConfigError(f"--load {options.load} step {step} holds parameters only (written by ptd-convert): "
-                          f"load it with --finetune")
-    if not options.finetune:
-        if meta["iteration"] > train_cfg.train_iters:
-            raise ConfigError(f"--load {options.load} is at iteration {meta['iteration']}, past "
-                              f"train_iters={train_cfg.train_iters}")
-        saved = meta["train"]
-        was = (saved.get("lr_decay_iters") or saved.get("train_iters"), saved.get("lr_warmup_iters"))
-        if was != (train_cfg.decay_iters, train_cfg.lr_warmup_iters):
-            messages.append(f"ptd_jax: note: the learning-rate schedule changes on resume: decay over "
-                            f"{train_cfg.decay_iters} iterations with {train_cfg.lr_warmup_iters} of warm-up, was "
-                            f"{was[0]} and {was[1]} (fix --lr-decay-iters to keep it)")
-    return step, meta
-
-
-def _check_save_dir(options: RunOptions, load_step: int | None) -> None:
-    """Refuse, before training, a --save folder holding steps that this run did not resume from (orbax would skip
-    an existing step silently, and --keep-checkpoints would delete another run's steps)."""
-    if not options.save:
-        return
-    steps = checkpoint.all_steps(options.save)
-    resuming_here = options.load and _same_folder(options.save, options.load) and not options.finetune
-    if steps and not (resuming_here and load_step == steps[-1]):
-        raise ConfigError(f"--save {options.save} already holds checkpoints of another run (steps {steps}); "
-                          f"resume it with --load {options.save}, or save elsewhere")
-
-
-def _check_data_config(options: RunOptions, step: int, saved: dict, current: dict, messages: list[str]) -> None:
-    changes = checkpoint.data_config_changes(saved, current)
-    if saved.get("data_path") != current.get("data_path") and "data_name" not in changes:
-        messages.append(f"ptd_jax: the data moved: {saved.get('data_path')} -> {current.get('data_path')} "
-                        f"(same name and sizes)")
-    if not changes:
-        return
-    if not options.override_data_config:
-        raise ConfigError(f"--load {options.load} step {step} was trained with another data configuration "
-                          f"(saved, now): {changes}; pass --override-data-config to accept the change")
-    messages.append(f"ptd_jax: --override-data-config: the data configuration changes (saved, now): {changes}")
-
-
-
-class _CtrlC:
-    """While training: the first Ctrl-C (SIGINT) only asks the loop to stop after the current step (and the save
-    it may be writing); a second one interrupts at once. Only the main thread can take signals."""
-
-    def __init__(self):
-        import signal
-        import threading
-
-        self.requested = False
-        self._forwarded = False
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, frame):
-        import os
-        import signal
-
-        if self.requested or self._forwarded:
-            raise KeyboardInterrupt
-        print("ptd_jax: Ctrl-C: stopping after this step (again to stop at once)", file=sys.stderr)
-        if jax.distributed.is_initialized():  # the processes agree on the step: JAX's preemption sync, on SIGTERM
-            self._forwarded = True
-            os.kill(os.getpid(), signal.SIGTERM)
-        else:
-            self.requested = True
-
-    def restore(self) -> None:
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None

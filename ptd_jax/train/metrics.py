@@ -14,7 +14,17 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
+
+MEDIANS = ("tokens_per_s", "tflops_per_device", "mfu", "hardware_tflops_per_device", "eq3_tflops_per_device")
+"""The throughput figures a run's summary gives as medians over its logged windows."""
+
+
+def medians(records: list[dict]) -> dict[str, float | None]:
+    """{name: median over the records whose window excludes compilation} for `MEDIANS`; None without one."""
+    timed = [r for r in records if not r["includes_compile"]]
+    return {k: float(np.median([r[k] for r in timed])) if timed else None for k in MEDIANS}
 
 
 def _records_up_to(path, iteration: int) -> list[str]:
@@ -47,7 +57,7 @@ class MetricsLogger:
                 tmp = Path(f"{metrics_file}.tmp{os.getpid()}")
                 tmp.write_text("".join(_records_up_to(metrics_file, start_iter)))
                 os.replace(tmp, metrics_file)  # atomically: a crash now keeps the history
-            self._file = open(metrics_file, "a" if start_iter else "w")
+            self._file = open(metrics_file, "a" if start_iter else "w")  # noqa: SIM115 - closed by close()
         self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it", file=sys.stderr,
                          disable=not progress, dynamic_ncols=True)
 
