@@ -3,8 +3,8 @@
 Every step checks its loss and its gradients' global norm (a non-finite gradient element makes the norm inf or
 NaN; so does a norm that overflows float32). When either is not finite the update is skipped inside the jitted
 step: a `lax.cond` on that replicated predicate returns the parameters and optimizer state as they were (a
-`jnp.where` select would cost XLA a second copy of the state, 1.7 bytes per parameter measured), the step
-counter advances as the iteration does, and the metrics say `skipped = 1`. The loop counts skips and stops after `max_skipped_iters` in a row.
+`jnp.where` select would make XLA hold a second copy of the state), the step counter advances as the iteration
+does, and the metrics say `skipped = 1`. The loop counts skips and stops after `max_skipped_iters` in a row.
 
 float16 (`--fp16`, Micikevicius et al. 2018): the loss is multiplied by the scale before the backward, so that
 small gradients survive float16, and the float32 gradients are divided by it before the norm and clipping. The

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from ptd_jax.config import TrainConfig
+from ptd_jax.model import acc_dtype
 
 State = dict[str, Any]
 """The training state: {"params", "opt_state", "step"} (a pytree; donated to every train step)."""
@@ -66,7 +67,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def global_norm(tree):
     """L2 norm over every leaf (accumulated in at least float32)."""
-    leaves = [jnp.sum(jnp.square(x.astype(jnp.promote_types(x.dtype, jnp.float32)))) for x in jax.tree.leaves(tree)]
+    leaves = [jnp.sum(jnp.square(x.astype(acc_dtype(x.dtype)))) for x in jax.tree.leaves(tree)]
     return jnp.sqrt(sum(leaves))
 
 

@@ -210,9 +210,10 @@ def test_ctrl_c_before_training_says_so(monkeypatch, capsys):
 def test_ctrl_c_stops_cleanly_with_exit_130_and_keeps_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli.train", *TINY, "--fake-devices", "1", "--micro-batch-size",
-                             "8", "--global-batch-size", "8", "--train-iters", "100000", "--save", str(ckpt),
-                             "--save-interval", "3", "--log-interval", "1", "--metrics-file", str(metrics)],
+    proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli.train", *TINY, "--fake-devices", "1",
+                             "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "100000",
+                             "--save", str(ckpt), "--save-interval", "3", "--log-interval", "1",
+                             "--metrics-file", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and len(checkpoint.all_steps(ckpt)) < 2:

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ptd_jax.model import acc_dtype
 from ptd_jax.parallel.mesh import Axis
 
 TENSOR, DATA, PIPE = Axis.TENSOR.value, Axis.DATA.value, Axis.PIPE.value
@@ -128,7 +129,7 @@ def global_norm(grads, specs):
     row-parallel layers, embeddings over "pipe") are counted once — not once per replica."""
     groups: dict[tuple[str, ...], jax.Array] = {}
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-        square = jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+        square = jnp.sum(jnp.square(g.astype(acc_dtype(g.dtype))))
         axes = split_axes(spec)
         groups[axes] = groups.get(axes, 0.0) + square
     total = sum(jax.lax.psum(value, axes) if axes else value for axes, value in sorted(groups.items()))

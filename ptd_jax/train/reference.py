@@ -33,7 +33,7 @@ def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_c
     the float32 sums are unscaled after.
 
     Returns (mean token loss of the batch, grads)."""
-    acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
     scale = jnp.ones((), acc) if loss_scale is None else loss_scale.astype(acc)
     total_tokens = jnp.maximum(jnp.sum(mask_MxBxS > 0), 1).astype(acc) / scale
 
@@ -50,7 +50,7 @@ def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_c
         grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
         return (loss_acc + loss, grad_acc), None
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), params)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, gpt.acc_dtype(x.dtype)), params)
     indices = jnp.arange(tokens_MxBxS.shape[0])
     (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), acc), zeros),
                                     (indices, tokens_MxBxS, labels_MxBxS, mask_MxBxS))
@@ -86,7 +86,7 @@ def make_eval_step(model_cfg: ModelConfig):
         def body(total, xs):
             return total + gpt.loss_sum(params, *xs, model_cfg), None
 
-        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
         total, _ = jax.lax.scan(body, jnp.zeros((), acc), (tokens, labels, mask))
         return total / jnp.maximum(jnp.sum(mask > 0), 1)
 

@@ -111,7 +111,8 @@ def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, t
     assert "resuming from iteration 5" in b2.stderr
     summary = json.loads(b2.stdout.splitlines()[-1])
     assert summary["iterations"] == 15 and summary["last_iteration"] == 20
-    iterations = [r["iteration"] for r in map(json.loads, open(metrics))]
+    with open(metrics) as f:
+        iterations = [json.loads(line)["iteration"] for line in f]
     assert iterations == list(range(1, 21))  # each once
     straight, resumed = _losses(tmp_path / "a.jsonl"), _losses(metrics)
     assert straight == resumed  # bitwise: the floats compare equal

@@ -18,8 +18,8 @@ def test_eq3_by_hand_for_the_paper_1_7b_preset():
 
 def test_model_flops_is_eq3_without_the_recomputed_forward():
     cfg = model_preset("paper-1t")
-    B, s, l, h, V = 3072, 2048, 128, 25600, 51200
-    expected = 72 * B * s * l * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * V
+    B, s, L, h, V = 3072, 2048, 128, 25600, 51200
+    expected = 72 * B * s * L * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * V
     Vp = cfg.padded_vocab_size(8)  # the row's t = 8 pads GPT-2's 50,257 to 51,200
     assert model_flops_per_iteration(cfg, B, Vp) == pytest.approx(expected, rel=1e-12)
     assert model_flops_per_iteration(cfg, B, Vp) / flops_per_iteration(cfg, B, Vp) == pytest.approx(0.75, abs=0.01)
@@ -54,9 +54,9 @@ def test_model_flops_follow_the_ffn_width():
     """fc1 and fc2 are 2·h·F each per token forward: doubling F from 4h to 8h adds 3·2·2·h·4h per layer-token."""
     cfg = model_preset("gpt2-small")
     wide = cfg.replace(ffn_hidden_size=8 * cfg.hidden_size)
-    tokens, h, l = 8 * cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    tokens, h, L = 8 * cfg.seq_length, cfg.hidden_size, cfg.num_layers
     assert model_flops_per_iteration(wide, 8) - model_flops_per_iteration(cfg, 8) == pytest.approx(
-        3 * 4 * h * 4 * h * tokens * l, rel=1e-12)
+        3 * 4 * h * 4 * h * tokens * L, rel=1e-12)
 
 
 def test_hardware_flops_by_recompute_policy():
