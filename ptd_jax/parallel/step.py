@@ -28,11 +28,11 @@ from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, resolve_branching
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import learning_rate_schedule, new_state
-from ptd_jax.parallel import distributed_optimizer as zero
+from ptd_jax.parallel import distributed_optimizer
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
-from ptd_jax.parallel.pipeline.executor import pipeline_accumulate
+from ptd_jax.parallel.pipeline.executor import pipeline_accumulate, pipeline_loss
 from ptd_jax.parallel.pipeline.lockstep import build, build_forward_only, validate
 from ptd_jax.parallel.vma import mark_tree, mark_varying
 
@@ -75,7 +75,7 @@ def state_specs(optimizer, state, parallel: ParallelConfig | None, pipelined: bo
     specs = sharding.state_specs(optimizer, state, pipelined=pipelined)
     if parallel is None or not parallel.use_distributed_optimizer or parallel.data_parallel_size == 1:
         return specs
-    params = zero.shard_specs(specs["params"], state["params"], parallel.data_parallel_size)
+    params = distributed_optimizer.shard_specs(specs["params"], state["params"], parallel.data_parallel_size)
     return {**specs, "params": params, "opt_state": sharding.opt_state_specs(optimizer, state["opt_state"], params)}
 
 
@@ -85,7 +85,7 @@ def _one_microbatch(params, tokens, labels, mask, model_cfg, parallel, recompute
     microbatches run through the executor's table (`accumulation_schedule`)."""
     if tokens.shape[0] != 1:
         raise ValueError(f"{tokens.shape[0]=} microbatches need a schedule table (`accumulation_schedule`)")
-    acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
     total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
 
     def loss_fn(p):
@@ -94,8 +94,7 @@ def _one_microbatch(params, tokens, labels, mask, model_cfg, parallel, recompute
                            recompute=recompute) / total_tokens
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(jnp.promote_types(x.dtype, jnp.float32)), grads,
-                                          params)
+    return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(gpt.acc_dtype(x.dtype)), grads, params)
 
 
 def _pipeline_layout(param_specs) -> bool:
@@ -125,7 +124,7 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
         loss, grads = _one_microbatch(varying, tokens, labels, mask, model_cfg, parallel, recompute, key, scale)
         loss = jax.lax.psum(loss, DATA)
     else:
-        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
         total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
         staged = not _pipeline_layout(param_specs)
         if staged:  # the p = 1 accumulation table: layers [L, ...] as the executor's one chunk [1, 1, L, ...]
@@ -142,11 +141,11 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
     grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a) if a else g, axes, grads,
                          is_leaf=lambda a: isinstance(a, tuple))
     if scatter_dims is not None:
-        grads = zero.scatter_grads(grads, scatter_dims)
+        grads = distributed_optimizer.scatter_grads(grads, scatter_dims)
     if loss_scale is not None:
         loss, grads = unscale(loss, grads, scale)
     # float32 for float32 or 16-bit params (the gathered copy is 16-bit under the distributed optimizer)
-    grads = jax.tree.map(lambda g, p: g.astype(jnp.promote_types(p.dtype, jnp.float32)), grads, params)
+    grads = jax.tree.map(lambda g, p: g.astype(gpt.acc_dtype(p.dtype)), grads, params)
     return loss, grads, sharding.global_norm(grads, param_specs if norm_specs is None else norm_specs)
 
 
@@ -198,19 +197,19 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
     `state` (or its abstract shape) fixes the pytree structure of the in/out specifications. `poison_steps`: a
     test hook (`loss_scale.poison`)."""
     parallel = on_mesh(parallel, mesh)
-    schedule = learning_rate_schedule(train_cfg)
+    lr_schedule = learning_rate_schedule(train_cfg)
     use_dropout = model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0
     pipelined = parallel.pipeline_model_parallel_size > 1
     sched = accumulation_schedule(parallel)
     specs = state_specs(optimizer, state, parallel, pipelined=pipelined)
     distributed = specs["params"] != sharding.param_specs(state["params"], pipelined)
-    dims = zero.data_dims(specs["params"]) if distributed else None
+    dims = distributed_optimizer.data_dims(specs["params"]) if distributed else None
     plain_specs = sharding.param_specs(state["params"], pipelined)
 
     def step(state, tokens, labels, mask, key):
         params = state["params"]
         if distributed:  # the whole local shards, gathered in the compute dtype
-            params = zero.gather_params(params, dims, jnp.dtype(model_cfg.dtype))
+            params = distributed_optimizer.gather_params(params, dims, jnp.dtype(model_cfg.dtype))
         if use_dropout:  # a different stream per iteration and per data rank
             key = jax.random.fold_in(jax.random.fold_in(key, state["step"]), jax.lax.axis_index(DATA))
         else:
@@ -224,7 +223,7 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
             loss, grads = poison(loss, grads, state["step"], poison_steps)
             grad_norm = sharding.global_norm(grads, specs["params"])
         state, guard = guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg)
-        return state, {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"] - 1), **guard}
+        return state, {"lm_loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"] - 1), **guard}
 
     batch = sharding.BATCH_SPEC
     metric_specs = {"lm_loss": P(), "grad_norm": P(), "lr": P(), "skipped": P(), "loss_scale": P()}
@@ -248,14 +247,13 @@ def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
         parallel.microbatch_group_size)
 
     def eval_step(params, tokens, labels, mask):
-        acc = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+        acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
         total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
         if sched is not None:
             varying = mark_tree(params, _replicated_axes(param_specs, parallel))
-            loss, _ = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
-                                          sequence_parallel=parallel.sequence_parallel,
-                                          scatter_gather=parallel.scatter_gather, forward_only=True,
-                                          branching=parallel.pipeline_branching)
+            loss = pipeline_loss(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
+                                 sequence_parallel=parallel.sequence_parallel, scatter_gather=parallel.scatter_gather,
+                                 branching=parallel.pipeline_branching)
             return jax.lax.psum(loss, (DATA, PIPE))
 
         def body(total, xs):

@@ -38,7 +38,7 @@ class Action:
         return f"{self.kind}{self.chunk}.{self.microbatch}"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         kind, rest = text[0], text[1:]
         chunk, microbatch = rest.split(".")
         if kind not in "FBW":

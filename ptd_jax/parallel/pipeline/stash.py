@@ -17,7 +17,8 @@ varying mesh axes, so that the buffers carry the types the branches return.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ class Residuals:
     key_impls: tuple         # per stash entry: the PRNG impl of a key leaf, else None
 
     @classmethod
-    def trace(cls, fn: Callable, params, x, *extra) -> "Residuals":
+    def trace(cls, fn: Callable, params, x, *extra) -> Residuals:
         """The residuals of `vjp(lambda params, x: fn(params, x, *extra), params, x)`."""
         found = {}
 

@@ -14,6 +14,7 @@ from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel import sharding
 from ptd_jax.analysis.collectives import jaxpr_collectives, summarize
+from ptd_jax.analysis.jaxpr import equations, is_call, named_calls
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.pipeline import build, build_forward_only
 from ptd_jax.parallel.pipeline.executor import tick_runs, tick_work
@@ -74,10 +75,8 @@ def compare(parallel, cfg, rtol, recompute="none"):
 # The default run covers d > 1, t > 1 and t·p = 8 with uniform branching, the same two layouts with per-rank, and
 # GPipe in the selective-dropout step test; `pytest -m slow` runs the whole product (p = 8, (1,2,1), (1,2,4) too).
 COVERING = {((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b")}
-COVERING_PER_RANK = {((1, 4, 2), "interleaved"), ((2, 2, 2), "1f1b")}
 PRODUCT = [pytest.param(d, p, t, s, v, b, id=f"d{d}p{p}t{t}-{s}-{b}",
-                        marks=() if ((d, p, t), s) in (COVERING if b == "uniform" else COVERING_PER_RANK)
-                        else pytest.mark.slow)
+                        marks=() if ((d, p, t), s) in COVERING else pytest.mark.slow)
            for b in ("uniform", "per-rank") for d, p, t in LAYOUTS for s, v in SCHEDULES]
 
 
@@ -149,53 +148,26 @@ def test_pipeline_evaluation_equals_the_reference(branching):
 
 # --- collectives of one tick -----------------------------------------------------------------------------------
 
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for sub in (value if isinstance(value, (list, tuple)) else [value]):
-            inner = getattr(sub, "jaxpr", sub)
-            if hasattr(inner, "eqns"):
-                yield inner
-
-
-def _scans(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            yield eqn
-        for inner in _sub_jaxprs(eqn):
-            yield from _scans(inner)
-
-
 def tick_bodies(jaxpr, sched):
     """[(pattern, scan body)] of the executor's runs (`tick_runs`), in order: the scans whose body issues the pipe
     ring itself (a chunk's layer scan does not)."""
-    found = [e for e in _scans(jaxpr) if any(q.primitive.name == "ppermute" for q in e.params["jaxpr"].jaxpr.eqns)]
+    found = [e for e in equations(jaxpr) if e.primitive.name == "scan"
+             and any(q.primitive.name == "ppermute" for q in e.params["jaxpr"].jaxpr.eqns)]
     runs = tick_runs(sched.kinds)
     assert [e.params["length"] for e in found] == [n for _, _, n in runs]
     return [(pattern, e.params["jaxpr"].jaxpr) for (pattern, _, _), e in zip(runs, found, strict=True)]
 
 
-def named_calls_in(eqn, name):
-    """The jaxprs of the calls named `name` (the executor's `named` pieces of work) at or inside `eqn`."""
-    if eqn.primitive.name == "jit" and eqn.params["name"] == name:
-        yield eqn.params["jaxpr"].jaxpr
-    for inner in _sub_jaxprs(eqn):
-        yield from named_calls(inner, name)
-
-
-def named_calls(jaxpr, name):
-    for eqn in jaxpr.eqns:
-        yield from named_calls_in(eqn, name)
-
-
 def _calls(eqn, name) -> bool:
-    return any(True for _ in named_calls_in(eqn, name))
+    """Whether `eqn` is, or holds, a call named `name` (the executor's named pieces of work)."""
+    return any(is_call(e, name) for e in equations(SimpleNamespace(eqns=[eqn])))
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_one_tick_issues_exactly_the_expected_collectives(sp):
     """A backward tick (recompute none, uniform; conds counted by their larger branch) holds the last stage's head
-    and, on another rank, stage 0's embedding: cross-entropy (max + 2 sums), the output layer's input gradient (1; under sequence
-    parallelism its forward all-gather too), k layers' backwards (2 each; under sequence parallelism 2
+    and, on another rank, stage 0's embedding: cross-entropy (max + 2 sums), the output layer's input gradient (1;
+    under sequence parallelism its forward all-gather too), k layers' backwards (2 each; under sequence parallelism 2
     reduce-scatters and 2 all-gathers), the embedding's transpose (nothing; under sequence parallelism the
     all-gather that transposes its reduce-scatter), no recomputed forward; outside the conds one ring ppermute
     and, with scatter/gather, one all-gather re-assembling the hidden dim. Nothing over "data" and no all-reduce
@@ -245,14 +217,13 @@ def test_the_head_and_the_embedding_run_only_where_the_table_needs_them(schedule
     uniform = tick_work(sched, "uniform")
     assert list(np.nonzero(uniform["head"])[0]) == sorted(t for t, _ in head_cells)
     assert list(np.nonzero(uniform["embed"])[0]) == sorted({t for t, _ in embed_cells})
-    assert uniform["head"].sum() == m < sched.kinds.count("B")  # before: the head ran on every backward tick
+    assert uniform["head"].sum() == m < sched.kinds.count("B")  # not on every backward tick: only the head's
 
 
 def test_evaluation_runs_the_head_in_the_last_stages_forwards():
     sched = build_forward_only("interleaved", 4, 2, 8)
     assert set(sched.kinds) == {"F"}
-    per_rank, uniform = tick_work(sched, "per-rank", forward_only=True), tick_work(sched, "uniform",
-                                                                                  forward_only=True)
+    per_rank, uniform = tick_work(sched, "per-rank"), tick_work(sched, "uniform")
     assert per_rank["head"].sum() == 8 and set(np.nonzero(per_rank["head"])[1]) == {3}
     assert list(np.nonzero(uniform["head"])[0]) == sorted(np.nonzero(per_rank["head"])[0])
 
@@ -269,13 +240,10 @@ def test_tick_runs_cover_the_table_in_order():
 
 
 def _dot_output_dims(jaxpr, skip=None):
-    """Output widths of the matmuls inside `jaxpr`, not counting those inside calls named `skip`."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn.outvars[0].aval.shape[-1]
-        if not (eqn.primitive.name == "jit" and eqn.params["name"] == skip):
-            for inner in _sub_jaxprs(eqn):
-                yield from _dot_output_dims(inner, skip)
+    """Output widths of the matmuls inside `jaxpr` (each traced once), not counting those inside calls named
+    `skip`."""
+    return [e.outvars[0].aval.shape[-1] for e in equations(jaxpr, skip=lambda e: is_call(e, skip))
+            if e.primitive.name == "dot_general"]
 
 
 def _inputs_reached(jaxpr, var) -> set[int]:
@@ -418,7 +386,7 @@ def _chunk_work(recompute):
 
     def count(body, names):
         calls = [call for name in names for call in named_calls(body, name)]
-        return (sum(len(list(_dot_output_dims(c))) for c in calls),
+        return (sum(len(_dot_output_dims(c)) for c in calls),
                 sum(e["count"] for c in calls for e in summarize(jaxpr_collectives(c)).values()))
     return {"forward": count(bodies["F"], ["chunk_forward"]),
             "backward": count(bodies["B"], ["chunk_backward"])}

@@ -29,7 +29,7 @@ def test_interleaved_order_equals_megatron_core_golden():
 
 def test_design_example_rank3():
     order = [str(a) for a in S.interleaved_orders(4, 2, 8)[3]]
-    assert order[:14] == "F0.0 F0.1 F0.2 F0.3 F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3 F0.4 B0.0".split()
+    assert order[:14] == "F0.0 F0.1 F0.2 F0.3 F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3 F0.4 B0.0".split()  # noqa: SIM905
 
 
 @pytest.mark.parametrize("p, v, m, g", [(2, 2, 4, None), (4, 2, 8, None), (4, 2, 16, None), (4, 3, 12, None),
