@@ -3,10 +3,13 @@
     schedule.py   actions (F/B chunk.microbatch) and each rank's order: GPipe, 1F1B, interleaved 1F1B. Pure Python.
     lockstep.py   the orders placed on global ticks of one kind, stash slots, validation, simulation. Pure Python.
     plot.py       the timeline as a PNG (paper Figure 4).
+    columns.py    the table as the executor's integer columns, and its ticks as runs of a static pattern (numpy).
+    branching.py  where a tick's work runs: "uniform" (the same on every rank, masked) or "per-rank" (JAX).
+    stash.py      each layer's vjp residuals, kept in slot buffers from its F tick to its B tick (JAX).
     executor.py   one SPMD program: `lax.scan` over the ticks inside the step's shard_map (JAX).
-    cli.py        `ptd-schedule`.
 
-Importing this package does not import JAX: schedules can be built, checked and drawn anywhere.
+The CLI is `ptd_jax/cli/schedule.py` (`ptd-schedule`). Importing this package does not import JAX: schedules can be
+built, checked and drawn anywhere.
 """
 
 from ptd_jax.parallel.pipeline.lockstep import Cell, Schedule, build, build_forward_only, validate

@@ -90,109 +90,149 @@ def _dependencies(action: Action, rank: int, p: int, v: int):
     return deps
 
 
+class _SlotPool:
+    """One buffer's slots on every rank: a freed slot is reused first (oldest first), else a new one is added."""
+
+    def __init__(self, p: int):
+        self.free: list[deque] = [deque() for _ in range(p)]
+        self.count = [0] * p  # slots ever allocated per rank
+
+    def alloc(self, rank: int) -> int:
+        if self.free[rank]:
+            return self.free[rank].popleft()
+        self.count[rank] += 1
+        return self.count[rank] - 1
+
+    def release(self, rank: int, slot: int) -> None:
+        self.free[rank].append(slot)
+
+    @property
+    def size(self) -> int:
+        return max(self.count)
+
+
+class _Placement:
+    """The slots of the actions placed so far: where each pending F's input and each pending B's gradient will be,
+    and how many microbatches each rank holds."""
+
+    def __init__(self, p: int, v: int):
+        self.p, self.v = p, v
+        self.act, self.grad = _SlotPool(p), _SlotPool(p)
+        self.act_slot: dict[tuple[int, Action], int] = {}   # (rank, F action) -> slot holding its input
+        self.grad_slot: dict[tuple[int, Action], int] = {}  # (rank, B action) -> slot holding its output gradient
+        self.held = [0] * p
+        self.peak = [0] * p
+
+    def forward(self, r: int, a: Action, cell: Cell) -> None:
+        """F: its input's slot (on virtual stage 0 a new one: the embedding, made in this tick and stashed for the
+        backward), and a slot on the next virtual stage's rank for its output."""
+        stage = a.chunk * self.p + r
+        if stage == 0:
+            self.act_slot[(r, a)] = self.act.alloc(r)
+        cell.in_slot = self.act_slot[(r, a)]
+        self.held[r] += 1
+        self.peak[r] = max(self.peak[r], self.held[r])
+        if stage < self.p * self.v - 1:
+            nxt = stage + 1
+            slot = self.act.alloc(nxt % self.p)
+            self.act_slot[(nxt % self.p, F(nxt // self.p, a.microbatch))] = slot
+            cell.recv_slot = slot  # recorded on the sender's cell; `_deliver` moves it to the receiver
+
+    def backward(self, r: int, a: Action, cell: Cell) -> None:
+        """B: its forward's input slot, the gradient's slot (below the last stage), and a slot on the previous
+        virtual stage's rank for its input gradient."""
+        stage = a.chunk * self.p + r
+        cell.in_slot = self.act_slot.pop((r, F(a.chunk, a.microbatch)))
+        if stage < self.p * self.v - 1:
+            cell.grad_slot = self.grad_slot.pop((r, a))
+        if stage > 0:
+            prv = stage - 1
+            slot = self.grad.alloc(prv % self.p)
+            self.grad_slot[(prv % self.p, B(prv // self.p, a.microbatch))] = slot
+            cell.recv_slot = slot
+
+    def release(self, row: list[Cell], kind: str) -> None:
+        """Free the slots this tick's backwards read (reads happen before writes within a tick)."""
+        if kind != "B":
+            return
+        for r, cell in enumerate(row):
+            if cell.action is not None:
+                self.act.release(r, cell.in_slot)
+                self.held[r] -= 1
+                if cell.grad_slot >= 0:
+                    self.grad.release(r, cell.grad_slot)
+
+
+def _ready(orders: list[list[Action]], pos: list[int], done: dict, tick: int, v: int) -> dict[int, Action]:
+    """Each rank's next action whose dependencies finished at an earlier tick."""
+    p, ready = len(orders), {}
+    for r in range(p):
+        if pos[r] < len(orders[r]):
+            a = orders[r][pos[r]]
+            if all(done.get(d, tick) < tick for d in _dependencies(a, r, p, v)):
+                ready[r] = a
+    return ready
+
+
+def _deliver(row: list[Cell], kind: str) -> None:
+    """Move each sender's recv_slot to its receiver: what rank r sends arrives on rank r+1 (F) or r−1 (B) at the
+    end of the tick."""
+    p, shift = len(row), 1 if kind == "F" else -1
+    recv = [-1] * p
+    for r in range(p):
+        if row[r].recv_slot >= 0:
+            recv[(r + shift) % p] = row[r].recv_slot
+    for r in range(p):
+        row[r].recv_slot = recv[r]
+
+
 def lockstep(name: str, orders: list[list[Action]], p: int, v: int, m: int, group: int) -> Schedule:
     """Place the per-rank orders on global ticks of one kind each, assigning buffer slots.
 
     Each tick runs the kind of the ready action (dependencies done at earlier ticks) of the highest ready rank:
     the stage furthest down the pipeline sits on the critical path, and following it reaches the formula bubble
     for GPipe, 1F1B (lockstep warm-up) and interleaved 1F1B, where 'most ready ranks' or 'backward first' reach
-    about twice the formula (measured: p=4, v=2, m=8: 0.188 vs 0.333-0.438). A rank whose next action is of the
-    other kind, or not ready, idles."""
+    about twice the formula (p=4, v=2, m=8: 0.188 against 0.333-0.438). A rank whose next action is of the other
+    kind, or not ready, idles."""
     sched = Schedule(name, p, v, m, group, orders)
+    placement = _Placement(p, v)
     done: dict[tuple[int, Action], int] = {}
     pos = [0] * p
-    act_free: list[deque] = [deque() for _ in range(p)]
-    grad_free: list[deque] = [deque() for _ in range(p)]
-    act_count = [0] * p   # slots ever allocated per rank (buffer sizes)
-    grad_count = [0] * p
-    act_slot: dict[tuple[int, Action], int] = {}   # (rank, F action) -> slot holding its input
-    grad_slot: dict[tuple[int, Action], int] = {}  # (rank, B action) -> slot holding its output gradient
-    held = [0] * p
-    peak = [0] * p
     total = sum(len(o) for o in orders)
-
-    def alloc(free: list[deque], count: list[int], rank: int) -> int:
-        if free[rank]:
-            return free[rank].popleft()
-        count[rank] += 1
-        return count[rank] - 1
-
-    tick = 0
     while len(done) < total:
-        ready = {}
-        for r in range(p):
-            if pos[r] < len(orders[r]):
-                a = orders[r][pos[r]]
-                if all(done.get(d, tick) < tick for d in _dependencies(a, r, p, v)):
-                    ready[r] = a
+        tick = sched.ticks
+        ready = _ready(orders, pos, done, tick, v)
         if not ready:
             raise ScheduleError(f"schedule {name!r} deadlocks at tick {tick}: no rank can proceed "
                                 f"(next actions: {[str(o[i]) if i < len(o) else None for o, i in zip(orders, pos)]})")
         kind = ready[max(ready)].kind
         row = [Cell() for _ in range(p)]
         for r, a in ready.items():
-            if a.kind != kind:
-                continue
-            cell = row[r]
-            cell.action = a
-            stage = a.chunk * p + r
-            if kind == "F":
-                if stage == 0:  # the input is the embedding, made in this tick and stashed for the backward
-                    act_slot[(r, a)] = alloc(act_free, act_count, r)
-                cell.in_slot = act_slot[(r, a)]
-                held[r] += 1
-                peak[r] = max(peak[r], held[r])
-                if stage < p * v - 1:  # the output goes to the next virtual stage's rank
-                    nxt = stage + 1
-                    dst, dst_action = nxt % p, F(nxt // p, a.microbatch)
-                    slot = alloc(act_free, act_count, dst)
-                    act_slot[(dst, dst_action)] = slot
-                    cell.recv_slot = slot  # recorded on the sender's cell; moved to the receiver below
-            else:
-                cell.in_slot = act_slot.pop((r, F(a.chunk, a.microbatch)))
-                if stage < p * v - 1:
-                    cell.grad_slot = grad_slot.pop((r, a))
-                if stage > 0:
-                    prv = stage - 1
-                    dst, dst_action = prv % p, B(prv // p, a.microbatch)
-                    slot = alloc(grad_free, grad_count, dst)
-                    grad_slot[(dst, dst_action)] = slot
-                    cell.recv_slot = slot
-            done[(r, a)] = tick
-            pos[r] += 1
-        # Receivers: what rank r sends arrives on rank r+1 (F) or r−1 (B) at the end of the tick.
-        shift = 1 if kind == "F" else -1
-        recv = [-1] * p
-        for r in range(p):
-            if row[r].recv_slot >= 0:
-                recv[(r + shift) % p] = row[r].recv_slot
-        for r in range(p):
-            row[r].recv_slot = recv[r]
-        # Free the slots read by this tick's backwards (reads happen before writes within a tick).
-        for r in range(p):
-            cell = row[r]
-            if cell.action is not None and kind == "B":
-                act_free[r].append(cell.in_slot)
-                held[r] -= 1
-                if cell.grad_slot >= 0:
-                    grad_free[r].append(cell.grad_slot)
+            if a.kind == kind:
+                row[r].action = a
+                (placement.forward if kind == "F" else placement.backward)(r, a, row[r])
+                done[(r, a)] = tick
+                pos[r] += 1
+        _deliver(row, kind)
+        placement.release(row, kind)
         sched.kinds.append(kind)
         sched.cells.append(row)
-        tick += 1
-    sched.num_act_slots, sched.num_grad_slots, sched.peak_stash = max(act_count), max(grad_count), peak
+    sched.num_act_slots, sched.num_grad_slots = placement.act.size, placement.grad.size
+    sched.peak_stash = placement.peak
     return sched
 
 
-def build(schedule: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -> Schedule:
-    g = check_request(schedule, p, v, m, group)
-    return lockstep(schedule, build_orders(schedule, p, v, m, group), p, v, m, g)
+def build(name: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -> Schedule:
+    """The validated request's table: schedule `name` ("gpipe", "1f1b", "interleaved") placed on lockstep ticks."""
+    g = check_request(name, p, v, m, group)
+    return lockstep(name, build_orders(name, p, v, m, group), p, v, m, g)
 
 
-def build_forward_only(schedule: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -> Schedule:
+def build_forward_only(name: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -> Schedule:
     """The forwards of a schedule alone (evaluation): same per-rank order, no backwards, no stash reuse."""
-    g = check_request(schedule, p, v, m, group)
-    orders = [[a for a in order if a.kind == "F"] for order in build_orders(schedule, p, v, m, group)]
-    return lockstep(schedule, orders, p, v, m, g)
+    g = check_request(name, p, v, m, group)
+    orders = [[a for a in order if a.kind == "F"] for order in build_orders(name, p, v, m, group)]
+    return lockstep(name, orders, p, v, m, g)
 
 
 def validate(sched: Schedule) -> None:

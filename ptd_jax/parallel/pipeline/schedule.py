@@ -54,10 +54,11 @@ def B(chunk: int, mb: int) -> Action:  # noqa: N802
     return Action("B", chunk, mb)
 
 
-def check_request(schedule: str, p: int, v: int, m: int, group: int | None = None) -> int:
-    """Validate (schedule, p, v, m, G) by the rules in `config.check_pipeline_request`; returns the effective G."""
+def check_request(name: str, p: int, v: int, m: int, group: int | None = None) -> int:
+    """Validate (schedule name, p, v, m, G) by the rules in `config.check_pipeline_request`; returns the effective
+    G."""
     try:
-        return check_pipeline_request(schedule, p, v, m, group)
+        return check_pipeline_request(name, p, v, m, group)
     except ConfigError as err:
         raise ScheduleError(str(err)) from None
 
@@ -107,10 +108,10 @@ def interleaved_orders(p: int, v: int, m: int, group: int | None = None) -> list
     return orders
 
 
-def build_orders(schedule: str, p: int, v: int, m: int, group: int | None = None) -> list[list[Action]]:
-    check_request(schedule, p, v, m, group)
-    if schedule == "gpipe":
+def build_orders(name: str, p: int, v: int, m: int, group: int | None = None) -> list[list[Action]]:
+    check_request(name, p, v, m, group)
+    if name == "gpipe":
         return gpipe_orders(p, m)
-    if schedule == "1f1b":
+    if name == "1f1b":
         return one_f_one_b_orders(p, m)
     return interleaved_orders(p, v, m, group)

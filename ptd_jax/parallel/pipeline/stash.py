@@ -109,20 +109,31 @@ class Residuals:
         (y, buffers), _ = jax.lax.scan(body, (x, buffers), jnp.arange(_num_layers(chunks)))
         return y, buffers
 
+    def layer_backward(self, chunks, chunk, buffers: list, slot, j, ct):
+        """Layer j's backward from its residuals at (slot, j): (its input gradient, its parameter gradients). Both
+        come from one vjp; a zero-bubble W would take the second half to a later tick."""
+        params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
+        d_params, ct = self.join(params_j, [buf[slot, j] for buf in buffers])(ct)
+        return ct, d_params
+
     def backward(self, chunks, chunk, buffers: list, slot, ct_y, grads, keep=None):
-        """The layers' backwards in reverse from the residuals at (slot, j): returns (dx, grads), layer j's
-        parameter gradients added to `grads[chunk, j]` (zeros where `keep` is false: an idle cell's)."""
+        """The layers' backwards in reverse from the residuals at (slot, j): returns (dx, grads), each layer's input
+        gradient passed down and its parameter gradients added to `grads[chunk, j]` (`add_layer_grads`)."""
         def body(carry, j):
             ct, acc = carry
-            params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
-            d_params, ct = self.join(params_j, [buf[slot, j] for buf in buffers])(ct)
-            if keep is not None:
-                d_params = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros_like(d)), d_params)
-            acc = jax.tree.map(lambda g, d: g.at[chunk, j].add(d.astype(g.dtype)), acc, d_params)
-            return (ct, acc), None
+            ct, d_params = self.layer_backward(chunks, chunk, buffers, slot, j, ct)
+            return (ct, add_layer_grads(acc, chunk, j, d_params, keep)), None
 
         (dx, grads), _ = jax.lax.scan(body, (ct_y, grads), jnp.arange(_num_layers(chunks)), reverse=True)
         return dx, grads
+
+
+def add_layer_grads(grads, chunk, j, d_params, keep=None):
+    """`grads[chunk, j] += d_params` in place (in the accumulators' dtype), zeros where `keep` is false (an idle
+    cell's, under "uniform" branching)."""
+    if keep is not None:
+        d_params = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros_like(d)), d_params)
+    return jax.tree.map(lambda g, d: g.at[chunk, j].add(d.astype(g.dtype)), grads, d_params)
 
 
 def _num_layers(chunks) -> int:
