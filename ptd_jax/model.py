@@ -27,6 +27,8 @@ Shape legend: B batch, S sequence, D hidden, F ffn, H heads, K head dim, V vocab
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any
 
@@ -106,9 +108,23 @@ def count_params(params: Params) -> int:
 # Building blocks
 # ---------------------------------------------------------------------------------------------------------------
 
+_KERNEL_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernel_platform", default=None)
+
+
+@contextlib.contextmanager
+def kernels_for(platform: str):
+    """Trace the Pallas kernels for `platform` ("gpu": compiled by Triton) whatever this process's backend is:
+    what compiling for a GPU that is not here needs (`aot/compile.py`)."""
+    token = _KERNEL_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _KERNEL_PLATFORM.reset(token)
+
+
 def interpret_kernels() -> bool:
     """Pallas kernels run interpreted where there is no GPU to compile them for."""
-    return jax.default_backend() == "cpu"
+    return (_KERNEL_PLATFORM.get() or jax.default_backend()) == "cpu"
 
 
 def layer_norm(x_BxSxD, p, eps: float, fused: bool = False):

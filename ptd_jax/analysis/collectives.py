@@ -86,6 +86,9 @@ def hlo_collectives(hlo_text: str) -> dict:
                 for callee in re.findall(rf"\b{callee_key}=%([\w.\-]+)", line):
                     times = int(trip.group(1)) if (trip and callee_key == "body") else 1
                     calls[name].append((callee, times))
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)  # a switch: each branch counted once
+            for callee in re.findall(r"%([\w.\-]+)", branches.group(1) if branches else ""):
+                calls[name].append((callee, 1))
     multiplicity: dict[str, int] = defaultdict(int)
 
     def visit(name: str, times: int) -> None:

@@ -4,12 +4,13 @@
         [--num-layers-per-virtual-pipeline-stage K] --micro-batch-size b --global-batch-size B --num-gpus N
         --hardware a100-80gb [--json]
     ptd-plan search <model flags> --num-gpus N --global-batch-size B --hardware H [--top 10] [--json]
+        [--verify K]  (compile the K best with XLA:GPU: compiled memory beside the predicted)
     both: [--fp16 | --bf16] (precision: 20 or 18 bytes of state per parameter, fp16 or fp32 gradient all-reduce;
     default --bf16; the paper's runs were fp16)
 
 Model flags are ptd-train's (Megatron's names; unset ones come from --model-preset, default paper-1.7b, whose
-sequence 2048 is the paper's; its GPT-2 vocabulary of 50,257 pads to the paper's 51,200 at t = 8, as Megatron pads). `tflops_per_gpu` is the paper's eq. (3) figure (comparable
-with its Table 1); `model_tflops_per_gpu` and `mfu` count model FLOPs without recomputation. Bad input: one line
+sequence 2048 is the paper's; its GPT-2 vocabulary of 50,257 pads to the paper's 51,200 at t = 8, as Megatron
+pads). `tflops_per_gpu` is the paper's eq. (3) figure (comparable with its Table 1); `model_tflops_per_gpu` and `mfu` count model FLOPs without recomputation. Bad input: one line
 naming the values, exit 2.
 """
 
@@ -47,8 +48,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                    help="full: the paper's runs (eq. 3 counts it)")
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true",
-                           help="Megatron's fp16 of the paper: fp16 params and grads, 20 bytes per parameter, fp16 gradient "
-                                "all-reduce (ptd-train --fp16 keeps float32 gradients: plan it with --bf16)")
+                           help="Megatron's fp16 of the paper: fp16 params and grads, 20 bytes per parameter, fp16 "
+                                "gradient all-reduce (ptd-train --fp16 keeps float32 gradients: plan it with --bf16)")
     precision.add_argument("--bf16", action="store_true",
                            help="bf16 params, fp32 grads: 18 bytes per parameter, fp32 gradient all-reduce (default)")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(srch)
     add_run_flags(srch)
     srch.add_argument("--top", type=positive_int, default=10, help="rows of the table (the JSON lists all)")
+    srch.add_argument("--verify", type=positive_int, metavar="K",
+                      help="compile the K best layouts with XLA:GPU for --hardware (no GPU needed: the gpu-compile "
+                           "extra) and show the compiled memory per GPU beside the prediction")
     return parser
 
 
@@ -175,12 +179,35 @@ def run(argv=None) -> dict:
         raise ConfigError(f"no layout of num_gpus={args.num_gpus} GPUs suits global_batch_size="
                           f"{args.global_batch_size}, num_layers={cfg.num_layers} and num_attention_heads="
                           f"{cfg.num_attention_heads} (d = N/(t*p) must divide B, t the heads, p the layers)")
+    if args.verify:
+        result["verified"] = verify_layouts(args, cfg, result["layouts"][:args.verify])
     if args.json:
         print(json.dumps({"hardware": args.hardware, "num_gpus": args.num_gpus,
                           "global_batch_size": args.global_batch_size, **result}))
     else:
         print_search(result, args.top)
+        if args.verify:
+            print_verified(result["verified"], args.hardware)
     return result
+
+
+def verify_layouts(args, cfg: ModelConfig, layouts: list[dict]) -> list[dict]:
+    from ptd_jax.aot.compile import INSTALL_HINT, plugin_installed
+
+    if not plugin_installed():
+        raise ConfigError(f"--verify compiles for GPUs and needs the CUDA plugin: {INSTALL_HINT}")
+    from ptd_jax.aot.verify import verify
+
+    return verify(cfg, layouts, args.hardware, args.num_gpus, args.global_batch_size, args.recompute_granularity,
+                  layout_flags(args))
+
+
+def print_verified(rows: list[dict], hardware: str) -> None:
+    print(f"compiled by XLA:GPU for {hardware} (train step, per GPU):")
+    for i, r in enumerate(rows, 1):
+        mark = "  <- predicted to fit, does NOT fit compiled" if r["fits_mismatch"] else ""
+        print(f"{i:>4} {describe(r)}: predicted {r['memory_gb_per_gpu']:.1f} GiB, compiled "
+              f"{r['compiled_gb_per_gpu']:.1f} GiB ({'fits' if r['compiled_fits'] else 'does not fit'}){mark}")
 
 
 def main(argv=None) -> int:
