@@ -2,10 +2,13 @@
 paper's FLOP formulas.
 
     reference.py   the single-device oracle step (every parallel path is compared against it)
-    loop.py        train(): data -> step -> metrics -> checkpoints (`RunOptions` says where things go)
+    loop.py        train(): data -> step -> hooks (`RunOptions` says where things go)
+    hooks.py       what runs after a step (log, evaluate, save, the bubble): `Hooks.add_hook`, `StepTimer`
+    resume.py      --load: the step to resume from and the refusals before anything starts
+    interrupt.py   Ctrl-C: stop after the current step, checkpoints intact
     checkpoint.py  orbax checkpoints of the training state
     guards.py      skipped iterations counted, --max-skipped-iters, no checkpoint from a non-finite state
-    metrics.py     progress bar, JSONL records, loss-curve plot
+    metrics.py     progress bar, JSONL records, the summary's medians, loss-curve plot
     bubble.py      the measured pipeline bubble (the train step timed at m and 2m), shown after the first step
     flops.py       parameters (eq. 2), FLOPs per iteration (eq. 3), training time (eq. 4), device peaks
 

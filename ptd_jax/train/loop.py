@@ -113,7 +113,8 @@ def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConf
           options: RunOptions | None = None) -> dict:
     """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line).
 
-    1. Refuse what cannot run, before data or devices are touched (the layout, the resume point).
+    1. Refuse what cannot run, before data or devices are touched (the layout, the resume point; ptd-train has
+       checked the memory estimate, `perf.memory.check_fits`, before calling this).
     2. Open the data, build or restore the state, make the train and eval steps (`_prepare`).
     3. Say what runs: the layout, the pipeline table, the FLOPs per iteration (`_announce`).
     4. Loop: fetch a batch, run the step, call the hooks (`_loop`, `_hooks`).
