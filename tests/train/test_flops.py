@@ -61,7 +61,7 @@ def test_model_flops_follow_the_ffn_width():
 
 def test_hardware_flops_by_recompute_policy():
     """Matmul FLOPs of jax.grad of model.loss_sum (2 layers, h 256, s 256, V 6400, B 2), counted on its jaxpr with
-    experiments/pipeline_flops.dot_flops: none 10,670,309,376; selective 10,804,527,104 (+ Q·Kᵀ, 2·s·h per
+    ptd_jax.analysis.jaxpr.dot_flops: none 10,670,309,376; selective 10,804,527,104 (+ Q·Kᵀ, 2·s·h per
     token-layer: remat drops the context matmul, whose output the backward does not need); full 12,012,486,656
     (+ the layer's forward but fc2, for the same reason)."""
     from ptd_jax.config import ModelConfig
@@ -77,7 +77,7 @@ BENCH = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6
 
 
 @pytest.mark.parametrize("case", [
-    # Matmul FLOPs counted on the traced executor's jaxpr by experiments/pipeline_flops.py (recompute full:
+    # Matmul FLOPs counted on the traced executor's jaxpr by experiments/bench/pipeline_flops.py (recompute full:
     # results/pipeline_flops.json; none and selective: the same `measure` with the step's recompute set), per
     # device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
     (BENCH, "1f1b", 4, 1, 8, 1, "full", 96905199616.0, [55834574848.0] * 3 + [75967234048.0]),
