@@ -22,7 +22,7 @@ MAX_LINES = 450
 LAYERS = [("pallas_kernels", 0), ("ptd_jax.config", 1), ("ptd_jax.analysis", 1), ("ptd_jax.data", 2),
           ("ptd_jax.runtime", 2), ("ptd_jax.model", 3), ("ptd_jax.optimizer", 3), ("ptd_jax.loss_scale", 3),
           ("ptd_jax.interop", 3), ("ptd_jax.parallel", 4), ("ptd_jax.inference", 5), ("ptd_jax.train", 5),
-          ("ptd_jax.perf", 6), ("ptd_jax.cli", 7)]
+          ("ptd_jax.perf", 6), ("ptd_jax.aot", 6), ("ptd_jax.cli", 7)]
 
 
 def module_files(roots=PACKAGES) -> dict[str, Path]:
