@@ -1,0 +1,72 @@
+"""`ptd-train --compile-only --target NAME --num-gpus N`: the run's training and evaluation steps compiled by
+XLA:GPU for N GPUs of the target (hosts of 8) on this machine, no GPU and no data needed (`ptd_jax/aot`).
+
+Prints one summary (or `--json`: one object) — per-GPU memory from XLA against the device's, compile time, the
+collectives and kernels in the compiled HLO, and what the `auto` defaults resolved to. Exit 0 when it fits, 1 when
+it does not (one line with the bytes), 2 on bad input (the usual one line).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ptd_jax.aot.targets import TARGETS
+
+GIB = 2**30
+
+
+def add_args(parser) -> None:
+    g = parser.add_argument_group("compile for GPUs that are not here (the gpu-compile extra)")
+    g.add_argument("--compile-only", action="store_true",
+                   help="compile the train and eval steps with XLA:GPU for --num-gpus of --target and report memory, "
+                        "collectives and kernels; trains nothing")
+    g.add_argument("--target", choices=sorted(TARGETS), default="h100-sxm", help="the GPU to compile for")
+    g.add_argument("--num-gpus", type=int, help="GPUs to compile for (hosts of 8; default: t * p)")
+    g.add_argument("--json", action="store_true", help="--compile-only: one JSON object on stdout")
+
+
+def gpu_defaults(args) -> dict:
+    """ModelConfig fields the `auto` kernel defaults resolve to on a GPU: Pallas attention, fused kernels."""
+    fields = {}
+    if args.attention_backend is None:
+        fields["attention_backend"] = "pallas"
+    if args.fused_kernels is None:
+        fields["fused_kernels"] = True
+    return fields
+
+
+def describe(s: dict) -> str:
+    mem, lay, res = s["memory"]["train_step"], s["layout"], s["resolved"]
+    lines = [
+        f"compiled for {s['num_gpus']} x {s['device']} ({s['target']}): layout d={lay['data']} p={lay['pipe']} "
+        f"t={lay['tensor']} v={lay['virtual']} {lay['schedule']}, b={lay['micro_batch_size']} "
+        f"m={lay['num_microbatches']}; resolved: branching {res['pipeline_branching']}, attention "
+        f"{res['attention_backend']}, fused kernels {'on' if res['fused_kernels'] else 'off'}, {res['dtype']}",
+        f"  memory per GPU (train step): arguments {mem['arguments'] / GIB:.2f} GiB, temporaries "
+        f"{mem['temporaries'] / GIB:.2f}, outputs {mem['outputs'] / GIB:.2f} (aliased {mem['aliased'] / GIB:.2f}), "
+        f"total {mem['total'] / GIB:.2f} GiB of {s['device_memory_bytes'] / GIB:.2f} GiB: "
+        f"{'fits' if s['fits'] else 'DOES NOT FIT'}",
+    ]
+    if "eval_step" in s["memory"]:
+        lines.append(f"  eval step: total {s['memory']['eval_step']['total'] / GIB:.2f} GiB")
+    lines.append(f"  compile time {s['compile_time_s']:.1f} s")
+    lines.append("  collectives: " + ", ".join(
+        f"{op} x{c['count']} ({c['bytes'] / 2**20:.1f} MiB, groups of {'/'.join(map(str, c['group_sizes']))})"
+        for op, c in s["collectives"].items()))
+    lines.append("  kernels: " + ", ".join(f"{kind} {n}" for kind, n in s["kernels"].items()))
+    return "\n".join(lines)
+
+
+def run(args, model_cfg, parallel, train_cfg) -> int:
+    from ptd_jax.aot.compile import compile_steps, summary
+
+    target = TARGETS[args.target]
+    parallel, programs = compile_steps(model_cfg, parallel, train_cfg, target, parallel.num_devices)
+    result = summary(model_cfg, parallel, target, parallel.num_devices, programs)
+    print(json.dumps(result) if args.json else describe(result))
+    if not result["fits"]:
+        print(f"ptd-train: the step needs {result['memory_bytes_per_gpu']:,} bytes per GPU but a {target.name} has "
+              f"{target.memory_bytes:,}", file=sys.stderr)
+        return 1
+    return 0
