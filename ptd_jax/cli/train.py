@@ -7,6 +7,8 @@ Bad input exits with code 2 and one line on stderr naming the values. The last s
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -152,9 +154,6 @@ _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plu
 
 def accelerator_installed() -> bool:
     """Whether a GPU/TPU plugin for JAX is installed (checked without starting a JAX backend)."""
-    import importlib.metadata
-    import importlib.util
-
     if any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_PLUGINS):
         return True
     return bool(list(importlib.metadata.entry_points(group="jax_plugins")))
@@ -211,8 +210,6 @@ def _gpu_installed() -> bool:
 
 
 def _tpu_only() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("libtpu") is not None
 
 
@@ -296,8 +293,6 @@ def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool,
 def _check_path(flag: str, value: str, kind: str) -> None:
     """`value` can become a `kind` ("file" or "folder"): it is not the other kind, no parent is a regular file,
     and the nearest existing parent is writable."""
-    import os
-
     path = Path(value)
     if kind == "folder" and path.exists() and not path.is_dir():
         raise ConfigError(f"{flag}={value!r} exists and is not a folder")
