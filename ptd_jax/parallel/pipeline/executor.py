@@ -310,7 +310,10 @@ def forward_tick(ctx: TickContext, carry: Carry, row) -> Carry:
 
 def backward_tick(ctx: TickContext, carry: Carry, row) -> Carry:
     """B: the head's backward (last stage), the chunk's backward from its stash, the embedding's transpose (stage
-    0); the input gradient goes to rank − 1."""
+    0); the input gradient goes to rank − 1. Per layer the chunk's backward is two steps: the vjp from the stash
+    (`Residuals.layer_backward`: input and parameter gradients), then the in-place accumulation of the parameter
+    gradients (`stash.add_layer_grads`), the part a zero-bubble W cell would run later. As in every tick, the slots
+    are read before the branches and written after them."""
     cell = read_cell(ctx, row)
     y = carry.act[cell.in_slot]  # the chunk's output on the last stage: the head's input
     dy = carry.grad[cell.grad_slot]
@@ -344,11 +347,14 @@ def evaluation_tick(ctx: TickContext, carry: EvalCarry, row) -> EvalCarry:
     return carry._replace(act=carry.act.at[cell.recv_slot].set(recv), loss=loss)
 
 
+# Each kind of tick and its function: a W (weight gradients) would be one entry more.
 TRAINING_TICKS = {"F": forward_tick, "B": backward_tick}
 EVALUATION_TICKS = {"F": evaluation_tick}
 
 
 def _run_pattern(ctx: TickContext, ticks: list, carry, rows):
+    """One scan step: the pattern's ticks in order ("FB": the F first, so that the B's stash reads are ordered
+    after the F's in-place writes; `tick_runs`)."""
     for i, tick in enumerate(ticks):
         carry = tick(ctx, carry, jax.tree.map(lambda a, i=i: a[i], rows))
     return carry, None
