@@ -399,7 +399,7 @@ def test_recomputation_runs_what_megatron_runs():
       autodiff recomputes only q·kᵀ; Megatron re-runs the core's second matmul too), and not one collective
       more than none;
     - full: plus each layer's forward once, under `jax.checkpoint` as in the reference: all of it but fc2, whose
-      output the backward does not need (3 per forward matmul, less one; an earlier version recomputed each layer
+      output the backward does not need (3 per forward matmul, less one: each layer is recomputed once, not
       twice), with one collective per layer: the attention block's all-reduce (the MLP's follows fc2; the
       embedding is not recomputed: layer 0's input is stashed)."""
     counts = {r: _chunk_work(r) for r in ("none", "selective", "full")}
