@@ -1,12 +1,10 @@
 """The lockstep pipeline executor (paper §2.2): one SPMD program runs a schedule table tick by tick.
 
-The table (`lockstep.Schedule`) is turned into integer columns before tracing (`columns.py`).
-Every tick has one kind for all ranks, so the ticks are cut into runs of a static pattern (`tick_runs`: the
-warm-up's forwards, the steady state's F/B pairs, the cool-down's backwards) and each run is one `lax.scan` whose
-body calls, for each tick of the pattern, the tick function of its kind (`TRAINING_TICKS`: "F" -> `forward_tick`,
-"B" -> `backward_tick`; evaluation has its own table, `EVALUATION_TICKS`). Every tick function takes the step's
-`TickContext` (the cast parameters, the batch, the branching, the stash layout...), the scan carry and its row of
-the table. In a tick each pipeline rank
+The table (`lockstep.Schedule`) becomes integer columns before tracing (`columns.py`). Every tick has one kind for
+all ranks, so the ticks are cut into runs of a static pattern (`tick_runs`: warm-up forwards, steady F/B pairs,
+cool-down backwards), each one `lax.scan` whose body calls, per tick of the pattern, the tick function of its kind
+(`TRAINING_TICKS`, or `EVALUATION_TICKS`) on the step's `TickContext`, the carry and the tick's row. In a tick each
+pipeline rank
 
 1. reads its cell of the row (`read_cell`: chunk, microbatch, slots) and its input from the activation or gradient
    slots, before any branch (a buffer read and written inside a `cond` is kept twice by XLA);
@@ -18,21 +16,17 @@ the table. In a tick each pipeline rank
    here), then the chunk's layers' backwards in reverse from the residuals at (slot, j), each layer's input
    gradient passed on and its parameter gradients added in place to the float32 accumulators
    (`stash.Residuals.backward`), then, on stage 0, the embedding's transpose (`embed_backward`, in a cond: a
-   linear map of the word and position rows, nothing stashed);
-   `--recompute-granularity` (`model.remat_layer`'s policies): none recomputes no matmul and no collective (only the
-   elementwise work between them, as Megatron's fused kernels do); selective also recomputes the attention core
-   (`model.core_attention`) inside each layer; full checkpoints each layer, so its residuals are its input and its
-   backward runs its forward once more (Megatron's uniform method, one layer per checkpoint);
+   linear map of the word and position rows, nothing stashed); what a layer's residuals hold, and so what its
+   backward recomputes, is `--recompute-granularity`'s policy (`model.remat_layer`);
 3. sends: y to rank + 1 over "pipe" (rank p−1 -> 0 carries it into its next chunk: the ring that makes
    interleaving work), dx to rank − 1. Every rank issues the ring on every tick, outside every branch
    (docs/architecture.md, "Pipeline");
 4. writes what it received into the table's slot, after the branches.
 
-Where the embedding and the head run, and whether an idle cell computes, is decided once per step by the branching
-strategy (`branching.py`: "uniform" or "per-rank"); the tick functions ask it and never test its name. The tick
-kinds are a table so that more kinds (a zero-bubble schedule's W, the weight-gradient half of a B) are one entry
-more; a tick in which ranks run different kinds would pick its rank's function with a `lax.switch`, the ring still
-outside.
+Where the embedding and the head run, and whether an idle cell computes, is the branching strategy's choice
+(`branching.py`: "uniform" or "per-rank"), made once per step. The tick kinds are a table so that a zero-bubble W
+(a B's weight-gradient half) is one entry more; ranks running different kinds in one tick would pick their
+function with a `lax.switch`, the ring still outside it.
 
 The parameters are cast to the compute dtype once per step, before the scans (with `--bf16` and float32 master
 weights, a bf16 copy of the rank's layers lives through the step: half their float32 size).
