@@ -107,28 +107,34 @@ def test_parameters_per_gpu_add_up_to_eq2():
 
 
 def test_activation_formula_by_hand():
-    """Korthikanti et al. (2022), s b h (34 + 5 a s / h) per layer at t = 1, for s=2048, b=1, h=2304, a=24:
-    s b h = 4,718,592; 5·24·2048/2304 = 106.666…; 4,718,592 × 140.666… = 663,748,608 bytes.
-    ÷ 8 with t = 8 and sequence parallelism: 82,968,576. Selective at t = 2 (no SP): s b h (10 + 24/2) =
-    103,809,024. Full: the layer input, 2 s b h = 9,437,184."""
+    """What the program stashes per layer (perf/memory.py's table, measured on XLA:GPU's compiled steps), for
+    s=2048, b=1, h=2304, a=24 (s b h = 4,718,592): none with the XLA backend at t = 1: 22 s b h + the float32 scores
+    4·24·2048² = 103,809,024 + 402,653,184 = 506,462,208; with flash attention 24 s b h = 113,246,208. Sequence
+    parallel at t = 8: 6.25 s b h + 402,653,184 / 8 = 29,491,200 + 50,331,648 = 79,822,848. Selective at t = 2:
+    17 s b h = 80,216,064. Full: the layer input, 2 s b h = 9,437,184."""
     cfg = model_preset("paper-1.7b")
-    assert activation_bytes_per_layer(cfg, make_parallel(cfg, 1, 1, 1, 1, 8), "none") == pytest.approx(663_748_608)
+    serial = make_parallel(cfg, 1, 1, 1, 1, 8)
+    assert activation_bytes_per_layer(cfg, serial, "none") == pytest.approx(506_462_208)
+    flash = cfg.replace(attention_backend="pallas")
+    assert activation_bytes_per_layer(flash, serial, "none") == pytest.approx(113_246_208)
     sp = make_parallel(cfg, 8, 8, 1, 1, 8, sequence_parallel=True)
-    assert activation_bytes_per_layer(cfg, sp, "none") == pytest.approx(82_968_576)
+    assert activation_bytes_per_layer(cfg, sp, "none") == pytest.approx(79_822_848)
     assert activation_bytes_per_layer(cfg, make_parallel(cfg, 2, 2, 1, 1, 8), "selective") == pytest.approx(
-        103_809_024)
-    assert activation_bytes_per_layer(cfg, make_parallel(cfg, 1, 1, 1, 1, 8), "full") == pytest.approx(9_437_184)
+        80_216_064)
+    assert activation_bytes_per_layer(cfg, serial, "full") == pytest.approx(9_437_184)
 
 
 def test_stashed_layers_per_schedule():
-    """Every rank's stash holds the lockstep table's slots, each one microbatch through l/(p v) layers: 1F1B
-    min(m, 2p − 1) slots of l/p layers, interleaved min(v m, (v + 1) p) of l/(p v), GPipe m of l/p."""
+    """Every rank's stash holds the lockstep table's slots and a trash slot, each one microbatch through l/(p v)
+    layers: 1F1B min(m, 2p − 1) + 1 slots of l/p layers, interleaved min(v m, (v + 1) p) + 1 of l/(p v), GPipe
+    m + 1 of l/p; at p = 1 the accumulation table's one slot and the trash, or one slot for a single microbatch."""
     cfg = model_preset("paper-1.7b")  # l = 24
-    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16)) == 7 * 24 / 4
-    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, 3)) == 12 * 24 / 8  # v = 2
+    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16)) == 8 * 24 / 4
+    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, 3)) == 13 * 24 / 8  # v = 2
     gpipe = make_parallel(cfg, 4, 1, 4, 1, 16).replace(pipeline_schedule="gpipe")
-    assert stashed_layers(cfg, gpipe) == 16 * 24 / 4
-    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 1, 16)) == 24  # p = 1: one microbatch at a time
+    assert stashed_layers(cfg, gpipe) == 17 * 24 / 4
+    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 1, 16)) == 2 * 24  # p = 1, m = 16
+    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 16, 16)) == 24  # p = 1, m = 1: no table
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
@@ -247,7 +253,7 @@ def test_fig13_at_the_papers_stated_shape_peaks_at_t8():
     """Paper §5.4.1: the Fig. 13 model has 32 layers, 128 heads, hidden 20480; on 64 GPUs (t·p = 64, d = 1) the
     measured peak is t = 8 at both batch sizes, and the model agrees at that shape (with the earlier 96-layer,
     h 11776 stand-in it put t = 4 first at batch 128)."""
-    from experiments.fig13_15_parallelism import predicted
+    from experiments.paper.fig13_15_parallelism import predicted
 
     rows = predicted()["fig13"]
     for batch in (32, 128):
@@ -258,7 +264,7 @@ def test_fig13_at_the_papers_stated_shape_peaks_at_t8():
 def test_table1_within_15_percent_of_the_published_throughput():
     """Not fitted: a guard that the model's constants (datasheets, NCCL's model, microbenchmarks) stay near the
     paper's measured Table 1 (b = 1, plain 1F1B, fp16)."""
-    from experiments.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
+    from experiments.paper.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
     from ptd_jax.config import PAPER_TABLE_1
 
     errors = {r.name: predict_row(r)["tflops_per_gpu"] / PUBLISHED_TFLOPS_PER_GPU[r.name] - 1 for r in PAPER_TABLE_1}
@@ -339,7 +345,7 @@ def test_the_planner_imports_no_jax():
 
 
 def test_table1_script_cites_the_papers_numbers_and_predicts_through_the_cli():
-    from experiments.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
+    from experiments.paper.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
     from ptd_jax.config import PAPER_TABLE_1
 
     assert {r.name: r.published_tflops_per_gpu for r in PAPER_TABLE_1} == PUBLISHED_TFLOPS_PER_GPU

@@ -5,8 +5,8 @@ XLA:GPU's compiled memory of the same training step (`ptd_jax/aot`), for (model,
 
 Needs the gpu-compile extra; no GPU. The compiled figure is arguments + outputs − aliased (the donated state) +
 temporaries, per GPU, of the train step; the predicted one is the planner's total for the fuller pipeline stage.
-Also reported: the distributed optimizer's bytes per parameter (compiled state arguments and the whole step's
-bytes over the parameters a GPU holds), beside Megatron's 6 + 12/d.
+Also reported: the state's bytes per parameter with and without the distributed optimizer (the step compiled
+with negligible activations), beside Megatron's 18 and 6 + 12/d for bf16.
 """
 
 from __future__ import annotations
@@ -61,6 +61,26 @@ def run_case(name: str) -> dict:
             "compile_time_s": train.compile_time_s}
 
 
+def state_bytes_per_param(d: int, distributed: bool, target: str = "h100-sxm") -> dict:
+    """Compiled bytes per parameter of the 1.3B train step at d data-parallel GPUs with the activations made
+    negligible (sequence 16, one microbatch): the state — weights, gradients, optimizer — as XLA allocates it."""
+    from ptd_jax.aot.compile import compile_steps
+    from ptd_jax.aot.targets import TARGETS
+    from ptd_jax.aot.verify import gpu_model_config
+    from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
+    from ptd_jax.perf.memory import memory_per_gpu
+
+    cfg = gpu_model_config(model_preset("1.3b").replace(dtype="bfloat16", seq_length=16))
+    parallel = ParallelConfig.for_devices(d, micro_batch_size=1, global_batch_size=d,
+                                          use_distributed_optimizer=distributed)
+    params = memory_per_gpu(cfg, parallel, "none")["params"]
+    _, (train,) = compile_steps(cfg, parallel, TrainConfig(), TARGETS[target], d, evaluation=False)
+    return {"d": d, "distributed_optimizer": distributed, "params": params,
+            "compiled_bytes_per_param": train.memory["total"] / params,
+            "arguments_bytes_per_param": train.memory["arguments"] / params,
+            "megatron_bytes_per_param": 6 + 12 / d if distributed else 18}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
@@ -74,7 +94,12 @@ def main(argv=None) -> None:
         print(f"{name}: predicted {row['predicted_gib']['total']:.2f} GiB, compiled {row['compiled_gib']['total']:.2f}"
               f" GiB (args {row['compiled_gib']['arguments']:.2f}, temp {row['compiled_gib']['temporaries']:.2f}), "
               f"ratio {row['ratio_predicted_over_compiled']:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
-    write_json(args.out, {"rows": rows}, end="\n")
+    state = [state_bytes_per_param(d, distributed) for d in (2, 8) for distributed in (False, True)]
+    for row in state:
+        print(f"state at d={row['d']} distributed={row['distributed_optimizer']}: "
+              f"{row['compiled_bytes_per_param']:.2f} bytes/param compiled, "
+              f"Megatron {row['megatron_bytes_per_param']:.2f}")
+    write_json(args.out, {"rows": rows, "state_bytes_per_param": state}, end="\n")
 
 
 if __name__ == "__main__":

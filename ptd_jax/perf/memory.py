@@ -12,17 +12,21 @@ bf16: weights 2 + fp32 gradients 4 (Megatron's arguments.py forces `accumulate_a
 + master weights 4 + moments 8. `ModelConfig.dtype` "float16" selects fp16; any other dtype is planned as bf16
 mixed precision (the presets' peaks are 16-bit).
 
-Activations at 16 bits, per layer and microbatch, per GPU (Korthikanti et al., Table 2; s sequence, b micro batch,
-h hidden, a heads, t tensor-parallel size):
-    no recomputation       s b h (10 + 24/t + 5 a s/(h t))        with sequence parallelism  s b h (34 + 5 a s/h)/t
-    selective              s b h (10 + 24/t)                                                 34 s b h / t
-    full                   2 s b h (each layer's input only)                                 2 s b h / t
-  plus, under "full", one layer's activations without recomputation (rebuilt during its backward). The attention
-  scores (the 5 a s/(h t) term) count only where the XLA backend materialises them; the flash kernels do not.
-Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots on every pipeline rank (one
-SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v) layers. `stash_slots` gives
-that count: closed forms of the lockstep table (`ptd_jax.parallel.pipeline.build`), checked against it in
-tests/test_perf.py, because building the table takes seconds at the planner's sizes (p = 64, m = 1536). The last
+Activations per layer and microbatch, per GPU, as the program stores them (s sequence, b micro batch, h hidden,
+a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's compiled steps
+(`experiments/bench/aot_memory.py`) and compared with Korthikanti et al.'s Table 2 for Megatron:
+    policy      this program, flash attention     with sequence parallelism     Megatron (no SP)
+    none        s b h (8 + 16/t)                  s b h (4 + 20/t)              s b h (10 + 24/t + 5as/(ht))
+    selective   s b h (8 + 18/t)                  s b h (4 + 22/t)              s b h (10 + 24/t)
+    full        2 s b h (each layer's input)      2 s b h / t                   2 s b h
+  `none` keeps the outputs of matmuls and collectives only (the GeLU, LayerNorms and dropouts are recomputed), so
+  it stores less than Megatron at t = 1 but keeps the whole residual stream and LayerNorm outputs (8 s b h) on every
+  tensor rank; with the XLA attention backend the float32 scores 4 a s²b/t replace the attention output. Under
+  "full", one layer's activations without recomputation are added (rebuilt during its backward).
+Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots and a trash slot on every
+pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v) layers.
+`stash_slots` gives the table's count in closed forms (`ptd_jax.parallel.pipeline.build`'s `num_act_slots`,
+checked against it in tests/test_perf.py: building the table takes seconds at the planner's sizes). The last
 stage adds the fp32 logits of the loss, 4 s b V/t. The model leaves out the CUDA context, NCCL buffers, XLA's
 temporaries and fragmentation (`Hardware.usable_memory`), so a run it admits may still not fit.
 """
@@ -74,15 +78,30 @@ def state_bytes_per_param(parallel: ParallelConfig, cfg: ModelConfig | None = No
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
-    """Bytes one layer keeps for its backward, per microbatch and GPU (the table in the module docstring)."""
+    """Bytes one layer stashes for its backward, per microbatch and GPU: what `model.remat_layer`'s policies keep
+    in the executor's stash (the module docstring's table), at the compute dtype's 2 bytes."""
     s, b, h, a = cfg.seq_length, parallel.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     t, sp = parallel.tensor_model_parallel_size, parallel.sequence_parallel
+    sbh = s * b * h
     if recompute == "full":
-        return 2 * s * b * h / (t if sp else 1)
-    linear = 34 / t if sp else 10 + 24 / t
-    materialised = recompute == "none" and cfg.attention_backend == "xla"
-    scores = 5 * a * s / (h * t) if materialised else 0.0
-    return s * b * h * (linear + scores)
+        return 2 * sbh / (t if sp else 1)
+    split = 16 / t  # q, k, v, the attention output and fc1's output: split over the heads / the ffn dim
+    # the layer's input, the residual after attention and the two LayerNorm outputs: whole without sequence
+    # parallelism; with it the first two are 1/t and the LayerNorm outputs are kept all-gathered, whole
+    stream = 4 + 4 / t if sp else 8
+    if recompute == "selective":  # the attention core's output is kept by name, beside the projection's input
+        return sbh * (stream + split + 2 / t)
+    if cfg.attention_backend == "xla":  # the float32 scores are kept, the attention output is recomputed
+        return sbh * (stream + split - 2 / t) + 4 * a * s * s * b / t
+    return sbh * (stream + split)
+
+
+def stash_buffer_slots(parallel: ParallelConfig) -> int:
+    """Slots the executor allocates: the table's slots and a trash slot (idle cells write there), or one slot
+    when a single microbatch runs without a table."""
+    if parallel.pipeline_model_parallel_size == 1 and parallel.num_microbatches == 1:
+        return 1
+    return stash_slots(parallel) + 1
 
 
 def stash_slots(parallel: ParallelConfig) -> int:
@@ -111,9 +130,10 @@ def _table_slots(schedule: str, p: int, v: int, m: int, group: int) -> int:
 
 
 def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Layers' worth of one microbatch's activations a pipeline rank stashes: `stash_slots` chunks of l/(p v)."""
+    """Layers' worth of one microbatch's activations a pipeline rank stashes: `stash_buffer_slots` chunks of
+    l/(p v) layers."""
     chunk = cfg.num_layers / (parallel.pipeline_model_parallel_size * parallel.virtual_pipeline_stages)
-    return stash_slots(parallel) * chunk
+    return stash_buffer_slots(parallel) * chunk
 
 
 def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = "full") -> dict[str, float]:
