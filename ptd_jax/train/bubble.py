@@ -14,7 +14,7 @@ makespans is `simulated_two_point`: it equals the simulated bubble whenever the 
 Honest limits: c also holds what every step pays once (the gradient reduction, the optimizer update), so the
 measured figure is an upper bound of the pipeline's own bubble; and on fake CPU devices the devices share the
 host's cores, so step time follows the total work of all ranks and a bubble need not show at all: an idle rank
-frees the cores for the busy ones (experiments/fig_bubble.py measured T(m) proportional to m at p = 4). The
+frees the cores for the busy ones (experiments/paper/fig_bubble.py measured T(m) proportional to m at p = 4). The
 figure means what the paper's does on real devices only.
 `time_alternating` and `two_point` also serve experiments/ (the bubble figure, on gradient steps).
 """
