@@ -46,7 +46,7 @@ def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):
     from ptd_jax.cli import train as cli
 
     args = cli.build_parser().parse_args([])
-    monkeypatch.setattr(cli, "accelerator_installed", lambda: False)
+    monkeypatch.setattr(cli.platform, "accelerator_present", lambda: False)
     assert cli.apply_demo_layout(args)
     cli.fill_defaults(args)
     cfg = cli.model_config_from_args(args)
@@ -57,7 +57,8 @@ def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):
     assert parallel.pipeline_schedule == "interleaved" and parallel.num_microbatches == 4
     # any layout flag, or an accelerator, turns the demo layout off
     assert not cli.apply_demo_layout(cli.build_parser().parse_args(["--fake-devices", "1"]))
-    monkeypatch.setattr(cli, "accelerator_installed", lambda: True)
+    assert not cli.apply_demo_layout(cli.build_parser().parse_args(["--compile-only"]))
+    monkeypatch.setattr(cli.platform, "accelerator_present", lambda: True)
     assert not cli.apply_demo_layout(cli.build_parser().parse_args([]))
 
 
@@ -65,8 +66,7 @@ def test_kernel_flags_default_to_the_kernels_on_gpus_only(monkeypatch):
     from ptd_jax.cli import train as cli
 
     def config(argv, gpu):
-        monkeypatch.setattr(cli, "accelerator_installed", lambda: gpu)
-        monkeypatch.setattr(cli, "_tpu_only", lambda: False)
+        monkeypatch.setattr(cli.platform, "gpu_present", lambda: gpu)
         return cli.model_config_from_args(cli.build_parser().parse_args(argv))
 
     assert (config([], gpu=False).attention_backend, config([], gpu=False).fused_kernels) == ("xla", False)

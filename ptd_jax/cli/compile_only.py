@@ -66,7 +66,7 @@ def run(args, model_cfg, parallel, train_cfg) -> int:
     result = summary(model_cfg, parallel, target, parallel.num_devices, programs)
     print(json.dumps(result) if args.json else describe(result))
     if not result["fits"]:
-        print(f"ptd-train: the step needs {result['memory_bytes_per_gpu']:,} bytes per GPU but a {target.name} has "
+        print(f"ptd-train: the step needs {result['memory_bytes_per_gpu']:,} bytes per GPU but one {target.name} has "
               f"{target.memory_bytes:,}", file=sys.stderr)
         return 1
     return 0

@@ -7,8 +7,6 @@ Bad input exits with code 2 and one line on stderr naming the values. The last s
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -23,7 +21,8 @@ from ptd_jax.data import DataError, IndexedDataset, parse_split
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer, training_tokenizer
 from ptd_jax.perf.memory import check_fits
-from ptd_jax.runtime import multiprocess
+from ptd_jax.cli import compile_only
+from ptd_jax.runtime import multiprocess, platform
 from ptd_jax.runtime.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
 from ptd_jax.cli.precision import add_precision_args, compute_dtype, train_config_fields
 
@@ -41,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "Open MPI, else one process)"))
     add_training_args(p.add_argument_group("training"))
     add_data_args(p.add_argument_group("data, checkpoints, logging"))
+    compile_only.add_args(p)
     return p
 
 
@@ -149,14 +149,6 @@ def add_data_args(g) -> None:
 
 DEMO_LAYOUT = {"fake_devices": 8, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                "num_layers_per_virtual_pipeline_stage": 1, "pipeline_schedule": "interleaved", "micro_batch_size": 2}
-_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin", "libtpu")
-
-
-def accelerator_installed() -> bool:
-    """Whether a GPU/TPU plugin for JAX is installed (checked without starting a JAX backend)."""
-    if any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_PLUGINS):
-        return True
-    return bool(list(importlib.metadata.entry_points(group="jax_plugins")))
 
 
 def apply_demo_layout(args) -> bool:
@@ -164,7 +156,8 @@ def apply_demo_layout(args) -> bool:
     simulated CPU devices: d=2, p=2 (interleaved, v=2), t=2."""
     layout_flags = ("fake_devices", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                     "num_layers_per_virtual_pipeline_stage")
-    if any(getattr(args, name) is not None for name in layout_flags) or accelerator_installed():
+    if any(getattr(args, name) is not None for name in layout_flags) or args.compile_only or \
+            platform.accelerator_present():
         return False
     for name, value in DEMO_LAYOUT.items():
         if name == "pipeline_schedule" and args.pipeline_schedule != "1f1b":
@@ -195,22 +188,10 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
         gelu_approximate=args.gelu == "tanh", dtype=compute_dtype(args),
-        attention_backend=args.attention_backend or default_attention_backend(),
-        fused_kernels=args.fused_kernels if args.fused_kernels is not None else _gpu_installed(),
+        # the kernels are the default on GPUs (`check_default_kernels` tests them first), XLA's elsewhere
+        attention_backend=args.attention_backend or ("pallas" if platform.gpu_present() else "xla"),
+        fused_kernels=args.fused_kernels if args.fused_kernels is not None else platform.gpu_present(),
     )
-
-
-def default_attention_backend() -> str:
-    """pallas on GPUs, xla elsewhere (checked without starting a JAX backend)."""
-    return "pallas" if _gpu_installed() else "xla"
-
-
-def _gpu_installed() -> bool:
-    return accelerator_installed() and not _tpu_only()
-
-
-def _tpu_only() -> bool:
-    return importlib.util.find_spec("libtpu") is not None
 
 
 def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) -> ParallelConfig:
@@ -338,11 +319,14 @@ def check_backend(model_cfg: ModelConfig) -> None:
                           f"{jax.default_backend()!r} (use xla or pallas)")
 
 
-def run(argv=None) -> dict:
-    """Parse, validate and train; raises ConfigError/DataError/IndexedDatasetError on bad input."""
+def run(argv=None) -> dict | int:
+    """Parse, validate and train (the summary), or compile only (the exit code); raises ConfigError/DataError/
+    IndexedDatasetError on bad input."""
     args = build_parser().parse_args(argv)
     demo = apply_demo_layout(args)
     fill_defaults(args)
+    if args.compile_only:
+        return compile_for_target(args)
     start_backend(args)
     import logging
 
@@ -368,6 +352,17 @@ def run(argv=None) -> dict:
               "(interleaved 1F1B, v=2) on 8 simulated CPU devices (--fake-devices 1 for a single device)",
               file=sys.stderr)
     return train(model_cfg, parallel, train_cfg, run_options(args, tokenizer))
+
+
+def compile_for_target(args) -> int:
+    """--compile-only: the configs as on --num-gpus GPUs of --target, the kernels' defaults as a GPU resolves them."""
+    if args.fake_devices is not None:
+        raise ConfigError(f"--compile-only compiles for --target GPUs: drop fake_devices={args.fake_devices}")
+    tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
+    model_cfg = model_config_from_args(args, tokenizer).replace(**compile_only.gpu_defaults(args))
+    num_gpus = args.num_gpus or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    return compile_only.run(args, model_cfg, parallel_config_from_args(args, model_cfg, num_gpus),
+                            train_config_from_args(args))
 
 
 def start_backend(args) -> None:
@@ -416,6 +411,8 @@ def _main(argv) -> int:
 
     try:
         summary = run(argv)
+        if isinstance(summary, int):  # --compile-only: its exit code; it printed its own summary
+            return summary
     except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-train: error: {err}", file=sys.stderr)
         return 2
