@@ -212,7 +212,8 @@ def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None, recompute: str = "
 
 RECOMPUTED_PRIMITIVES = frozenset({
     "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "log", "log1p", "expm1", "tanh", "logistic",
-    "rsqrt", "sqrt", "square", "integer_pow", "pow", "erf", "select_n", "clamp", "and", "or", "not", "xor", "shift_left",
+    "rsqrt", "sqrt", "square", "integer_pow", "pow", "erf", "select_n", "clamp", "and", "or", "not", "xor",
+    "shift_left",
     "shift_right_logical", "shift_right_arithmetic", "eq", "ne", "lt", "le", "gt", "ge", "convert_element_type",
     "bitcast_convert_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
     "concatenate", "pad", "iota", "copy", "copy_p", "reduce_sum", "reduce_max", "reduce_min", "stop_gradient", "pvary",

@@ -69,7 +69,7 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 
     def support(**kw):
         keys = jax.random.split(jax.random.key(0), 400)
-        return set(int(sample(logits, k, 1.0, kw.get("top_k"), kw.get("top_p"))[0]) for k in keys)
+        return {int(sample(logits, k, 1.0, kw.get("top_k"), kw.get("top_p"))[0]) for k in keys}
 
     assert support(top_p=0.8) == {0, 1}  # .5 + .3 reaches .8
     assert support(top_p=0.81) == {0, 1, 2}

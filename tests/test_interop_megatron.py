@@ -123,7 +123,8 @@ def test_loss_gradients_equal_megatron_cores_gptmodel(megatron):
     tokens = _tokens()
     model = _loaded(megatron, params)
     logits = _megatron_forward(model, tokens)
-    their_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), torch.tensor(tokens[:, 1:]).reshape(-1))
+    their_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V),
+                                                 torch.tensor(tokens[:, 1:]).reshape(-1))
     their_loss.backward()
     theirs = {k: p.grad.numpy() for k, p in model.named_parameters()}
 
@@ -161,8 +162,8 @@ def test_from_megatron_inverts_to_megatron_and_reads_megatrons_own_init(megatron
     model = megatron(CFG, V).float()
     with torch.no_grad():
         theirs = _megatron_forward(model, _tokens()).numpy()
-    ours = np.asarray(gpt.logits(from_megatron({f"module.{k}": v for k, v in model.state_dict().items()}, CFG), _tokens(),
-                                 CFG))
+    state = {f"module.{k}": v for k, v in model.state_dict().items()}
+    ours = np.asarray(gpt.logits(from_megatron(state, CFG), _tokens(), CFG))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     state = to_megatron(params, CFG)
     with pytest.raises(ConfigError, match="has no tensor 'decoder.layers.1.mlp.linear_fc2.bias'"):

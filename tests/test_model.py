@@ -151,7 +151,7 @@ def test_layer_keeps_matmul_outputs_and_recomputes_the_elementwise_work():
         want = jax.grad(lambda p, x: jnp.sum(plain(p, x, key) ** 2), (0, 1))(p, x)
         for r in ("none", "selective", "full"):
             layer = gpt.remat_layer(lambda p, x, k, r=r: gpt.transformer_layer(p, x, cfg, k, r), r)
-            got = jax.grad(lambda p, x: jnp.sum(layer(p, x, key) ** 2), (0, 1))(p, x)
+            got = jax.grad(lambda p, x, layer=layer: jnp.sum(layer(p, x, key) ** 2), (0, 1))(p, x)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-13, err_msg=r)
 

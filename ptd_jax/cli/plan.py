@@ -10,8 +10,8 @@
 
 Model flags are ptd-train's (Megatron's names; unset ones come from --model-preset, default paper-1.7b, whose
 sequence 2048 is the paper's; its GPT-2 vocabulary of 50,257 pads to the paper's 51,200 at t = 8, as Megatron
-pads). `tflops_per_gpu` is the paper's eq. (3) figure (comparable with its Table 1); `model_tflops_per_gpu` and `mfu` count model FLOPs without recomputation. Bad input: one line
-naming the values, exit 2.
+pads). `tflops_per_gpu` is the paper's eq. (3) figure (comparable with its Table 1); `model_tflops_per_gpu` and
+`mfu` count model FLOPs without recomputation. Bad input: one line naming the values, exit 2.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
 
 T = TypeVar("T")
 

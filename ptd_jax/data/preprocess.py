@@ -1,4 +1,5 @@
-"""Preprocessing (`ptd-preprocess`, `cli/preprocess.py`): text files, folders or JSONL -> a Megatron .bin/.idx pair (tokens, EOD appended).
+"""Preprocessing (`ptd-preprocess`, `cli/preprocess.py`): text files, folders or JSONL -> a Megatron .bin/.idx pair
+(tokens, EOD appended).
 
 Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]
 [--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file vocab.json --merge-file merges.txt]`. Token ids

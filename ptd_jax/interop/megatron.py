@@ -43,7 +43,8 @@ def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> di
         for ln in ("ln1", "ln2"):
             for ours, theirs in _LN_FIELDS.items():
                 out[h + _MEGATRON_LN[layer_spec][ln].format(theirs)] = f32(lay[ln][ours][i])
-        a, m = {k: np.asarray(v[i]) for k, v in lay["attn"].items()}, {k: np.asarray(v[i]) for k, v in lay["mlp"].items()}
+        a = {k: np.asarray(v[i]) for k, v in lay["attn"].items()}
+        m = {k: np.asarray(v[i]) for k, v in lay["mlp"].items()}
         out.update({
             h + "self_attention.linear_qkv.weight": f32(a["qkv_kernel"].reshape(D, 3, H, K).transpose(2, 1, 3, 0)
                                                         .reshape(3 * D, D)),
@@ -100,7 +101,8 @@ def from_megatron(state: dict, model_cfg: ModelConfig) -> dict:
         **ln,
         "attn": {"qkv_kernel": qkv_w.reshape(L, H, 3, K, D).transpose(0, 4, 2, 1, 3),
                  "qkv_bias": qkv_b.reshape(L, H, 3, K).transpose(0, 2, 1, 3),
-                 "out_kernel": stack("self_attention.linear_proj.weight", (D, D)).transpose(0, 2, 1).reshape(L, H, K, D),
+                 "out_kernel": stack("self_attention.linear_proj.weight", (D, D)).transpose(0, 2, 1).reshape(
+                     L, H, K, D),
                  "out_bias": stack("self_attention.linear_proj.bias", (D,))},
         "mlp": {"fc1_kernel": stack("mlp.linear_fc1.weight", (F, D)).transpose(0, 2, 1),
                 "fc1_bias": stack("mlp.linear_fc1.bias", (F,)),

@@ -32,7 +32,7 @@ def data_dim(spec: P, shape: tuple[int, ...], d: int) -> int | None:
     (the leaf stays replicated). Outermost, because an all-gather concatenates along its most major dim: gathered
     along an inner dim, the copy comes out in a layout with that dim major, and XLA transposes it back (a second
     copy of the leaf in the compute dtype, measured in `experiments/bench/bench_optimizer_memory.py`)."""
-    dims = list(tuple(spec)) + [None] * (len(shape) - len(tuple(spec)))
+    dims = list(spec) + [None] * (len(shape) - len(tuple(spec)))
     free = [i for i, (n, axis) in enumerate(zip(shape, dims)) if axis is None and n % d == 0 and n >= d]
     return free[0] if free and d > 1 else None
 
@@ -41,7 +41,7 @@ def shard_spec(spec: P, shape: tuple[int, ...], d: int) -> P:
     dim = data_dim(spec, shape, d)
     if dim is None:
         return spec
-    dims = list(tuple(spec)) + [None] * (len(shape) - len(tuple(spec)))
+    dims = list(spec) + [None] * (len(shape) - len(tuple(spec)))
     dims[dim] = DATA
     return P(*dims)
 

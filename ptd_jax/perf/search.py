@@ -29,7 +29,7 @@ layout needs b = 2: the rankings restricted to plain 1F1B and to b = 1 show both
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from collections.abc import Callable
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import GIB, Hardware
@@ -249,7 +249,8 @@ class Knob:
 
 
 KNOBS = (
-    Knob("nvlink_bus_bandwidth", "NVLink bus bandwidth (nvlink_efficiency × nvlink_bandwidth: every intra-node transfer)",
+    Knob("nvlink_bus_bandwidth",
+         "NVLink bus bandwidth (nvlink_efficiency × nvlink_bandwidth: every intra-node transfer)",
          "bytes/s",
          lambda hw: hw.nvlink_efficiency * hw.nvlink_bandwidth,
          lambda hw, x: replace(hw, nvlink_bandwidth=x / hw.nvlink_efficiency)),

@@ -14,8 +14,8 @@ Per microbatch, on the bottleneck pipeline rank (the last: its l/p layers plus t
   all-reduces. `details["recompute_split_s"]` gives the three parts;
 - tensor parallelism: 2 all-reduces of b·s·h 16-bit values per layer forward and 2 backward (§3.2), plus the
   output layer's backward all-reduce (its f operator) on the last stage (and the embedding's at p = 1), a ring on
-  NVLink when t fits in a node, on InfiniBand otherwise, at NCCL's bus bandwidth and latency (hardware.py); with sequence parallelism
-  reduce-scatter + all-gather, the same bytes;
+  NVLink when t fits in a node, on InfiniBand otherwise, at NCCL's bus bandwidth and latency (hardware.py); with
+  sequence parallelism reduce-scatter + all-gather, the same bytes;
 - gradient accumulation: each microbatch's weight gradients are added into the gradient buffer, a memory-bound
   pass over all of the GPU's parameters (Megatron-LM's DDP hook `param.main_grad.add_(param.grad.data)`, or
   PyTorch's AccumulateGrad without contiguous buffers): read the new gradient (2 bytes) and the buffer, write the

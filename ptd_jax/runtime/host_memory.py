@@ -37,7 +37,7 @@ def _mallopt():
         return None
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: musl's mallopt does nothing
+        _ = libc.gnu_get_libc_version  # glibc only (AttributeError elsewhere): musl's mallopt does nothing
         return libc.mallopt
     except (OSError, AttributeError):
         return None

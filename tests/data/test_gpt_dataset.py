@@ -36,7 +36,7 @@ def test_samples_are_windows_of_the_shuffled_document_stream(small_corpus):
 def test_batches_run_through_many_epochs_when_the_corpus_is_small(small_corpus):
     data = make_data(small_corpus)
     per_epoch = data.train.samples_per_epoch
-    assert 2000 * 8 > 20 * per_epoch  # 2000 iterations of 8 samples: over 20 passes over the corpus
+    assert 20 * per_epoch < 2000 * 8  # 2000 iterations of 8 samples: over 20 passes over the corpus
     assert data.train_batch(1999).tokens.shape == (8, 32)
     across = data.train_samples(per_epoch - 3, 8).tokens  # a batch that straddles epochs 0 and 1
     np.testing.assert_array_equal(across[:3], data.train.batch(per_epoch - 3, 3)[:, :-1])

@@ -102,10 +102,10 @@ def test_bad_dtype_code_and_version(tmp_path):
 
 
 def test_failed_write_leaves_nothing(tmp_path):
-    with pytest.raises(IndexedDatasetError, match=r"do not fit dtype=uint8"):
-        with IndexedDatasetWriter(tmp_path / "ds", dtype=np.uint8) as writer:
-            writer.add_document([1, 2])
-            writer.add_document([300])
+    with pytest.raises(IndexedDatasetError, match=r"do not fit dtype=uint8"), \
+            IndexedDatasetWriter(tmp_path / "ds", dtype=np.uint8) as writer:
+        writer.add_document([1, 2])
+        writer.add_document([300])
     assert list(tmp_path.iterdir()) == []
 
 

@@ -10,8 +10,10 @@ import pytest
 from ptd_jax.data.tokenizer import (ByteTokenizer, GPT2BPETokenizer, TokenizerError, build_tokenizer,
                                     from_description)
 
-TEXTS = ["def fibonacci(n):\n    return a", "  two  spaces,\ttab\n\nand 'quotes' don't",
-         "héllo wörld ✓ 日本語 🙂", "The quick brown fox jumps over the lazy dog.", "x = [1, 2, 3]  # numbers 12345", ""]
+TEXTS = ["def fibonacci(n):\n    return a",
+         "  two  spaces,\ttab\n\nand 'quotes' don't",
+         "héllo wörld ✓ 日本語 🙂", "The quick brown fox jumps over the lazy dog.",
+         "x = [1, 2, 3]  # numbers 12345", ""]
 
 
 def test_byte_tokenizer_round_trip():
