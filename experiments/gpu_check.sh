@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~560 s:
-# at most 360 s of kernels, 90 s of the executor, 60 s of the memory bench and, on one GPU, seconds for the
+# at most 360 s of kernels, 90 s of the executor, 60 + 90 s of the memory checks and, on one GPU, seconds for the
 # probe's "skipped"; with 4 GPUs
 # the probe and the pipeline benchmark add up to 360 s: set BENCH_TIMEOUT_S lower).
 # Everything lands under $OUT (or experiments/results/ without it); each step's JSON is written as it goes,
@@ -26,6 +26,11 @@ echo "executor bench exit: ${PIPESTATUS[0]}"
 timeout "${MEMORY_TIMEOUT_S:-60}" "${PYTHON:-python}" -m experiments.bench.bench_optimizer_memory --dtypes bfloat16 \
     --data-sizes 1 --out "$out/optimizer_memory_gpu.json" 2>&1 | tail -n 3
 echo "memory bench exit: ${PIPESTATUS[0]}"
+# 3c. the 1.3B-shaped step's memory: compiled for this GPU, compiled ahead of time for the described target (what
+#     ptd-train --compile-only says without a GPU), the device's peak after two steps, the planner's prediction
+timeout "${GPU_MEMORY_TIMEOUT_S:-90}" "${PYTHON:-python}" -m experiments.bench.gpu_memory_check \
+    --out "$out/gpu_memory_check.json" 2>&1 | tail -n 2
+echo "gpu memory check exit: ${PIPESTATUS[0]}"
 # 4. pipe-divergent branches (per-rank) against uniform on 4 devices, with a hang timeout; with fewer than 4 GPUs it
 #    says "skipped" at once. 5. the p = 4 pipeline benchmark (interleaved vs 1F1B, both branchings), when 4 GPUs
 #    exist; skipped otherwise.
