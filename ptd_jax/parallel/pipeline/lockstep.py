@@ -38,6 +38,7 @@ class Schedule:
     num_act_slots: int = 0
     num_grad_slots: int = 0
     peak_stash: list[int] = field(default_factory=list)     # per rank: most microbatches held at once (a slot each)
+    forward_only: bool = False                              # forwards alone (evaluation): `build_forward_only`
 
     @property
     def ticks(self) -> int:
@@ -115,8 +116,8 @@ class _Placement:
     """The slots of the actions placed so far: where each pending F's input and each pending B's gradient will be,
     and how many microbatches each rank holds."""
 
-    def __init__(self, p: int, v: int):
-        self.p, self.v = p, v
+    def __init__(self, p: int, v: int, forward_only: bool = False):
+        self.p, self.v, self.forward_only = p, v, forward_only
         self.act, self.grad = _SlotPool(p), _SlotPool(p)
         self.act_slot: dict[tuple[int, Action], int] = {}   # (rank, F action) -> slot holding its input
         self.grad_slot: dict[tuple[int, Action], int] = {}  # (rank, B action) -> slot holding its output gradient
@@ -125,11 +126,15 @@ class _Placement:
 
     def forward(self, r: int, a: Action, cell: Cell) -> None:
         """F: its input's slot (on virtual stage 0 a new one: the embedding, made in this tick and stashed for the
-        backward), and a slot on the next virtual stage's rank for its output."""
+        backward; none without a backward, where the embedding goes straight into the chunk), and a slot on the
+        next virtual stage's rank for its output."""
         stage = a.chunk * self.p + r
         if stage == 0:
-            self.act_slot[(r, a)] = self.act.alloc(r)
-        cell.in_slot = self.act_slot[(r, a)]
+            if self.forward_only:
+                self.act_slot[(r, a)] = -1
+            else:
+                self.act_slot[(r, a)] = self.act.alloc(r)
+        cell.in_slot = self.act_slot.pop((r, a)) if self.forward_only else self.act_slot[(r, a)]
         self.held[r] += 1
         self.peak[r] = max(self.peak[r], self.held[r])
         if stage < self.p * self.v - 1:
@@ -152,12 +157,15 @@ class _Placement:
             cell.recv_slot = slot
 
     def release(self, row: list[Cell], kind: str) -> None:
-        """Free the slots this tick's backwards read (reads happen before writes within a tick)."""
-        if kind != "B":
+        """Free the slots this tick's backwards read, or, without backwards (evaluation), the slots its forwards
+        read: nothing is kept for a backward, so evaluation holds a number of slots that does not grow with m.
+        Reads happen before writes within a tick, and the freed slots are reused from the next tick on."""
+        if kind != "B" and not self.forward_only:
             return
         for r, cell in enumerate(row):
             if cell.action is not None:
-                self.act.release(r, cell.in_slot)
+                if cell.in_slot >= 0:
+                    self.act.release(r, cell.in_slot)
                 self.held[r] -= 1
                 if cell.grad_slot >= 0:
                     self.grad.release(r, cell.grad_slot)
@@ -186,16 +194,18 @@ def _deliver(row: list[Cell], kind: str) -> None:
         row[r].recv_slot = recv[r]
 
 
-def lockstep(name: str, orders: list[list[Action]], p: int, v: int, m: int, group: int) -> Schedule:
+def lockstep(name: str, orders: list[list[Action]], p: int, v: int, m: int, group: int,
+             forward_only: bool = False) -> Schedule:
     """Place the per-rank orders on global ticks of one kind each, assigning buffer slots.
 
     Each tick runs the kind of the ready action (dependencies done at earlier ticks) of the highest ready rank:
     the stage furthest down the pipeline sits on the critical path, and following it reaches the formula bubble
     for GPipe, 1F1B (lockstep warm-up) and interleaved 1F1B, where 'most ready ranks' or 'backward first' reach
     about twice the formula (p=4, v=2, m=8: 0.188 against 0.333-0.438). A rank whose next action is of the other
-    kind, or not ready, idles."""
-    sched = Schedule(name, p, v, m, group, orders)
-    placement = _Placement(p, v)
+    kind, or not ready, idles. `forward_only`: the orders hold forwards alone (evaluation), and a slot is freed
+    once its forward has read it."""
+    sched = Schedule(name, p, v, m, group, orders, forward_only=forward_only)
+    placement = _Placement(p, v, forward_only)
     done: dict[tuple[int, Action], int] = {}
     pos = [0] * p
     total = sum(len(o) for o in orders)
@@ -229,15 +239,18 @@ def build(name: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -
 
 
 def build_forward_only(name: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -> Schedule:
-    """The forwards of a schedule alone (evaluation): same per-rank order, no backwards, no stash reuse."""
+    """The forwards of a schedule alone (evaluation): same per-rank order, no backwards. A slot holds a chunk's
+    input from its arrival to its forward only, so the slots (`num_act_slots`) do not grow with m; virtual stage
+    0's cells read none (in_slot -1: the trash, which the embedding replaces)."""
     g = check_request(name, p, v, m, group)
     orders = [[a for a in order if a.kind == "F"] for order in build_orders(name, p, v, m, group)]
-    return lockstep(name, orders, p, v, m, g)
+    return lockstep(name, orders, p, v, m, g, forward_only=True)
 
 
 def validate(sched: Schedule) -> None:
-    """Every F and B exactly once per (virtual stage, microbatch); every B after its F; every dependency at an
-    earlier tick; every read from a slot written earlier and not overwritten before it is read."""
+    """Every F and B (F alone in a table of forwards only) exactly once per (virtual stage, microbatch); every B
+    after its F; every dependency at an earlier tick; every read from a slot written earlier and not overwritten
+    before it is read."""
     p, v, m = sched.p, sched.v, sched.m
     seen: dict[tuple[int, Action], int] = {}
     for t, row in enumerate(sched.cells):
@@ -246,7 +259,8 @@ def validate(sched: Schedule) -> None:
                 if cell.action.kind != sched.kinds[t]:
                     raise ScheduleError(f"tick {t} is {sched.kinds[t]} but rank {r} runs {cell.action}")
                 seen[(r, cell.action)] = t
-    expected = {(r, Action(k, c, i)) for r in range(p) for c in range(v) for i in range(m) for k in "FB"}
+    expected = {(r, Action(k, c, i)) for r in range(p) for c in range(v) for i in range(m)
+                for k in ("F" if sched.forward_only else "FB")}
     if set(seen) != expected:
         missing = sorted(expected - set(seen))[:3]
         raise ScheduleError(f"schedule {sched.name!r} misses or adds actions, e.g. {[(r, str(a)) for r, a in missing]}")

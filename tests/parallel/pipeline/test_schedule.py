@@ -81,6 +81,23 @@ def test_peak_stash(p, v, m):
     assert L.build("1f1b", p, 1, m).peak_stash == [min(2 * (p - 1 - s) + 1, m) for s in range(p)]
 
 
+@pytest.mark.parametrize("name, p, v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("interleaved", 2, 3),
+                                         ("1f1b", 8, 1)])
+def test_evaluation_slots_do_not_grow_with_m(name, p, v):
+    """A table of forwards only frees a slot once its forward has read it (no backward will): two slots per rank
+    (the one read this tick, the one arriving), whatever m, where holding every input until a B that never comes
+    took m·v (64 at p=4, m=64, training's 1F1B 7). Each read still finds its own input (`validate`)."""
+    slots = set()
+    for m in (8, 32, 64):
+        sched = L.build_forward_only(name, p, v, m)
+        L.validate(sched)
+        assert sched.forward_only and set(sched.kinds) == {"F"}
+        assert sched.peak_stash == [1] * p
+        slots.add(sched.num_act_slots)
+    assert slots == {2}
+    assert L.build_forward_only("1f1b", 4, 1, 64).num_act_slots < L.build("1f1b", 4, 1, 64).num_act_slots == 7
+
+
 def test_validator_catches_a_broken_schedule():
     sched = L.build("1f1b", 4, 1, 8)
     row = next(t for t, kind in enumerate(sched.kinds) if kind == "B" and sched.cells[t][0].action is not None)
