@@ -93,6 +93,18 @@ def at_schedule_step(opt_state, step: int):
     return jax.tree.map(set_count, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
 
 
+def schedule_count(opt_state):
+    """The learning-rate schedule's counter in `opt_state`: the updates applied so far. A skipped iteration (a
+    non-finite loss or gradients, `loss_scale.guarded_update`) does not advance it — as Megatron's
+    OptimizerParamScheduler, stepped only after a successful update — while the state's "step" does.
+    `learning_rate_schedule(cfg)(schedule_count(opt_state))` is the rate the next update applies."""
+    counts = [x.count for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+              if isinstance(x, optax.ScaleByScheduleState)]
+    if not counts:
+        raise ValueError("the optimizer state holds no learning-rate schedule (optax.ScaleByScheduleState)")
+    return counts[0]
+
+
 def new_state(params, optimizer: optax.GradientTransformation) -> State:
     return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, resolve_branching
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
-from ptd_jax.optimizer import learning_rate_schedule, new_state
+from ptd_jax.optimizer import learning_rate_schedule, new_state, schedule_count
 from ptd_jax.parallel import distributed_optimizer
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
@@ -222,8 +222,9 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
         if poison_steps:  # the test hook: a poisoned step's norm is inf, as a real overflow's
             loss, grads = poison(loss, grads, state["step"], poison_steps)
             grad_norm = sharding.global_norm(grads, specs["params"])
+        lr = lr_schedule(schedule_count(state["opt_state"]))  # applied (or, skipped, would have been): not "step"
         state, guard = guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg)
-        return state, {"lm_loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"] - 1), **guard}
+        return state, {"lm_loss": loss, "grad_norm": grad_norm, "lr": lr, **guard}
 
     batch = sharding.BATCH_SPEC
     metric_specs = {"lm_loss": P(), "grad_norm": P(), "lr": P(), "skipped": P(), "loss_scale": P()}

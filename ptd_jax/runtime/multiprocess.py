@@ -191,6 +191,27 @@ def stop_agreed(step: int) -> bool:
     return multihost_utils.reached_preemption_sync_point(step)
 
 
+def process_count() -> int:
+    """How many processes run (1 without jax.distributed)."""
+    import jax
+
+    return jax.process_count()
+
+
+def failed_processes(ok: bool) -> list[int]:
+    """The indices of the processes whose `ok` is False, the same list on every process: each must call it at the
+    same point (an all-gather of one flag over the processes). In a one-process run, [] or [0] without any
+    collective."""
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return [] if ok else [0]
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.asarray([0 if ok else 1], np.int32))).ravel()
+    return [int(i) for i in np.flatnonzero(flags)]
+
+
 def local_data_ranks(mesh) -> tuple[int, ...]:
     """The "data" coordinates that this process's devices hold (all of them in a one-process run)."""
     import jax

@@ -87,18 +87,28 @@ def time_alternating(steps: dict, rounds: int, cpu_times: dict | None = None) ->
     return times
 
 
-def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig, train_cfg, optimizer,
-            rounds: int = 3) -> dict:
-    """Time the run's `train_step` (at m) and the same step built at 2m on copies of `state` and a batch of the
-    run (tokens, labels, mask [M, d·b, S]; the 2m batch is the batch twice). Returns the two-point split, both
-    medians, the simulated bubble and its two-point figure."""
-    import jax
+def prepare_2m(state, batch, key, mesh, model_cfg, parallel: ParallelConfig, train_cfg, optimizer):
+    """(the train step at 2m, compiled; the batch twice): the part of the measurement that may fail on its own in
+    one process (a second program and batch that need not fit where the run does) and runs no collective."""
+    from ptd_jax.parallel.step import make_parallel_train_step
 
-    from ptd_jax.parallel.step import make_parallel_train_step, pipeline_schedule
-
-    start = time.perf_counter()
     twice = tuple(_twice(x) for x in batch)
     step_2m = make_parallel_train_step(mesh, model_cfg, doubled(parallel), train_cfg, optimizer, state)
+    return step_2m.lower(state, *twice, key).compile(), twice
+
+
+def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig, train_cfg, optimizer,
+            rounds: int = 3, prepared=None) -> dict:
+    """Time the run's `train_step` (at m) and the same step built at 2m on copies of `state` and a batch of the
+    run (tokens, labels, mask [M, d·b, S]; the 2m batch is the batch twice). Returns the two-point split, both
+    medians, the simulated bubble and its two-point figure. `prepared`: what `prepare_2m` returned (None: built
+    here)."""
+    import jax
+
+    from ptd_jax.parallel.step import pipeline_schedule
+
+    start = time.perf_counter()
+    step_2m, twice = prepared or prepare_2m(state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer)
 
     def fresh(b):
         return lambda: (jax.tree.map(lambda x: x.copy(), state), *b, key)  # the steps donate their state
@@ -150,7 +160,12 @@ at 2m)."""
 
 def after_first_step(enabled: bool | None, train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig,
                      train_cfg, optimizer, iterations_left: int, message) -> dict | None:
-    """The training loop's hook: measure and `message` the banner line, or return None when not measuring."""
+    """The training loop's hook: measure and `message` the banner line, or return None when not measuring.
+
+    The measurement needs a second program and a second copy of the state, which may not fit where the run does: a
+    failure skips it (one line) and training goes on. Several processes agree on that after each part (building the
+    2m step, timing): were one to skip while the others went on to run the 2m step, their collectives would no
+    longer pair up and the run would hang with its heartbeats alive."""
     if parallel.pipeline_model_parallel_size == 1:
         return None
     if enabled is None:
@@ -159,6 +174,36 @@ def after_first_step(enabled: bool | None, train_step, state, batch, key, mesh, 
         return None
     import jax
 
-    result = measure(train_step, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer)
+    prepared, err = _attempt(prepare_2m, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer)
+    if _skipped_by_any(err, message):
+        return None
+    result, err = _attempt(measure, train_step, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer,
+                           prepared=prepared)
+    if _skipped_by_any(err, message):
+        return None
     message(describe(result, fake_devices=jax.devices()[0].platform == "cpu"))
     return result
+
+
+def _attempt(fn, *args, **kwargs):
+    """(fn's result, None), or (None, the exception it raised)."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as err:  # noqa: BLE001 - a measurement, never a reason to stop training
+        return None, err
+
+
+def _skipped_by_any(err: Exception | None, message) -> bool:
+    """Whether any process failed (`err` is this one's failure): then `message` one line saying so. Every process
+    calls it at the same point, and all get the same answer (`multiprocess.failed_processes`)."""
+    from ptd_jax.runtime import multiprocess
+
+    failed = multiprocess.failed_processes(err is None)
+    if not failed:
+        return False
+    here = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}" if err is not None else ""
+    if multiprocess.process_count() > 1:
+        where = f"failed in process {', '.join(map(str, failed))} of {multiprocess.process_count()}"
+        here = f"{where}{'; here: ' + here if here else ''}"
+    message(f"pipeline: measured bubble skipped ({here})")
+    return True

@@ -4,7 +4,8 @@ A checkpoint is one orbax step folder with three items:
 - "params" and "opt_state": the state in the canonical form of `parallel/sharding.py` (layers [L, ...] in model
   order, the unpadded vocabulary, Adam moments alike), so a step written under any (d, p, t, v) loads under any
   other;
-- "meta" (JSON): iteration, consumed samples, the dropout key, the data configuration, the data's tokenizer (for
+- "meta" (JSON): iteration, the learning-rate schedule's step (the updates applied: skipped iterations do not
+  count), consumed samples, the dropout key, the data configuration, the data's tokenizer (for
   ptd-generate) and the run's configs.
 
 Saving is asynchronous: `Checkpointer.save` blocks only for the device-to-host copy, and orbax writes the step under
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.data import DataError, parse_split
-from ptd_jax.optimizer import at_schedule_step
+from ptd_jax.optimizer import at_schedule_step, schedule_count
 from ptd_jax.parallel import sharding
 
 FORMAT_VERSION = 1
@@ -92,7 +93,8 @@ class Checkpointer:
             # of that copy (a reshape and a slice), so it costs no device memory and no device time; orbax writes
             # it in the background.
             canonical = to_canonical(jax.device_get(body))
-        meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **meta}
+        meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
+                "schedule_step": int(schedule_count(state["opt_state"])), **meta}
         self._manager.save(iteration, args=ocp.args.Composite(
             params=ocp.args.StandardSave(canonical["params"]),
             opt_state=ocp.args.StandardSave(canonical["opt_state"]),
@@ -213,6 +215,14 @@ def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConf
     if not load_optim:  # fresh moments, but the learning rate goes on from the checkpoint's iteration
         state["opt_state"] = at_schedule_step(like_state["opt_state"], iteration)
     return state
+
+
+def schedule_step(meta: dict) -> int:
+    """The learning-rate schedule's position at a checkpoint: the updates applied so far, which skipped iterations
+    (a non-finite loss or gradients) do not advance (Megatron's OptimizerParamScheduler steps only after a successful
+    update). What --no-load-optim restarts the schedule at; a checkpoint written before it was recorded gives its
+    iteration."""
+    return int(meta.get("schedule_step", meta["iteration"]))
 
 
 def set_step(state, iteration: int, mesh):

@@ -37,7 +37,7 @@ from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardwa
                                  model_flops_per_iteration)
 from ptd_jax.train.guards import SkipCounter, state_is_finite, with_loss_scale
 from ptd_jax.train.hooks import Hooks, StepInfo, StepTimer
-from ptd_jax.train.interrupt import CtrlC
+from ptd_jax.train.interrupt import StopSignals, Terminated
 from ptd_jax.train.metrics import MetricsLogger, medians
 from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
 from ptd_jax.train.resume import check_data_config, resume_point
@@ -252,7 +252,8 @@ def _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh, res
     load_optim = options.load_optim and not options.finetune
     state = checkpoint.set_step(
         checkpoint.restore(options.load, load_step, state, optimizer=optimizer, model_cfg=model_cfg,
-                           parallel=parallel, mesh=mesh, load_optim=load_optim, iteration=start), start, mesh)
+                           parallel=parallel, mesh=mesh, load_optim=load_optim,
+                           iteration=0 if options.finetune else checkpoint.schedule_step(meta)), start, mesh)
     state = with_loss_scale(state, meta if load_optim else None, model_cfg, train_cfg, mesh)
     messages.append(f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
                     f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
@@ -309,14 +310,11 @@ def _hooks(run: _Run, timer: StepTimer) -> Hooks:
 
 def _after_first_step(run: _Run, info: StepInfo) -> None:
     run.first_loss = float(info.metrics["lm_loss"])
-    try:  # a second copy of the state and the step at 2m: it may not fit where the run does
-        run.measured_bubble = bubble.after_first_step(
-            run.options.measure_bubble, run.train_step, info.state, info.batch, run.dropout_key, run.mesh,
-            run.model_cfg, run.parallel, run.train_cfg, run.optimizer, run.train_cfg.train_iters - run.start,
-            run.logger.message)
-    except Exception as err:  # noqa: BLE001 - a measurement, never a reason to stop training
-        run.logger.message(f"pipeline: measured bubble skipped ({type(err).__name__}: "
-                           f"{str(err).splitlines()[0] if str(err) else ''})")
+    # a failure (in any process) skips the measurement with one line, in every process alike
+    run.measured_bubble = bubble.after_first_step(
+        run.options.measure_bubble, run.train_step, info.state, info.batch, run.dropout_key, run.mesh,
+        run.model_cfg, run.parallel, run.train_cfg, run.optimizer, run.train_cfg.train_iters - run.start,
+        run.logger.message)
 
 
 def _log(run: _Run, timer: StepTimer, info: StepInfo) -> None:
@@ -326,7 +324,8 @@ def _log(run: _Run, timer: StepTimer, info: StepInfo) -> None:
     record["includes_compile"] = includes_compile
     record["skipped_iters"], record["loss_scale"] = run.skips.take_window(), float(info.metrics["loss_scale"])
     run.records.append(record)
-    run.logger.log_train(record)
+    run.logger.log_train(record, consumed_samples=run.consumed + (info.iteration - run.start) *
+                         run.parallel.global_batch_size)
     if run.options.on_record is not None:
         run.options.on_record(record)
 
@@ -340,15 +339,16 @@ def _evaluate(run: _Run, info: StepInfo) -> None:
 
 def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:
     """Fetch a batch, run the step, call the hooks, until train_iters or an --exit-interval stop. Ctrl-C and a
-    stop the processes agreed on end it after the current step with KeyboardInterrupt (saying where); the
-    prefetcher, the checkpointer (its last write) and the logger are closed whatever happens."""
+    stop the processes agreed on end it after the current step with KeyboardInterrupt (saying where), SIGTERM in a
+    one-process run with `Terminated` (exit 143, `train/interrupt.py`); the prefetcher, the checkpointer (its last
+    write) and the logger are closed whatever happens."""
     cfg = run.train_cfg
     run.skips = SkipCounter(cfg.max_skipped_iters)
     batches = prefetch(run.batch_of, range(run.start, cfg.train_iters))
-    ctrl_c = CtrlC()
+    stop = StopSignals()
     try:
         for iteration, batch in zip(range(run.start, cfg.train_iters), batches):
-            _stop_if_asked(run, ctrl_c, iteration)
+            _stop_if_asked(run, stop, iteration)
             run.state, metrics = run.train_step(run.state, *batch, run.dropout_key)
             run.skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
             first = timer.step_done(metrics)
@@ -360,7 +360,7 @@ def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:
                 run.logger.message(f"ptd_jax: exiting at iteration {done} ({run.exit_reason})")
                 break
             timer.exclude_hooks()
-        if ctrl_c.requested:
+        if stop.requested:
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         interrupted = True
@@ -370,23 +370,26 @@ def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:
     else:
         interrupted = False
     finally:
-        ctrl_c.restore()
+        stop.restore()
         _close(batches, run.saver, run.logger)
     if interrupted:
         newest = checkpoint.latest_step(run.options.save) if run.options.save else None
         kept = f"newest checkpoint: step {newest} in {run.options.save}" if newest is not None else "no checkpoint"
+        if stop.terminated:  # one line, then exit 143
+            raise Terminated.after(f"after iteration {run.done}; {kept}", run.primary)
         raise KeyboardInterrupt(f"after iteration {run.done}; {kept}")
 
 
-def _stop_if_asked(run: _Run, ctrl_c: CtrlC, iteration: int) -> None:
+def _stop_if_asked(run: _Run, stop: StopSignals, iteration: int) -> None:
     """Between steps (a checkpoint being written is finished first): several processes stop together on a SIGTERM
-    at the step they agreed on, saving it unless it was just saved (a preempted run resumes from there); Ctrl-C."""
-    if multiprocess.stop_agreed(iteration):
+    at the step they agreed on, one process on its own SIGTERM, saving it unless it was just saved (a preempted run
+    resumes from there); Ctrl-C."""
+    if multiprocess.stop_agreed(iteration) or stop.terminated:
         interval = run.train_cfg.save_interval
         if run.saver and run.done > run.start and not (interval and run.done % interval == 0):
             run.save(run.done)
         raise KeyboardInterrupt
-    if ctrl_c.requested:
+    if stop.requested:
         raise KeyboardInterrupt
 
 

@@ -1,4 +1,5 @@
-"""Training metrics: a progress bar on the terminal, JSONL records, a final summary and a loss-curve PNG.
+"""Training metrics: a progress bar on a terminal (elsewhere, Megatron-style lines at each log interval), JSONL
+records, a final summary and a loss-curve PNG.
 
 One record per logged iteration carries at least iteration, lm_loss, grad_norm, lr, step_time_s, tokens_per_s,
 tflops_per_device and mfu (docs/architecture.md, "Interfaces") — later tools parse these names. Throughput comes
@@ -43,6 +44,32 @@ def _records_up_to(path, iteration: int) -> list[str]:
     return kept
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+def log_line(record: dict, total_iters: int, consumed_samples: int | None = None) -> str:
+    """A logged iteration as one line, Megatron's way (its `training_log`), for output that is not a terminal."""
+    fields = [f" iteration {record['iteration']:8d}/{total_iters:8d}"]
+    if consumed_samples is not None:
+        fields.append(f"consumed samples: {consumed_samples:12d}")
+    fields += [f"elapsed time per iteration (ms): {record['step_time_s'] * 1000:.1f}",
+               f"learning rate: {record['lr']:.6E}", f"lm loss: {record['lm_loss']:.6E}",
+               f"grad norm: {record['grad_norm']:.3f}"]
+    if "loss_scale" in record:
+        fields.append(f"loss scale: {record['loss_scale']:g}")
+    if "skipped_iters" in record:
+        fields.append(f"number of skipped iterations: {record['skipped_iters']:3d}")
+    fields += [f"tokens/s: {record['tokens_per_s']:.0f}",
+               f"TFLOP/s/device: model {record['tflops_per_device']:.3g} hardware "
+               f"{record['hardware_tflops_per_device']:.3g} eq3 {record['eq3_tflops_per_device']:.3g}",
+               f"MFU: {record['mfu']:.1%}"]
+    return " | ".join(fields) + " |"
+
+
 class MetricsLogger:
     def __init__(self, total_iters: int, *, start_iter: int = 0, metrics_file: str | None = None,
                  progress: bool = True, quiet: bool = False):
@@ -58,8 +85,12 @@ class MetricsLogger:
                 tmp.write_text("".join(_records_up_to(metrics_file, start_iter)))
                 os.replace(tmp, metrics_file)  # atomically: a crash now keeps the history
             self._file = open(metrics_file, "a" if start_iter else "w")  # noqa: SIM115 - closed by close()
+        self._total = total_iters
+        # a terminal gets the bar; a file or a pipe gets one line per log interval (a bar there is a stream of
+        # carriage-return updates)
+        self._lines = progress and not _is_terminal(sys.stderr)
         self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it", file=sys.stderr,
-                         disable=not progress, dynamic_ncols=True)
+                         disable=not progress or self._lines, dynamic_ncols=True)
 
     def _write(self, record: dict) -> None:
         if self._file:
@@ -69,9 +100,12 @@ class MetricsLogger:
     def advance(self, n: int = 1) -> None:
         self._bar.update(n)
 
-    def log_train(self, record: dict) -> None:
+    def log_train(self, record: dict, consumed_samples: int | None = None) -> None:
         self.records.append(record)
         self._write(record)
+        if self._lines:
+            self.message(log_line(record, self._total, consumed_samples))
+            return
         self._bar.set_postfix(loss=f"{record['lm_loss']:.4f}", lr=f"{record['lr']:.2e}",
                               tok_s=f"{record['tokens_per_s']:.0f}",
                               TFLOPs=f"model {record['tflops_per_device']:.3g} hw "

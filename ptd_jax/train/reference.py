@@ -16,7 +16,7 @@ import optax
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, TrainConfig
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
-from ptd_jax.optimizer import State, global_norm, learning_rate_schedule, new_state
+from ptd_jax.optimizer import State, global_norm, learning_rate_schedule, new_state, schedule_count
 
 
 def init_state(key: jax.Array, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
@@ -72,7 +72,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: o
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         loss, grads = poison(loss, grads, state["step"], poison_steps)
         grad_norm = global_norm(grads)
-        metrics = {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        metrics = {"lm_loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"]))}
         state, guard = guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg)
         return state, {**metrics, **guard}
 
