@@ -13,11 +13,12 @@ import os
 import sys
 from pathlib import Path
 
-from ptd_jax.cli.args import OneLineParser, add_tokenizer_args, finite_float
+from ptd_jax.cli.args import OneLineParser, finite_float
+from ptd_jax.cli.data_flags import add_data_flags, check_data_flags, data_options
 from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS, PIPELINE_SCHEDULES,
                             RECOMPUTE_GRANULARITIES,
                             ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
-from ptd_jax.data import DataError, IndexedDataset, parse_split
+from ptd_jax.data import DataError
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer, training_tokenizer
 from ptd_jax.perf.memory import check_fits
@@ -118,12 +119,7 @@ def add_training_args(g) -> None:
 
 def add_data_args(g) -> None:
     """Data, checkpoints (Megatron's --save/--load family) and logging."""
-    g.add_argument("--data-path", help="prefix of a .bin/.idx pair (default: the embedded stdlib corpus)")
-    add_tokenizer_args(g, default=None, help_default="the data's tokenizer; V is its vocabulary size (default: "
-                       "ByteTokenizer, 257)")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", help="where the data's index arrays are cached (default: a cache/ folder "
-                   "beside the data)")
+    add_data_flags(g)  # cli/data_flags.py
     g.add_argument("--save", help="checkpoint folder (the canonical format: loads under any layout)")
     g.add_argument("--load", help="resume from the newest complete step of this folder; --save D --load D on an "
                    "empty D starts fresh (auto-resume)")
@@ -135,7 +131,7 @@ def add_data_args(g) -> None:
     g.add_argument("--finetune", action="store_true", help="load the parameters only and start at iteration 0 "
                    "(fresh optimizer, data stream and dropout key)")
     g.add_argument("--override-data-config", action="store_true",
-                   help="resume even if seed, batch size, sequence length, split or data changed")
+                   help="resume even if seed, batch size, sequence length, split, blend weights or data changed")
     g.add_argument("--exit-interval", type=int, help="stop when the iteration is a multiple of N, after saving "
                    "a checkpoint if --save is given")
     g.add_argument("--log-interval", type=int, default=10)
@@ -299,9 +295,7 @@ def check_outputs(args) -> None:
     if (args.finetune or args.no_load_optim or args.override_data_config) and not args.load:
         flag = "finetune" if args.finetune else "no_load_optim" if args.no_load_optim else "override_data_config"
         raise ConfigError(f"{flag}=True needs --load")
-    parse_split(args.split)
-    if args.data_path:
-        IndexedDataset(args.data_path)  # the header and sizes, checked before anything else starts
+    check_data_flags(args)
     if args.metrics_file:
         _check_path("metrics_file", args.metrics_file, "file")
     for name in ("plot_dir", "save", "data_cache_path"):
@@ -394,11 +388,11 @@ def run_options(args, tokenizer):
     """The `RunOptions` of the data, checkpoint and logging flags."""
     from ptd_jax.train import RunOptions
 
-    return RunOptions(data_path=args.data_path, split=args.split, save=args.save, load=args.load,
+    return RunOptions(**data_options(args), save=args.save, load=args.load,
                       metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
                       progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
                       load_optim=not args.no_load_optim, finetune=args.finetune,
-                      override_data_config=args.override_data_config, data_cache_path=args.data_cache_path,
+                      override_data_config=args.override_data_config,
                       async_save=args.async_save, tokenizer=tokenizer.describe() if tokenizer else None)
 
 

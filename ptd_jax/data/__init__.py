@@ -8,7 +8,9 @@ exports the reading side; `preprocess` and `corpus`, which write, are imported b
     indexed_dataset.py  the .bin/.idx format: writer and memory-mapped reader (`IndexedDataset(prefix)`), and the
                         stats file (largest token id) in the cache folder beside the data
     gpt_dataset.py      the per-epoch sample stream of s+1 tokens and its index cache, splits, global batches and
-                        how a layout cuts them
+                        how a layout cuts them; `GPTData`: one dataset, a blend, per-split paths or mock data
+    blend.py            blends (`--data-path w1 p1 w2 p2`): Megatron's greedy blending index, endless, by cached blocks
+    mock.py             `--mock-data`: random tokens from (seed, stream, sample), no files
     loader.py           `prefetch`: batches built ahead on one background thread
     corpus.py           the default corpus (this interpreter's standard library), built once into a cache
 """

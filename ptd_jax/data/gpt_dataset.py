@@ -43,12 +43,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ptd_jax.data.blend import BlendedDataset, normalize, parse_blend
 from ptd_jax.data.indexed_dataset import DataError, IndexedDataset, atomic_write
+from ptd_jax.data.mock import MockDataset
 
 INDEX_FORMAT = 1
 CACHE_MIN_SIZE = 1 << 16
 """Epochs with fewer sequences and fewer samples than this are not written to the cache (cheap to rebuild)."""
-TRAIN_STREAM, VALID_STREAM = 0, 1
+TRAIN_STREAM, VALID_STREAM, TEST_STREAM = 0, 1, 2
 _EPOCHS_IN_MEMORY = 2
 
 
@@ -227,30 +229,104 @@ def split_global_batch(array: np.ndarray, num_microbatches: int, data_parallel_s
 
 
 class GPTData:
-    """The train and validation streams of one dataset. `train_batch(i)` is global batch i (samples
-    [i·B, (i+1)·B) of the training stream), `train_samples(first, count)` any range of it, and
-    `valid_batches()` the same `eval_iters` batches of the validation stream at every evaluation. Nothing depends
-    on the number of iterations; `data_config()` names what the stream does depend on."""
+    """The train and validation streams of the data. `train_batch(i)` is global batch i (samples [i·B, (i+1)·B) of
+    the training stream), `train_samples(first, count)` any range of it, and `valid_batches()` the same
+    `eval_iters` batches of the validation stream at every evaluation. Nothing depends on the number of
+    iterations; `data_config()` names what the streams do depend on.
 
-    def __init__(self, prefix, *, seq_length: int, global_batch_size: int, eval_iters: int, seed: int,
-                 split: str = "969,30,1", vocab_size: int | None = None, cache_dir=None):
-        self.indexed = IndexedDataset(prefix, cache_dir=cache_dir)
-        num_docs = len(self.indexed.doc_index) - 1
-        if num_docs <= 0 or self.indexed.num_tokens == 0:
-            raise DataError(f"the dataset at {prefix!r} is empty ({num_docs} documents, "
-                            f"{self.indexed.num_tokens} tokens)")
-        if vocab_size is not None:
-            largest = self.indexed.max_token()
-            if largest >= vocab_size:
-                raise DataError(f"the dataset at {prefix!r} holds token id {largest} but vocab_size={vocab_size} "
+    The data is one of (Megatron's flags): `prefix` (--data-path), one prefix or a blend's words
+    "w1 prefix1 w2 prefix2 ..." (`blend.py`), each prefix cut by `split`; `train_path`, `valid_path`,
+    `test_path` (--train-data-path ...), each a prefix or a blend, whole (no split; the test stream is opened and
+    checked, and nothing evaluates it); or `mock` (--mock-data, `mock.py`). Train, validation and test are
+    streams 0, 1 and 2 of each dataset. In a blend, a dataset whose validation range is empty is left out of the
+    validation blend (the others' weights renormalised)."""
+
+    def __init__(self, prefix=None, *, seq_length: int, global_batch_size: int, eval_iters: int, seed: int,
+                 split: str = "969,30,1", vocab_size: int | None = None, cache_dir=None, train_path=None,
+                 valid_path=None, test_path=None, mock: bool = False):
+        self.split, self.seed, self.seq_length = split, seed, seq_length
+        self.global_batch_size, self.eval_iters = global_batch_size, eval_iters
+        self.vocab_size, self.cache_dir, self.mock = vocab_size, cache_dir, mock
+        self.valid = self.test = None
+        if sum([prefix is not None, train_path is not None, bool(mock)]) != 1:
+            raise DataError(f"give one of a data path, a train data path and mock data: got data_path={prefix!r}, "
+                            f"train_data_path={train_path!r}, mock_data={mock}")
+        if mock:
+            self.name = f"mock data (random tokens of V={vocab_size})"
+            self.train = MockDataset(vocab_size, seq_length, seed, TRAIN_STREAM)
+            self.valid = MockDataset(vocab_size, seq_length, seed, VALID_STREAM) if eval_iters > 0 else None
+            self._config = {"mock_data": True, "vocab_size": vocab_size}
+        elif train_path is not None:
+            self._open_per_split(train_path, valid_path, test_path)
+        else:
+            self._open_split(prefix)
+
+    def _open_split(self, words) -> None:
+        """--data-path: one prefix or a blend, each dataset's documents cut by --split."""
+        blend = parse_blend("data_path", words)
+        sources = [self._open(p) for _, p in blend]
+        ranges = [split_documents(len(s.doc_index) - 1, self.split) for s in sources]
+        weights = [w for w, _ in blend]
+        self.train = self._stream(weights, sources, [r[0] for r in ranges], TRAIN_STREAM)
+        if self.eval_iters > 0:
+            self.valid = self._stream(weights, sources, [r[1] for r in ranges], VALID_STREAM)
+        if len(blend) == 1:  # as before blends: the checkpoints of single-prefix runs keep resuming
+            self.indexed = sources[0]
+            self.prefix, self.num_documents = os.path.abspath(blend[0][1]), len(sources[0].doc_index) - 1
+            self.name = self.prefix
+            self._config = {"data_path": self.prefix, "split": self.split, "num_documents": self.num_documents,
+                            "num_tokens": self.indexed.num_tokens, "bin_bytes": self.indexed.bin_bytes}
+        else:
+            self.name = " ".join(f"{w:g} {os.path.abspath(p)}" for w, p in blend)
+            self._config = {"data_path": None, "split": self.split, "blend": _describe(weights, sources)}
+
+    def _open_per_split(self, train_path, valid_path, test_path) -> None:
+        """--train-data-path / --valid-data-path / --test-data-path: each a prefix or a blend, used whole."""
+        self._config = {"data_path": None}
+        names = []
+        for key, words, stream in (("train", train_path, TRAIN_STREAM), ("valid", valid_path, VALID_STREAM),
+                                   ("test", test_path, TEST_STREAM)):
+            if words is None:
+                self._config[f"{key}_data"] = None
+                continue
+            blend = parse_blend(f"{key}_data_path", words)
+            sources = [self._open(p) for _, p in blend]
+            weights = [w for w, _ in blend]
+            if key != "valid" or self.eval_iters > 0:
+                everything = [np.arange(len(s.doc_index) - 1) for s in sources]
+                setattr(self, key, self._stream(weights, sources, everything, stream))
+            self._config[f"{key}_data"] = _describe(weights, sources)
+            names.append(f"{key}: " + " ".join(f"{w:g} {os.path.abspath(p)}" for w, p in blend))
+        self.name = "; ".join(names)
+
+    def _open(self, prefix) -> IndexedDataset:
+        """A dataset of the data, refused when empty or holding ids past the vocabulary."""
+        indexed = IndexedDataset(prefix, cache_dir=self.cache_dir)
+        num_docs = len(indexed.doc_index) - 1
+        if num_docs <= 0 or indexed.num_tokens == 0:
+            raise DataError(f"the dataset at {prefix!r} is empty ({num_docs} documents, {indexed.num_tokens} tokens)")
+        if self.vocab_size is not None:
+            largest = indexed.max_token()
+            if largest >= self.vocab_size:
+                raise DataError(f"the dataset at {prefix!r} holds token id {largest} but vocab_size={self.vocab_size} "
                                 f"(pass --vocab-size for data made with another tokenizer)")
-        train_docs, valid_docs, _ = split_documents(num_docs, split)
-        self.prefix, self.num_documents, self.split, self.seed = os.path.abspath(prefix), num_docs, split, seed
-        self.seq_length, self.global_batch_size, self.eval_iters = seq_length, global_batch_size, eval_iters
-        self.train = GPTDataset(self.indexed, train_docs, seq_length, seed, TRAIN_STREAM)
-        self.valid = None
-        if eval_iters > 0 and len(valid_docs) > 0:
-            self.valid = GPTDataset(self.indexed, valid_docs, seq_length, seed, VALID_STREAM)
+        return indexed
+
+    def _stream(self, weights, sources, doc_ranges, stream: int):
+        """One dataset's stream, or the blend of several; None when no dataset has documents in its range."""
+        parts = [(w, s, docs) for w, s, docs in zip(weights, sources, doc_ranges) if len(docs)]
+        if not parts:
+            return None
+        datasets = []
+        for _, indexed, docs in parts:
+            try:
+                datasets.append(GPTDataset(indexed, docs, self.seq_length, self.seed, stream))
+            except DataError as err:
+                raise DataError(f"{indexed.prefix}: {err}") from None
+        if len(sources) == 1:
+            return datasets[0]
+        cache = self.cache_dir if self.cache_dir is not None else sources[0].cache_dir
+        return BlendedDataset(datasets, [w for w, _, _ in parts], cache_dir=cache)
 
     def train_samples(self, first: int, count: int, rows: np.ndarray | None = None) -> Batch:
         """Samples [first, first + count) of the training stream (`first` = samples consumed so far); with `rows`
@@ -271,10 +347,16 @@ class GPTData:
                              else _read_rows(self.valid, first, rows))
 
     def data_config(self) -> dict:
-        """What the streams depend on (JSON-able), for a checkpoint to compare on resume."""
-        return {"data_path": self.prefix, "seed": self.seed, "global_batch_size": self.global_batch_size,
-                "seq_length": self.seq_length, "split": self.split, "num_documents": self.num_documents,
-                "num_tokens": self.indexed.num_tokens, "bin_bytes": self.indexed.bin_bytes}
+        """What the streams depend on (JSON-able), for a checkpoint to compare on resume: for a blend, each
+        dataset's normalised weight, file name and sizes."""
+        return {"data_path": self._config.get("data_path"), "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "seq_length": self.seq_length, **self._config}
+
+
+def _describe(weights, sources) -> list:
+    """[[normalised weight, file name, documents, tokens, .bin bytes], ...] of a blend (folders may move)."""
+    return [[float(w), Path(s.prefix).name, len(s.doc_index) - 1, s.num_tokens, s.bin_bytes]
+            for w, s in zip(normalize(weights), sources)]
 
 
 def _read_rows(dataset: GPTDataset, first: int, rows: np.ndarray) -> np.ndarray:

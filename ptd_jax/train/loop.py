@@ -47,9 +47,17 @@ from ptd_jax.train.resume import check_data_config, resume_point
 class RunOptions:
     """Where data comes from and where results go (not part of the algorithm)."""
 
-    data_path: str | None = None
-    """Prefix of a .bin/.idx pair; None = the embedded default corpus."""
+    data_path: str | tuple[str, ...] | None = None
+    """Prefix of a .bin/.idx pair, or a blend's words ("w1", "prefix1", "w2", "prefix2", ...); None (and no
+    `train_data_path`, no `mock_data`) = the embedded default corpus."""
     split: str = "969,30,1"
+    train_data_path: str | tuple[str, ...] | None = None
+    """The train data (a prefix or a blend), used whole instead of `data_path` cut by `split`; with
+    `valid_data_path` and `test_data_path` (Megatron's --train-data-path ...)."""
+    valid_data_path: str | tuple[str, ...] | None = None
+    test_data_path: str | tuple[str, ...] | None = None
+    mock_data: bool = False
+    """Random tokens of the model's vocabulary, deterministic from the seed, no files (`data/mock.py`)."""
     save: str | None = None
     load: str | None = None
     metrics_file: str | None = None
@@ -193,10 +201,14 @@ def _prepare(model_cfg, parallel, train_cfg, options) -> _Run:
     """The data, the state (fresh or restored), the steps and the logger; refusals come first."""
     messages: list[str] = []
     resume = resume_point(options, model_cfg, train_cfg, messages)  # refusals first: before data or devices
-    data_path = options.data_path or default_corpus(progress=options.progress)
-    data = GPTData(data_path, seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
+    default = not (options.data_path or options.train_data_path or options.mock_data)
+    data = GPTData(default_corpus(progress=options.progress) if default else options.data_path or None,
+                   seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
                    eval_iters=train_cfg.eval_iters, seed=train_cfg.seed, split=options.split,
-                   vocab_size=model_cfg.vocab_size, cache_dir=options.data_cache_path)
+                   vocab_size=model_cfg.vocab_size, cache_dir=options.data_cache_path,
+                   train_path=options.train_data_path, valid_path=options.valid_data_path,
+                   test_path=options.test_data_path, mock=options.mock_data)
+    data_path = data.name
     if resume is not None and not options.finetune:
         check_data_config(options, resume[0], resume[1]["data"], data.data_config(), messages)
     optimizer = make_optimizer(train_cfg)
