@@ -5,12 +5,14 @@ Three figures, because they answer different questions:
   at the model's real MLP width F (`--ffn-hidden-size`): per layer and token 2(4h² + 2hF) + 4sh forward (QKV,
   out, fc1, fc2; scores and context), backward twice that; the logit layer 2hV forward. With F = 4h this is
   72 B s l h² (1 + s/(6h)) + 6 B s h V.
-- hardware FLOPs: what was executed — model FLOPs plus recomputation (`--recompute-granularity`: selective
-  recomputes Q·Kᵀ, 2sh per layer and token, full the layer's forward but fc2, as JAX's remat runs them) and, on a
-  pipeline, what the lockstep table runs beyond that (`parallel/pipeline/executor.py`): under "uniform" branching
+- hardware FLOPs: what was executed — the matmuls as the attention backend runs them (`attention_flops`: "xla"
+  the dense scores and context, forward 4sh per layer and token, backward twice that; the flash kernels skip the
+  key blocks above the causal diagonal, about half, and their backward recomputes Q·Kᵀ), plus recomputation
+  (`--recompute-granularity`: selective recomputes Q·Kᵀ, 2sh per layer and token, under "xla" and nothing under a
+  flash backend, whose output the layer keeps; full the layer's forward but fc2, as JAX's remat runs them) and, on
+  a pipeline, what the lockstep table runs beyond that (`parallel/pipeline/executor.py`): under "uniform" branching
   idle cells compute on a dummy and the output layer runs on every rank of the ticks that need it (counted from the
-  table;
-  `experiments/bench/pipeline_flops.py` counts the same on the traced program).
+  table; `experiments/bench/pipeline_flops.py` counts the same on the traced program).
 - eq. (3), the paper's "achieved teraFLOP/s" numerator, as published (full recomputation, F = 4h assumed):
       F = 96 B s l h² (1 + s/(6h) + V/(16 l h))
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import time
 
 from ptd_jax.config import ModelConfig, resolve_branching
+
 
 def num_params(cfg: ModelConfig, vocab_size: int | None = None) -> float:
     """eq. (2); excludes the final LayerNorm's 2h, as the paper does."""
@@ -43,8 +46,7 @@ def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: in
 
 def layer_forward_flops(cfg: ModelConfig, tokens: float) -> float:
     """Matmul FLOPs of one transformer layer's forward over `tokens` tokens (sequences of cfg.seq_length)."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    return 2 * tokens * (4 * h * h + 2 * h * f) + attention_core_flops(cfg, tokens)
+    return layer_matmul_flops(cfg, tokens) + attention_core_flops(cfg, tokens)
 
 
 def attention_core_flops(cfg: ModelConfig, tokens: float) -> float:
@@ -65,18 +67,81 @@ def model_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_si
 
 
 def selective_recompute_flops(cfg: ModelConfig, tokens: float) -> float:
-    """What "selective" runs again per layer: Q·Kᵀ (2 s h per token). The context matmul's output is not needed by
-    the backward, so JAX's remat drops its recomputation (counted on the traced step, tests/train/test_flops.py);
-    Megatron's checkpointed core attention reruns both."""
-    return 2 * tokens * cfg.seq_length * cfg.hidden_size
+    """What "selective" runs again per layer under "xla": Q·Kᵀ (2 s h per token). The context matmul's output is not
+    needed by the backward, so JAX's remat drops its recomputation (counted on the traced step,
+    tests/train/test_flops.py); Megatron's checkpointed core attention reruns both. A flash backend's kernel output
+    (and its log-sum-exp) is kept by the policy like any non-elementwise output: nothing is recomputed."""
+    return 2 * tokens * cfg.seq_length * cfg.hidden_size if cfg.attention_backend == "xla" else 0.0
+
+
+# The Pallas kernel's tiling (`pallas_kernels.flash_attention.BlockSizes` and `flash_attention`), restated without
+# JAX so that the planner can count it; tests/train/test_flops.py checks it against the kernel's own.
+FLASH_BLOCK, FLASH_MIN_TILE = 64, 16
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def flash_block_pairs(seq_len: int, block_q: int = FLASH_BLOCK, block_k: int = FLASH_BLOCK) -> dict:
+    """The Pallas causal flash-attention kernels' work per sequence and head: the blocks and padded length
+    (`BlockSizes.for_seq`), the (query block, key block) pairs that the forward and the dq kernel visit (keys up to
+    the query block's end) and that the dk/dv kernel visits (queries from the key block's start)."""
+    limit = max(FLASH_MIN_TILE, _next_power_of_2(seq_len))
+    bq, bk = min(block_q, limit), min(block_k, limit)
+    step = max(bq, bk)
+    padded = -(-seq_len // step) * step
+    forward = sum(-(-(i + 1) * bq // bk) for i in range(padded // bq))
+    dkdv = sum(padded // bq - (j * bk) // bq for j in range(padded // bk))
+    return {"block_q": bq, "block_k": bk, "padded": padded, "forward": forward, "dkdv": dkdv}
+
+
+def attention_flops(cfg: ModelConfig, tokens: float) -> tuple[float, float]:
+    """(forward, backward) matmul FLOPs of one layer's attention core (scores and context) as the backend executes
+    them over `tokens` tokens; the model's count is "xla"'s, (4 s h, 8 s h) per token.
+    - "pallas": per visited block pair of bq×bk and head width W (padded to a power of two ≥ 16), 2·bq·bk·W per
+      matmul; the forward runs 2 (Q·Kᵀ, P·V), the dk/dv kernel 4 (Q·Kᵀ again, dV, dP, dK) and the dq kernel 3
+      (Q·Kᵀ, dP, dQ): at s = 2048 and blocks of 64, 33/64 of the dense forward and 7/8 of its backward's 2×.
+    - "cudnn": FlashAttention-2's causal kernels, counted as FlashAttention-2 counts them (its tiles are not ours
+      to see): the lower half of the dense scores, 2 matmuls forward and 5 backward (Q·Kᵀ recomputed once):
+      (2 s h, 5 s h) per token."""
+    s, h = cfg.seq_length, cfg.hidden_size
+    if cfg.attention_backend == "xla":
+        return 4 * tokens * s * h, 8 * tokens * s * h
+    if cfg.attention_backend == "cudnn":
+        return 2 * tokens * s * h, 5 * tokens * s * h
+    heads, head_dim = cfg.num_attention_heads, h // cfg.num_attention_heads
+    pairs = flash_block_pairs(s)
+    per_pair = 2 * pairs["block_q"] * pairs["block_k"] * max(FLASH_MIN_TILE, _next_power_of_2(head_dim)) * heads
+    sequences = tokens / s
+    return (sequences * per_pair * 2 * pairs["forward"],
+            sequences * per_pair * (4 * pairs["dkdv"] + 3 * pairs["forward"]))
 
 
 def layer_recompute_flops(cfg: ModelConfig, tokens: float, recompute: str) -> float:
     """The extra forward work of `--recompute-granularity` (paper §3.5) per layer, in the reference step and the
-    pipeline alike: selective Q·Kᵀ, full the layer's forward except fc2, whose output the backward does not need
-    (JAX's remat drops it)."""
-    return {"none": 0.0, "selective": selective_recompute_flops(cfg, tokens),
-            "full": layer_forward_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size}[recompute]
+    pipeline alike, as the attention backend runs it: selective Q·Kᵀ ("xla" only), full the layer's forward except
+    fc2, whose output the backward does not need (JAX's remat drops it)."""
+    if recompute == "none":
+        return 0.0
+    if recompute == "selective":
+        return selective_recompute_flops(cfg, tokens)
+    return layer_matmul_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size + attention_flops(
+        cfg, tokens)[0]
+
+
+def layer_matmul_flops(cfg: ModelConfig, tokens: float) -> float:
+    """QKV, the output projection, fc1 and fc2 of one layer's forward: 2(4h² + 2hF) per token."""
+    h, f = cfg.hidden_size, cfg.ffn_size
+    return 2 * tokens * (4 * h * h + 2 * h * f)
+
+
+def layer_executed_flops(cfg: ModelConfig, tokens: float, recompute: str) -> tuple[float, float]:
+    """(forward, backward) FLOPs one layer executes over `tokens` tokens: the weight matmuls (backward 2×), the
+    attention core as the backend runs it (`attention_flops`), the recomputation in the backward."""
+    dense = layer_matmul_flops(cfg, tokens)
+    attn_f, attn_b = attention_flops(cfg, tokens)
+    return dense + attn_f, 2 * dense + attn_b + layer_recompute_flops(cfg, tokens, recompute)
 
 
 def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recompute: str) -> float:
@@ -86,21 +151,22 @@ def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, reco
 
 def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None,
                                  recompute: str = "none", sched=None, branching: str = "auto") -> float:
-    """FLOPs executed by all devices in one iteration. Without a pipeline schedule (p = 1): model FLOPs plus the
-    recomputation. With one (a `parallel.pipeline.Schedule`): summed over its ticks as the lockstep executor runs
-    them — a forward cell runs its chunk; a backward cell runs the chunk's backward (2×) and what `recompute`
-    recomputes (`layer_recompute_flops`, each layer checkpointed as in the reference), plus the output layer
-    (forward and backward, 3× its forward) on the last virtual stage; under "uniform" every rank runs its tick's
-    chunk work, idle ones on a dummy, and the head on the ticks where some rank needs it."""
+    """FLOPs executed by all devices in one iteration, with the attention core as `cfg.attention_backend` runs it
+    (`layer_executed_flops`). Without a pipeline schedule (p = 1): each layer's forward and backward (with what
+    `recompute` recomputes) and the output layer's (3× its forward). With one (a `parallel.pipeline.Schedule`):
+    summed over its ticks as the lockstep executor runs them — a forward cell runs its chunk's forwards; a backward
+    cell its layers' backwards, each layer checkpointed as in the reference, plus the output layer (forward and
+    backward) on the last virtual stage; under "uniform" every rank runs its tick's chunk work, idle ones on a
+    dummy, and the head on the ticks where some rank needs it."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
     if sched is None:  # no pipeline table: nothing to resolve (the planner stays free of JAX)
-        return model_flops_per_iteration(cfg, global_batch_size, V) + recompute_flops_per_iteration(
-            cfg, global_batch_size, recompute)
+        tokens = global_batch_size * cfg.seq_length
+        return cfg.num_layers * sum(layer_executed_flops(cfg, tokens, recompute)) + 3 * head_forward_flops(
+            cfg, tokens, V)
     branching = resolve_branching(branching)
     tokens = global_batch_size * cfg.seq_length / sched.m  # one microbatch, over all data-parallel replicas
     layers = cfg.num_layers / (sched.p * sched.v)
-    chunk_f = layers * layer_forward_flops(cfg, tokens)
-    chunk_b = 2 * chunk_f + layers * layer_recompute_flops(cfg, tokens, recompute)
+    chunk_f, chunk_b = (layers * x for x in layer_executed_flops(cfg, tokens, recompute))
     head_b = 3 * head_forward_flops(cfg, tokens, V)
     last = sched.p * sched.v - 1
     total = 0.0

@@ -113,3 +113,82 @@ def test_per_rank_pipeline_runs_the_model_flops_plus_the_recomputation_only(sche
         assert hardware_flops_per_iteration(cfg, 16, None, recompute, sched, "per-rank") == pytest.approx(
             hardware_flops_per_iteration(cfg, 16, None, recompute), rel=1e-12)
     assert hardware_flops_per_iteration(cfg, 16, None, "none", sched, "uniform") > model_flops_per_iteration(cfg, 16)
+
+
+SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
+
+
+def test_hardware_flops_count_what_the_attention_backend_executes():
+    """The small model of `test_hardware_flops_by_recompute_policy` (B 2, so 2 sequences and 512 tokens) by hand.
+    Pallas, blocks of 64 over s = 256 (n = 4 query and key blocks), head width 32: 10 causal block pairs per head
+    for the forward and the dq kernel (1+2+3+4), 10 for the dk/dv kernel (4+3+2+1); a block pair's matmul is
+    2·64·64·32 = 262,144 FLOPs, 2,097,152 over the 8 heads. Per sequence: forward 2 matmuls × 10 pairs =
+    41,943,040 (dense: 4·s²·h = 67,108,864), backward (4 + 3) × 10 pairs = 146,800,640 (dense: 134,217,728).
+    Per layer over 2 sequences: 377,487,360 against xla's 12·512·256·256 = 402,653,184, so none is
+    10,670,309,376 − 2·25,165,824 = 10,619,977,728; selective the same (the kernel's output is kept: nothing is
+    recomputed); full adds per layer QKV, out and fc1 (805,306,368 − 268,435,456) and the kernel's forward
+    (83,886,080): + 2·620,756,992 = 11,861,491,712.
+    cuDNN, FlashAttention-2's count: forward 2·512·256·256 = 67,108,864, backward 5·512·256·256 = 167,772,160 per
+    layer: none 10,670,309,376 − 2·(402,653,184 − 234,881,024) = 10,334,765,056; full + 2·(536,870,912 +
+    67,108,864) = 11,542,724,608. The model FLOPs (MFU's numerator) stay the model's whatever the backend."""
+    from ptd_jax.config import ModelConfig
+    from ptd_jax.train.flops import attention_flops
+
+    xla = ModelConfig(**SMALL)
+    pallas, cudnn = xla.replace(attention_backend="pallas"), xla.replace(attention_backend="cudnn")
+    assert attention_flops(pallas, 256) == (41_943_040, 146_800_640)
+    assert attention_flops(xla, 256) == (67_108_864, 134_217_728)
+    expected = {pallas: (10_619_977_728, 10_619_977_728, 11_861_491_712),
+                cudnn: (10_334_765_056, 10_334_765_056, 11_542_724_608),
+                xla: (10_670_309_376, 10_804_527_104, 12_012_486_656)}
+    for cfg, counts in expected.items():
+        got = tuple(hardware_flops_per_iteration(cfg, 2, 6400, r) for r in ("none", "selective", "full"))
+        assert got == counts, cfg.attention_backend
+        assert model_flops_per_iteration(cfg, 2, 6400) == 10_670_309_376
+
+
+def test_flash_tiling_is_the_kernels():
+    """`flash_block_pairs` restates the kernel's tiling without JAX: its blocks and padded length are
+    `BlockSizes.for_seq`'s; at s = 2048, n = 32 blocks: n(n+1)/2 = 528 pairs, 33/64 of the dense forward."""
+    from pallas_kernels.flash_attention import BlockSizes
+
+    from ptd_jax.train.flops import flash_block_pairs
+
+    for s in (8, 16, 100, 256, 1000, 2048):
+        blocks, padded = BlockSizes().for_seq(s)
+        got = flash_block_pairs(s)
+        assert (got["block_q"], got["block_k"], got["padded"]) == (blocks.block_q, blocks.block_k, padded)
+    assert flash_block_pairs(2048)["forward"] == flash_block_pairs(2048)["dkdv"] == 528
+    assert flash_block_pairs(100) == {"block_q": 64, "block_k": 64, "padded": 128, "forward": 3, "dkdv": 3}
+    assert flash_block_pairs(256, 64, 32)["forward"] == 2 + 4 + 6 + 8
+    assert flash_block_pairs(256, 64, 32)["dkdv"] == sum(4 - j * 32 // 64 for j in range(8))
+
+
+def test_the_flash_kernels_run_per_recompute_policy():
+    """What the count above assumes, on the traced gradient of the model with the Pallas backend (2 layers): one
+    forward kernel and the two backward kernels per layer under none and selective (the policy keeps the kernel's
+    output), the forward kernel twice under full."""
+    from collections import Counter
+
+    import jax
+    import jax.numpy as jnp
+
+    from ptd_jax import model as gpt
+    from ptd_jax.analysis.jaxpr import tally
+    from ptd_jax.config import ModelConfig
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=128, seq_length=128,
+                      attention_backend="pallas")
+    params = gpt.init_params(jax.random.key(0), cfg)
+    tokens = jnp.zeros((2, 128), jnp.int32)
+
+    def kernels(eqn):
+        if eqn.primitive.name != "pallas_call":
+            return None
+        return Counter({str(eqn.params["name"]).split()[0]: 1})
+
+    for recompute, forwards in (("none", 2), ("selective", 2), ("full", 4)):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p, r=recompute: gpt.loss_sum(p, tokens, tokens, tokens + 1, cfg,
+                                                                           recompute=r)))(params)
+        assert dict(tally(jaxpr.jaxpr, kernels)) == {"flash_attention_fwd": forwards, "flash_attention_dkdv": 2,
+                                                     "flash_attention_dq": 2}, recompute
