@@ -57,3 +57,34 @@ def test_fp16_with_the_dynamic_scaler_trains(small_corpus, tmp_path):
     assert summary["final_lm_loss"] < summary["first_lm_loss"] - 1.5
     meta = checkpoint.read_meta(tmp_path / "ck", 40)
     assert meta["loss_scale"]["scale"] == records[-1]["loss_scale"]
+
+
+@pytest.mark.parametrize("reference_step", [False, True], ids=["parallel", "reference"])
+def test_the_logged_learning_rate_is_the_applied_one_after_skipped_steps(small_corpus, tmp_path, reference_step):
+    """Iterations 1 and 2 are skipped in the warm-up (lr = 4e-4 · k / 4 at the k-th update): the rate logged is the
+    one the update applied (optax's counter, which a skip does not advance), not the iteration's."""
+    cfg = TrainConfig(train_iters=5, lr=4e-4, lr_warmup_iters=4, log_interval=1, eval_iters=0)
+    metrics = tmp_path / "m.jsonl"
+    train(TINY, ParallelConfig(micro_batch_size=8, global_batch_size=8) if reference_step else PARALLEL, cfg,
+          RunOptions(data_path=small_corpus, progress=False, poison_steps=(0, 1), reference_step=reference_step,
+                     metrics_file=str(metrics)))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["skipped_iters"] for r in records] == [1, 1, 0, 0, 0]
+    assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 0.0, 1e-4, 2e-4], rel=1e-6, abs=1e-12)  # float32
+
+
+def test_no_load_optim_restarts_the_schedule_at_the_updates_applied_not_the_iteration(small_corpus, tmp_path):
+    """Megatron steps its learning-rate scheduler only after a successful update: after 2 skips in 4 iterations the
+    schedule is at 2, which the checkpoint records and --no-load-optim restarts from (as a full resume goes on)."""
+    cfg = TrainConfig(train_iters=4, lr=4e-4, lr_warmup_iters=8, lr_decay_iters=20, log_interval=1, eval_iters=0)
+    options = dict(data_path=small_corpus, progress=False, async_save=False)
+    ckpt = tmp_path / "ckpt"
+    train(TINY, PARALLEL, cfg, RunOptions(save=str(ckpt), poison_steps=(1, 2), **options))
+    assert checkpoint.read_meta(ckpt, 4)["schedule_step"] == 2
+    lrs = {}
+    for load_optim in (True, False):
+        metrics = tmp_path / f"{load_optim}.jsonl"
+        train(TINY, PARALLEL, cfg.replace(train_iters=5),
+              RunOptions(load=str(ckpt), load_optim=load_optim, metrics_file=str(metrics), **options))
+        lrs[load_optim] = [json.loads(line)["lr"] for line in metrics.read_text().splitlines()]
+    assert lrs[True] == lrs[False] == pytest.approx([1e-4], rel=1e-6)  # lr(2) = 4e-4 · 2 / 8, not lr(4) = 2e-4
