@@ -295,3 +295,43 @@ def test_two_processes_give_one_processs_loss_trace_and_checkpoints_load_across_
         out = _run([*common, "--fake-devices", devices, "--save", str(resumed), "--load", str(resumed),
                     "--metrics-file", str(metrics), "--pipeline-branching", branching], nproc=nproc)
         np.testing.assert_allclose(_losses(metrics)[-2:], trace[2:], rtol=1e-5)
+
+
+FAIL_BUBBLE_IN_PROCESS_1 = """
+import os, sys
+import ptd_jax.train.loop  # binds the run's own step builder before it is broken below
+import ptd_jax.parallel.step
+from ptd_jax.train import bubble
+bubble.AUTO_MIN_ITERATIONS = 1  # measure in a short run
+if os.environ["PTD_PROCESS_ID"] == "1":  # the 2m step cannot be built here only (as if it did not fit)
+    def fail(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: injected in process 1")
+    ptd_jax.parallel.step.make_parallel_train_step = fail
+from ptd_jax.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # about a minute: two processes compile a p = 2 step
+def test_a_bubble_measurement_failing_in_one_process_is_skipped_by_all(small_corpus, tmp_path):
+    """p = 2 over two processes; building the 2m step fails in process 1 only. The processes agree on the outcome
+    (`bubble.after_first_step`): both skip the measurement and training finishes, where process 0 alone going on to
+    run the 2m step would leave their collectives unpaired, a hang with live heartbeats."""
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", sys.executable, "-c", FAIL_BUBBLE_IN_PROCESS_1, *TINY,
+                             "--data-path", small_corpus, "--pipeline-model-parallel-size", "2", "--micro-batch-size",
+                             "4", "--global-batch-size", "8", "--fake-devices", "1", "--train-iters", "3",
+                             "--metrics-file", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # the hang: end the launcher and its children
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    skipped = [line for line in err.splitlines() if line.startswith("pipeline: measured bubble skipped")]
+    assert skipped == ["pipeline: measured bubble skipped (failed in process 1 of 2)"], err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["measured_bubble"] is None
+    assert [r["iteration"] for r in map(json.loads, open(metrics)) if r.get("kind") == "train"] == [1, 2, 3]
