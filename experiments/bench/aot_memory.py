@@ -23,6 +23,8 @@ CASES = {
     "1.3b-p2t4-full": ("1.3b", "h100-sxm", 8, 1, 2, 4, None, 1, 16, "full", False),
     "1.3b-d2p2t2-interleaved-none": ("1.3b", "h100-sxm", 8, 2, 2, 2, 6, 1, 16, "none", False),
     "1.3b-d2p2t2-interleaved-full": ("1.3b", "h100-sxm", 8, 2, 2, 2, 6, 1, 16, "full", False),
+    "1.3b-d2p4-1f1b-none": ("1.3b", "h100-sxm", 8, 2, 4, 1, None, 1, 16, "none", False),
+    "1.3b-d2p4-interleaved-none": ("1.3b", "h100-sxm", 8, 2, 4, 1, 3, 1, 16, "none", False),
     "1.3b-d8-distopt-none": ("1.3b", "h100-sxm", 8, 8, 1, 1, None, 1, 16, "none", True),
     "1.3b-d8-none": ("1.3b", "h200", 8, 8, 1, 1, None, 1, 16, "none", False),
     "paper-39.1b-p2t8-full": ("paper-39.1b", "a100-80gb", 512, 32, 2, 8, None, 1, 1536, "full", False),
@@ -58,6 +60,10 @@ def run_case(name: str) -> dict:
             "compiled_bytes_per_param": {"arguments": compiled["arguments"] / predicted["params"],
                                          "total": compiled["total"] / predicted["params"]},
             "ratio_predicted_over_compiled": predicted["total"] / compiled["total"],
+            # XLA's temporaries against the prediction less the optimizer's arguments (fp32 master weights and
+            # Adam's moments: 12 bytes per parameter, 12/d with the distributed optimizer)
+            "ratio_temporaries": (predicted["total"] - predicted["params"] * 12 / (d if distributed else 1))
+            / compiled["temporaries"],
             "compile_time_s": train.compile_time_s}
 
 
@@ -93,7 +99,8 @@ def main(argv=None) -> None:
         rows.append(row)
         print(f"{name}: predicted {row['predicted_gib']['total']:.2f} GiB, compiled {row['compiled_gib']['total']:.2f}"
               f" GiB (args {row['compiled_gib']['arguments']:.2f}, temp {row['compiled_gib']['temporaries']:.2f}), "
-              f"ratio {row['ratio_predicted_over_compiled']:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+              f"ratio {row['ratio_predicted_over_compiled']:.3f}, temporaries {row['ratio_temporaries']:.3f} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
     state = [state_bytes_per_param(d, distributed) for d in (2, 8) for distributed in (False, True)]
     for row in state:
         print(f"state at d={row['d']} distributed={row['distributed_optimizer']}: "
