@@ -3,7 +3,6 @@ carriage-return bar updates."""
 
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.train import RunOptions, train
-from ptd_jax.train.metrics import log_line
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=257)
 
@@ -20,6 +19,8 @@ def test_output_that_is_not_a_terminal_gets_one_line_per_log_interval(small_corp
 
 
 def test_a_log_line_reads_like_megatrons():
+    from ptd_jax.train.metrics import log_line
+
     record = {"iteration": 10, "lm_loss": 5.1, "grad_norm": 1.234, "lr": 3e-4, "step_time_s": 0.1234,
               "tokens_per_s": 4150.0, "tflops_per_device": 1.5, "hardware_tflops_per_device": 2.0,
               "eq3_tflops_per_device": 1.8, "mfu": 0.25, "skipped_iters": 0, "loss_scale": 1.0}
