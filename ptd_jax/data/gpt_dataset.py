@@ -24,6 +24,10 @@ version, the file name, the .bin and .idx sizes, a digest of the split's sequenc
 seq_length, seed and stream. Files are renamed into place; when the folder cannot be written the arrays are
 just computed in memory (a few tens of milliseconds per million sequences).
 
+**Other sources.** `GPTData` also mixes several datasets' streams by weight (Megatron's blends, `blend.py`: still
+a function of the seed and k alone), takes the train/valid/test data from separate paths instead of a split, or
+makes mock samples of random tokens (`mock.py`).
+
 **Batches.** Global batch i holds samples [i·B, (i+1)·B) of the training stream, whatever the layout. A layout
 only decides how that batch is cut: microbatch j of data-parallel rank r holds rows [j·b·d + r·b, j·b·d + (r+1)·b)
 (Megatron's sampler), see `split_global_batch`.
