@@ -179,8 +179,8 @@ def core_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, cfg: ModelConfig, key=None, 
     """The attention core (scores, softmax, dropout, context). Under `selective` it, and only it, is recomputed
     in the backward, as Megatron's selective recomputation does: its inputs q, k, v (and the dropout key) are
     kept, everything outside it (the weight matmuls, LayerNorms, the tensor collectives) is stored as in `none`,
-    so no collective is ever re-issued. Inside a layer under `remat_layer` its policy decides (an enclosing
-    checkpoint's policy governs the nested one) and recomputes the same."""
+    so no collective is re-issued that `none` does not re-issue. Inside a layer under `remat_layer` its policy
+    decides (an enclosing checkpoint's policy governs the nested one) and recomputes the same."""
     def core(q, k, v, key):
         return causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
                                 backend=cfg.attention_backend)
@@ -219,8 +219,14 @@ RECOMPUTED_PRIMITIVES = frozenset({
     "concatenate", "pad", "iota", "copy", "copy_p", "reduce_sum", "reduce_max", "reduce_min", "stop_gradient", "pvary",
     "pcast"})
 """Elementwise, layout and reduction primitives: what a layer recomputes in its backward under none and selective
-(`remat_layer`). Everything else is kept: the outputs of matmuls, collectives and random bits, and the values named
-below."""
+(`remat_layer`). Everything else is kept: the outputs of matmuls, collectives (but the all-gather below) and random
+bits, and the values named below."""
+REGATHERED_PRIMITIVES = frozenset({"all_gather"})
+"""Sequence parallelism's all-gather (`parallel.tensor.gather_from_sequence_region`, the only all-gather inside a
+layer): its output, the whole sequence [B, S, D] of a LayerNorm's output, is not kept; the backward issues it again
+on the kept 1/t shard, as Megatron does (its LayerNorm output is stashed sequence-split and re-gathered before the
+weight gradients of QKV and fc1). An all-gather costs a fraction of the matmul it feeds; keeping it would store
+2 s b h per layer whole on every tensor rank, the memory sequence parallelism exists to split."""
 DROPOUT_MASK = "dropout_mask"
 """`checkpoint_name` of a dropout mask, which none keeps (a boolean, not its random bits)."""
 ATTENTION_CONTEXT = "attention_context"
@@ -229,7 +235,7 @@ needs it; the core's backward does not)."""
 
 
 def _keep_none(prim, *_, **__) -> bool:
-    return prim.name not in RECOMPUTED_PRIMITIVES
+    return prim.name not in RECOMPUTED_PRIMITIVES and prim.name not in REGATHERED_PRIMITIVES
 
 
 def _keep_selective(prim, *_, **params) -> bool:
@@ -248,8 +254,9 @@ def remat_layer(layer_fn, granularity: str):
     - none keeps the outputs of the layer's matmuls and collectives (and its input, its dropout masks) and recomputes
       the elementwise work between them in the backward (LayerNorms, bias adds, softmax, GeLU;
       `RECOMPUTED_PRIMITIVES`), as Megatron's fused kernels do (its bias-GeLU recomputes the GeLU from its input,
-      its LayerNorm the normalised input): no matmul and no collective runs twice, and autodiff's elementwise
-      intermediates (six [B, S, F] tensors for the GeLU alone) are not stored;
+      its LayerNorm the normalised input): no matmul runs twice, no collective but sequence parallelism's
+      all-gathers (`REGATHERED_PRIMITIVES`: kept as the 1/t shard, gathered again, as in Megatron), and autodiff's
+      elementwise intermediates (six [B, S, F] tensors for the GeLU alone) are not stored;
     - selective also recomputes the attention core (`core_attention`): q·kᵀ, the softmax and the attention dropout
       (re-drawn from its key; the hidden dropouts' masks too), keeping q, k, v and the core's output;
     - full keeps the layer's input only and recomputes the whole layer.

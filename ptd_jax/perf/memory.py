@@ -16,12 +16,15 @@ Activations per layer and microbatch, per GPU, as the program stores them (s seq
 a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's compiled steps
 (`experiments/bench/aot_memory.py`) and compared with Korthikanti et al.'s Table 2 for Megatron:
     policy      this program, flash attention     with sequence parallelism     Megatron (no SP)
-    none        s b h (8 + 16/t)                  s b h (4 + 20/t)              s b h (10 + 24/t + 5as/(ht))
-    selective   s b h (8 + 18/t)                  s b h (4 + 22/t)              s b h (10 + 24/t)
+    none        s b h (8 + 16/t)                  s b h 24/t                    s b h (10 + 24/t + 5as/(ht))
+    selective   s b h (8 + 18/t)                  s b h 26/t                    s b h (10 + 24/t)
     full        2 s b h (each layer's input)      2 s b h / t                   2 s b h
   `none` keeps the outputs of matmuls and collectives only (the GeLU, LayerNorms and dropouts are recomputed), so
   it stores less than Megatron at t = 1 but keeps the whole residual stream and LayerNorm outputs (8 s b h) on every
-  tensor rank; with the XLA attention backend the float32 scores 4 a s²b/t replace the attention output. Under
+  tensor rank; with sequence parallelism all of them are 1/t: the LayerNorm outputs are kept as the rank's
+  sequence shard and all-gathered again in the backward (`model.REGATHERED_PRIMITIVES`, as Megatron does), so
+  everything a layer stashes is split over t (`experiments/bench/sp_stash.py`: exactly 1/t of t = 1's stash at
+  t = 2, 4, 8). With the XLA attention backend the float32 scores 4 a s²b/t replace the attention output. Under
   "full", one layer's activations without recomputation are added (rebuilt during its backward).
 Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots and a trash slot on every
 pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v) layers.
@@ -87,8 +90,9 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
         return 2 * sbh / (t if sp else 1)
     split = 16 / t  # q, k, v, the attention output and fc1's output: split over the heads / the ffn dim
     # the layer's input, the residual after attention and the two LayerNorm outputs: whole without sequence
-    # parallelism; with it the first two are 1/t and the LayerNorm outputs are kept all-gathered, whole
-    stream = 4 + 4 / t if sp else 8
+    # parallelism; with it all four are the rank's 1/t of the sequence (the all-gathers are issued again in the
+    # backward, not kept)
+    stream = 8 / t if sp else 8
     if recompute == "selective":  # the attention core's output is kept by name, beside the projection's input
         return sbh * (stream + split + 2 / t)
     if cfg.attention_backend == "xla":  # the float32 scores are kept, the attention output is recomputed

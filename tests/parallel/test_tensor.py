@@ -120,10 +120,14 @@ def test_tensor_parallel_collectives_are_exactly_megatrons(L, m, recompute):
 
 def test_sequence_parallel_collectives():
     """All-reduces become all-gather + reduce-scatter pairs; replicated weights' gradients are partial sums over
-    the sequence shards and over data ranks, reduced once per step by one all-reduce over both axes per leaf."""
+    the sequence shards and over data ranks, reduced once per step by one all-reduce over both axes per leaf. The
+    backward issues each layer's two forward all-gathers again (the LayerNorm outputs are kept as 1/t shards, as
+    in Megatron: `model.REGATHERED_PRIMITIVES`)."""
     L, m = 2, 2
     assert step_collectives(2, 4, True, "none", L, m) == {
-        "all_gather@tensor": m * (2 * L + 1 + 2 * L + 1),       # layers fwd, final LN -> logits, layers bwd, embed bwd
+        # layers fwd, final LN -> logits, layers bwd (the reduce-scatters' transposes and the re-issued
+        # all-gathers), embed bwd
+        "all_gather@tensor": m * (2 * L + 1 + 2 * L + 2 * L + 1),
         "reduce_scatter@tensor": m * (2 * L + 1 + 2 * L + 1),   # layers fwd, embedding, layers bwd, logits bwd
         "psum_invariant@tensor": m * 2 + 1,                      # cross-entropy sums, grad norm
         "pmax@tensor": m,
@@ -159,3 +163,19 @@ def test_ptd_train_trace_at_d2_t4_matches_the_single_device_reference(small_corp
     assert len(tp) == len(ref) == 20
     assert ref[-1] < ref[0] - 1.0
     np.testing.assert_allclose(tp, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["pallas+fused", "xla"])
+def test_sequence_parallel_stashes_one_tth_of_a_layer(backend):
+    """What a layer's vjp keeps for the pipeline stash (`stash.Residuals`, weights excluded) under none and
+    selective: with sequence parallelism exactly 1/t of the unsplit t = 1 layer's at t = 2 and 4, the LayerNorm
+    outputs kept as sequence shards and all-gathered again in the backward (Megatron's arrangement). Before, the
+    all-gathered [B, S, D] LayerNorm outputs were kept whole: 9 s b h bytes at t = 4 against 24/4 = 6."""
+    from experiments.bench.sp_stash import MODEL, layer_stash
+
+    model = MODEL if backend == "pallas+fused" else {**MODEL, "attention_backend": "xla", "fused_kernels": False}
+    for recompute in ("none", "selective"):
+        whole = layer_stash(1, False, recompute, model)["units"]
+        for t in (2, 4):
+            got = layer_stash(t, True, recompute, model)
+            assert got["units"] == pytest.approx(whole / t, rel=1e-12), (recompute, t, got["leaves"])

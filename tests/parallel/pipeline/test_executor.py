@@ -188,8 +188,10 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     under sequence parallelism its forward all-gather too), k layers' backwards (2 each; under sequence parallelism 2
     reduce-scatters and 2 all-gathers), the embedding's transpose (nothing; under sequence parallelism the
     all-gather that transposes its reduce-scatter), no recomputed forward; outside the conds one ring ppermute
-    and, with scatter/gather, one all-gather re-assembling the hidden dim. Nothing over "data" and no all-reduce
-    over "pipe" inside the loop: a stray one is the silent 2–4x gradient bug of the prototype."""
+    and, with scatter/gather, one all-gather re-assembling the hidden dim. Under sequence parallelism each layer's
+    two forward all-gathers run again (`model.REGATHERED_PRIMITIVES`: the stash holds their 1/t inputs). Nothing
+    over "data" and no all-reduce over "pipe" inside the loop: a stray one is the silent 2–4x gradient bug
+    of the prototype."""
     p, v, t, k = 2, 2, 2, 1
     cfg = model_cfg(p, x64=False)
     parallel = layout(2, p, t, "interleaved", v, sp)
@@ -204,8 +206,8 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     assert len(bodies) == 2  # the steady state's first backward and the cool-down's: one B tick per scan step
     counts = {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[-1])).items()}
     assert counts == {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[0])).items()}
-    if sp:
-        expected = {"reduce_scatter@tensor": 1 + 2 * k, "all_gather@tensor": 1 + 2 * k + 1,
+    if sp:  # the layers' forward all-gathers are issued again (their outputs are not stashed): 2 per layer more
+        expected = {"reduce_scatter@tensor": 1 + 2 * k, "all_gather@tensor": 1 + 2 * k + 2 * k + 1,
                     "psum_invariant@tensor": 2, "pmax@tensor": 1, "ppermute@pipe": 1}
     else:
         expected = {"psum_invariant@tensor": 2 + 1 + 2 * k, "all_gather_invariant@tensor": 1, "pmax@tensor": 1,
@@ -391,11 +393,11 @@ def test_20_iteration_trace_matches_the_reference(small_corpus, tmp_path, d, p, 
 
 # --- recomputation -------------------------------------------------------------------------------------------------
 
-def _chunk_work(recompute):
+def _chunk_work(recompute, sp=False):
     """{"forward", "backward"}: (matmuls, tensor collectives) of a chunk's work in a forward tick (`chunk_forward`)
     and in a backward tick (`chunk_backward`); p = 2, t = 2, 1F1B, per-rank."""
     cfg = model_cfg(2, x64=False)
-    parallel = layout(1, 2, 2, "1f1b", 1, branching="per-rank")
+    parallel = layout(1, 2, 2, "1f1b", 1, sp=sp, branching="per-rank")
     params = staged(gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=2), 2, 1)
     specs = sharding.param_specs(params, pipelined=True)
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
@@ -431,6 +433,19 @@ def test_recomputation_runs_what_megatron_runs():
     k = 2  # layers per chunk; collectives are counted per layer (the scan's length times its body)
     assert collectives["selective"] == collectives["none"] == 2 * k  # the transposes of each layer's two f's
     assert collectives["full"] == collectives["none"] + k  # the attention block's all-reduce; the MLP's follows fc2
+
+
+def test_sequence_parallel_backward_gathers_again_and_recomputes_no_matmul():
+    """Under sequence parallelism and none/selective, a layer stashes its LayerNorm outputs as the rank's 1/t of the
+    sequence and its backward issues the two forward all-gathers again (Megatron's arrangement), beside the
+    transposes of the layer's 2 all-gathers and 2 reduce-scatters; the matmuls are counted as without it: none
+    recomputes no matmul, selective only q·kᵀ."""
+    counts = {r: _chunk_work(r, sp=True) for r in ("none", "selective")}
+    k = 2
+    fwd_dots = counts["none"]["forward"][0]
+    assert fwd_dots == 6 and counts["none"]["forward"][1] == 4 * k  # 2 all-gathers + 2 reduce-scatters a layer
+    assert {r: counts[r]["backward"][0] for r in counts} == {"none": 2 * fwd_dots, "selective": 2 * fwd_dots + 1}
+    assert {r: counts[r]["backward"][1] for r in counts} == {"none": 4 * k + 2 * k, "selective": 4 * k + 2 * k}
 
 
 @pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.slow)])
