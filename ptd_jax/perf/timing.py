@@ -15,7 +15,8 @@ Per microbatch, on the bottleneck pipeline rank (the last: its l/p layers plus t
 - tensor parallelism: 2 all-reduces of b·s·h 16-bit values per layer forward and 2 backward (§3.2), plus the
   output layer's backward all-reduce (its f operator) on the last stage (and the embedding's at p = 1), a ring on
   NVLink when t fits in a node, on InfiniBand otherwise, at NCCL's bus bandwidth and latency (hardware.py); with
-  sequence parallelism reduce-scatter + all-gather, the same bytes;
+  sequence parallelism reduce-scatter + all-gather, the same bytes, and under none and selective 2 all-gathers
+  more per layer backward (the LayerNorm outputs are stashed as 1/t shards and gathered again, as in Megatron);
 - gradient accumulation: each microbatch's weight gradients are added into the gradient buffer, a memory-bound
   pass over all of the GPU's parameters (Megatron-LM's DDP hook `param.main_grad.add_(param.grad.data)`, or
   PyTorch's AccumulateGrad without contiguous buffers): read the new gradient (2 bytes) and the buffer, write the
@@ -89,6 +90,16 @@ def tensor_allreduce_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Har
     return hw.allreduce_seconds(nbytes, t, within_node=t <= hw.gpus_per_node)
 
 
+def regather_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute: str) -> float:
+    """Sequence parallelism's all-gathers issued again in one layer's backward (none and selective: the stash
+    holds the LayerNorm outputs' 1/t shards; full recomputes the whole forward, counted with it): 2 of b·s·h."""
+    t = parallel.tensor_model_parallel_size
+    if not parallel.sequence_parallel or recompute == "full" or t == 1:
+        return 0.0
+    nbytes = HALF * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
+    return 2 * hw.allgather_seconds(nbytes, t, within_node=t <= hw.gpus_per_node)
+
+
 def p2p_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
     """One boundary crossing (an activation or its gradient) between pipeline neighbours. The mesh is
     ("data", "pipe", "tensor"), so neighbouring stages are t devices apart and one data replica's p·t devices are
@@ -143,7 +154,8 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
         "recompute": layers * sum(recompute_split.values()),
         # + the output layer's input-gradient all-reduce (its f operator), and at p = 1 also the vocab-parallel
         # embedding's forward all-reduce (on the first stage otherwise, off the bottleneck rank)
-        "tensor_comm": (layers * 4 + (2 if p == 1 else 1)) * allreduce,
+        "tensor_comm": (layers * 4 + (2 if p == 1 else 1)) * allreduce + layers * regather_seconds(
+            cfg, parallel, hw, recompute),
         "pipeline_p2p": 2 * v * p2p_seconds(cfg, parallel, hw) if p > 1 else 0.0,
         "grad_accumulation": hw.memory_seconds((HALF + 2 * grad_bytes) * params_last),
     }
