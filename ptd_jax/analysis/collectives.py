@@ -59,14 +59,17 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s32|u32|s64|u64|s8|u8|pred|s16|u16)\[([\d,]*)\]")
 
 
-def _shape_bytes(text: str) -> int:
-    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in
-               _SHAPE.findall(text))
+def _shape_bytes(text: str, started: bool = False) -> int:
+    """Bytes of an op's result. An asynchronous `-start` op's result is a tuple (operand, result, contexts...): its
+    bytes are the result's, the tuple's second element; a combined synchronous op's tuple counts whole."""
+    shapes = _SHAPE.findall(text)
+    if started and text.startswith("(") and len(shapes) >= 2:
+        shapes = shapes[1:2]
+    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in shapes)
 
 
-def hlo_collectives(hlo_text: str) -> dict:
-    """{op: {"count", "bytes", "replica_groups", "ops": [{shape, bytes, times, replica_groups}]}} per execution
-    of the ENTRY computation."""
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """{computation name: its instruction lines}, and the ENTRY computation's name."""
     computations: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -78,34 +81,63 @@ def hlo_collectives(hlo_text: str) -> dict:
                 entry = current
         elif current is not None and line.startswith("  "):
             computations[current].append(line.strip())
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for name, lines in computations.items():
-        for line in lines:
-            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-            for callee_key in ("body", "condition", "to_apply", "calls", "true_computation", "false_computation"):
-                for callee in re.findall(rf"\b{callee_key}=%([\w.\-]+)", line):
-                    times = int(trip.group(1)) if (trip and callee_key == "body") else 1
-                    calls[name].append((callee, times))
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)  # a switch: each branch counted once
-            for callee in re.findall(r"%([\w.\-]+)", branches.group(1) if branches else ""):
-                calls[name].append((callee, 1))
+    return computations, entry
+
+
+def _calls(line: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """(callees run every time the instruction runs, with their trip counts; a conditional's branches)."""
+    trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+    always = []
+    for key in ("body", "condition", "to_apply", "calls"):
+        for callee in re.findall(rf"\b{key}=%([\w.\-]+)", line):
+            always.append((callee, int(trip.group(1)) if (trip and key == "body") else 1))
+    branches = re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)
+    listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+    branches += re.findall(r"%([\w.\-]+)", listed.group(1) if listed else "")
+    return always, branches
+
+
+_OP = re.compile(r"= (.*?) (" + "|".join(_HLO_COLLECTIVES) + r")(-start)?\(")
+
+
+def hlo_collectives(hlo_text: str) -> dict:
+    """{op: {"count", "bytes", "replica_groups", "ops": [{shape, bytes, times, replica_groups}]}} per execution
+    of the ENTRY computation: loop bodies times their known trip count, of each conditional the branch with the
+    most collectives (exactly one runs; as `jaxpr_collectives` counts)."""
+    computations, entry = _computations(hlo_text)
+    own = {name: sum(1 for line in lines if _OP.search(line)) for name, lines in computations.items()}
+    weight: dict[str, int] = {}
+
+    def total(name: str) -> int:  # collectives one run of `name` issues, nested calls included
+        if name not in weight:
+            weight[name] = own.get(name, 0)  # (a cycle cannot happen: HLO calls form a DAG)
+            for line in computations.get(name, ()):
+                always, branches = _calls(line)
+                weight[name] += sum(total(c) * k for c, k in always)
+                weight[name] += max((total(b) for b in branches), default=0)
+        return weight[name]
+
     multiplicity: dict[str, int] = defaultdict(int)
 
     def visit(name: str, times: int) -> None:
         multiplicity[name] += times
-        for callee, k in calls.get(name, ()):
-            visit(callee, times * k)
+        for line in computations.get(name, ()):
+            always, branches = _calls(line)
+            for callee, k in always:
+                visit(callee, times * k)
+            if branches:
+                visit(max(branches, key=total), times)
 
     visit(entry, 1)
     result: dict[str, dict] = {}
     for name, lines in computations.items():
         times = multiplicity.get(name, 0)
         for line in lines:
-            op = re.search(r"= (.*?) (" + "|".join(_HLO_COLLECTIVES) + r")(?:-start)?\(", line)
+            op = _OP.search(line)
             if not op or times == 0:
                 continue
             entry_ = result.setdefault(op.group(2), {"count": 0, "bytes": 0, "replica_groups": set(), "ops": []})
-            nbytes = _shape_bytes(op.group(1))
+            nbytes = _shape_bytes(op.group(1), started=bool(op.group(3)))
             entry_["count"] += times
             entry_["bytes"] += times * nbytes
             groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)

@@ -8,10 +8,14 @@ from collections import Counter
 
 from ptd_jax.analysis.collectives import hlo_collectives
 
-_CUSTOM_CALL = re.compile(r'custom-call\(.*custom_call_target="([^"]+)"')
+_CUSTOM_CALL = re.compile(r' custom-call\(.*custom_call_target="([^"]+)"')
+_FUSION = re.compile(r"^\S+ = .*? fusion\(")
+_FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 
 
 def _kernel_kind(line: str) -> str | None:
+    """The kind of kernel one HLO instruction launches, from its own op and backend configuration (never from its
+    operands' names), or None for an instruction that launches none."""
     call = _CUSTOM_CALL.search(line)
     if call:
         target = call.group(1)
@@ -22,16 +26,22 @@ def _kernel_kind(line: str) -> str | None:
         if target.startswith("__cudnn"):
             return "cudnn"
         return f"custom_call:{target}"
-    if " fusion(" in line:
-        return "triton_gemm" if ("__triton_gemm" in line or "gemm_fusion" in line) else "fusion"
-    return None
+    if not _FUSION.match(line):
+        return None
+    kind = _FUSION_KIND.search(line)
+    backend = kind.group(1) if kind else ""
+    if "gemm" in backend:
+        return "triton_gemm"
+    if backend.startswith("__cudnn"):
+        return "cudnn"
+    return "fusion"
 
 
 def hlo_kernels(hlo_text: str) -> dict[str, int]:
     """{kind: number of kernel ops in the program} — pallas_triton (our Pallas kernels, lowered by Triton),
     triton_gemm (XLA's own Triton matmul fusions), cublas, cudnn, fusion (XLA's elementwise/reduction fusions),
     custom_call:<target> for anything else. Static counts: a loop body's kernel counts once."""
-    kinds = Counter(kind for line in hlo_text.splitlines() if (kind := _kernel_kind(line)) is not None)
+    kinds = Counter(kind for line in hlo_text.splitlines() if (kind := _kernel_kind(line.strip())) is not None)
     return dict(sorted(kinds.items()))
 
 
