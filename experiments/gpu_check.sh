@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~560 s:
-# at most 360 s of kernels, 90 s of the executor, 60 + 90 s of the memory checks and, on one GPU, seconds for the
-# probe's "skipped"; with 4 GPUs
-# the probe and the pipeline benchmark add up to 360 s: set BENCH_TIMEOUT_S lower).
+# The one script to run when a GPU is lent (device tool: `bash experiments/gpu_check.sh`, timeout ~600 s on one GPU:
+# at most 360 s of kernels, 90 s of the executor, 60 + 90 s of the memory checks and seconds for the probe's
+# "skipped"; set BENCH_TIMEOUT_S lower for a shorter run; with 4 GPUs the probe and the pipeline benchmark add up
+# to 360 s more).
 # Everything lands under $OUT (or experiments/results/ without it); each step's JSON is written as it goes,
 # so a run cut short still brings back what it measured.
 set -uo pipefail

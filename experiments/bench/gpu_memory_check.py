@@ -65,6 +65,7 @@ def main(argv=None) -> None:
         record["step_s"] = (time.perf_counter() - start) / 2
         peak = jax.devices()[0].memory_stats() or {}
         record["device_peak_gib"] = peak.get("peak_bytes_in_use", 0) / GIB
+        record["device_bytes_limit_gib"] = peak.get("bytes_limit", 0) / GIB  # JAX's allocator budget
     else:
         record["note"] = "no GPU: the device's compiled and measured memory are not measured here"
     print(record)

@@ -9,6 +9,7 @@ Needs the CUDA plugin (`pip install -e '.[gpu-compile]'`); with `JAX_PLATFORMS=c
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from dataclasses import dataclass
 
@@ -29,8 +30,25 @@ GPUS_PER_HOST = 8
 INSTALL_HINT = "pip install -e '.[gpu-compile]' (the CUDA plugin for this jax, no GPU needed)"
 
 
+DEFAULT_ALLOCATOR_FRACTION = 0.75
+"""JAX's GPU allocator preallocates this fraction of the device's memory and allocates within it
+(`XLA_PYTHON_CLIENT_MEM_FRACTION` sets another)."""
+
+
 def plugin_installed() -> bool:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
+
+
+def allocator_fraction() -> float:
+    """The fraction of a GPU's memory a JAX program may use: `XLA_PYTHON_CLIENT_MEM_FRACTION`, else JAX's 0.75."""
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        fraction = float(value) if value else DEFAULT_ALLOCATOR_FRACTION
+    except ValueError:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} is not a number") from None
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} must be in (0, 1]")
+    return fraction
 
 
 def topology_name(num_gpus: int) -> str:
@@ -110,6 +128,8 @@ def summary(model_cfg: ModelConfig, parallel: ParallelConfig, target: GpuTarget,
     evaluation step's memory beside it."""
     train = programs[0]
     peak = max(p.memory["total"] for p in programs)
+    fraction = allocator_fraction()
+    budget = int(target.memory_bytes * fraction)
     return {
         "target": target.name,
         "device": target.description,
@@ -120,11 +140,13 @@ def summary(model_cfg: ModelConfig, parallel: ParallelConfig, target: GpuTarget,
                    "num_microbatches": parallel.num_microbatches},
         "resolved": {"pipeline_branching": parallel.pipeline_branching,
                      "attention_backend": model_cfg.attention_backend, "fused_kernels": model_cfg.fused_kernels,
-                     "dtype": model_cfg.dtype},
+                     "dtype": model_cfg.dtype, "vocab_size": model_cfg.vocab_size},
         "memory_bytes_per_gpu": peak,
         "memory": {p.name: p.memory for p in programs},
         "device_memory_bytes": target.memory_bytes,
-        "fits": peak <= target.memory_bytes,
+        "allocator_fraction": fraction,
+        "memory_budget_bytes": budget,
+        "fits": peak <= budget,
         "compile_time_s": sum(p.compile_time_s for p in programs),
         "compile_time_s_by_program": {p.name: p.compile_time_s for p in programs},
         "collectives": collective_summary(train.hlo_text),

@@ -12,6 +12,7 @@ import json
 import sys
 
 from ptd_jax.aot.targets import TARGETS
+from ptd_jax.config import ConfigError
 
 GIB = 2**30
 
@@ -21,9 +22,18 @@ def add_args(parser) -> None:
     g.add_argument("--compile-only", action="store_true",
                    help="compile the train and eval steps with XLA:GPU for --num-gpus of --target and report memory, "
                         "collectives and kernels; trains nothing")
-    g.add_argument("--target", choices=sorted(TARGETS), default="h100-sxm", help="the GPU to compile for")
+    g.add_argument("--target", choices=sorted(TARGETS), help="the GPU to compile for (default h100-sxm)")
     g.add_argument("--num-gpus", type=int, help="GPUs to compile for (hosts of 8; default: t * p)")
     g.add_argument("--json", action="store_true", help="--compile-only: one JSON object on stdout")
+
+
+def check_flags(args) -> None:
+    """--target, --num-gpus and --json mean something only with --compile-only: refuse them elsewhere."""
+    given = [f"--{name.replace('_', '-')}" for name in ("target", "num_gpus", "json") if getattr(args, name)]
+    if given and not args.compile_only:
+        raise ConfigError(f"{', '.join(given)} need --compile-only")
+    if args.compile_only and args.target is None:
+        args.target = "h100-sxm"
 
 
 def gpu_defaults(args) -> dict:
@@ -42,17 +52,20 @@ def describe(s: dict) -> str:
         f"compiled for {s['num_gpus']} x {s['device']} ({s['target']}): layout d={lay['data']} p={lay['pipe']} "
         f"t={lay['tensor']} v={lay['virtual']} {lay['schedule']}, b={lay['micro_batch_size']} "
         f"m={lay['num_microbatches']}; resolved: branching {res['pipeline_branching']}, attention "
-        f"{res['attention_backend']}, fused kernels {'on' if res['fused_kernels'] else 'off'}, {res['dtype']}",
+        f"{res['attention_backend']}, fused kernels {'on' if res['fused_kernels'] else 'off'}, {res['dtype']}, "
+        f"V={res['vocab_size']}",
         f"  memory per GPU (train step): arguments {mem['arguments'] / GIB:.2f} GiB, temporaries "
         f"{mem['temporaries'] / GIB:.2f}, outputs {mem['outputs'] / GIB:.2f} (aliased {mem['aliased'] / GIB:.2f}), "
-        f"total {mem['total'] / GIB:.2f} GiB of {s['device_memory_bytes'] / GIB:.2f} GiB: "
+        f"total {mem['total'] / GIB:.2f} GiB of {s['memory_budget_bytes'] / GIB:.2f} GiB usable "
+        f"({s['allocator_fraction']:g} of {s['device_memory_bytes'] / GIB:.2f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION): "
         f"{'fits' if s['fits'] else 'DOES NOT FIT'}",
     ]
     if "eval_step" in s["memory"]:
         lines.append(f"  eval step: total {s['memory']['eval_step']['total'] / GIB:.2f} GiB")
     lines.append(f"  compile time {s['compile_time_s']:.1f} s")
     lines.append("  collectives: " + ", ".join(
-        f"{op} x{c['count']} ({c['bytes'] / 2**20:.1f} MiB, groups of {'/'.join(map(str, c['group_sizes']))})"
+        f"{op} x{c['count']} ({c['bytes'] / 2**20:.1f} MiB, groups of "
+        f"{'/'.join(str(g) if g else 'pairs' for g in c['group_sizes'])})"
         for op, c in s["collectives"].items()))
     lines.append("  kernels: " + ", ".join(f"{kind} {n}" for kind, n in s["kernels"].items()))
     return "\n".join(lines)
@@ -67,6 +80,7 @@ def run(args, model_cfg, parallel, train_cfg) -> int:
     print(json.dumps(result) if args.json else describe(result))
     if not result["fits"]:
         print(f"ptd-train: the step needs {result['memory_bytes_per_gpu']:,} bytes per GPU but one {target.name} has "
-              f"{target.memory_bytes:,}", file=sys.stderr)
+              f"{result['memory_budget_bytes']:,} usable ({result['allocator_fraction']:g} of "
+              f"{target.memory_bytes:,})", file=sys.stderr)
         return 1
     return 0

@@ -317,6 +317,7 @@ def run(argv=None) -> dict | int:
     """Parse, validate and train (the summary), or compile only (the exit code); raises ConfigError/DataError/
     IndexedDatasetError on bad input."""
     args = build_parser().parse_args(argv)
+    compile_only.check_flags(args)
     demo = apply_demo_layout(args)
     fill_defaults(args)
     if args.compile_only:
@@ -352,6 +353,8 @@ def compile_for_target(args) -> int:
     """--compile-only: the configs as on --num-gpus GPUs of --target, the kernels' defaults as a GPU resolves them."""
     if args.fake_devices is not None:
         raise ConfigError(f"--compile-only compiles for --target GPUs: drop fake_devices={args.fake_devices}")
+    if args.tokenizer_type is None and args.vocab_size is None:  # no data to decide V: the preset's
+        args.vocab_size = model_preset(args.model_preset).vocab_size
     tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
     model_cfg = model_config_from_args(args, tokenizer).replace(**compile_only.gpu_defaults(args))
     num_gpus = args.num_gpus or args.tensor_model_parallel_size * args.pipeline_model_parallel_size

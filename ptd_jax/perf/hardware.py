@@ -44,7 +44,7 @@ class Hardware:
     peak_flops: float
     """Dense 16-bit peak, FLOP/s."""
     memory_bytes: float
-    """HBM capacity."""
+    """HBM capacity as CUDA reports it (the figure XLA compiles against: `ptd_jax/aot/targets.py`, the same GPUs)."""
     hbm_bandwidth: float
     gpus_per_node: int
     nvlink_bandwidth: float
@@ -102,12 +102,12 @@ class Hardware:
 
 
 HARDWARE: dict[str, Hardware] = {
-    "a100-80gb": Hardware("a100-80gb", peak_flops=312e12, memory_bytes=80 * GIB, hbm_bandwidth=2.039e12,
+    "a100-80gb": Hardware("a100-80gb", peak_flops=312e12, memory_bytes=85_100_068_864, hbm_bandwidth=2.039e12,
                           gpus_per_node=8, nvlink_bandwidth=300e9, ib_bandwidth=25e9,
                           nvlink_efficiency=235e9 / 300e9),
-    "h100-sxm": Hardware("h100-sxm", peak_flops=989e12, memory_bytes=80 * GIB, hbm_bandwidth=3.35e12,
+    "h100-sxm": Hardware("h100-sxm", peak_flops=989e12, memory_bytes=84_978_434_048, hbm_bandwidth=3.35e12,
                          gpus_per_node=8, nvlink_bandwidth=450e9, ib_bandwidth=50e9),
-    "h200": Hardware("h200", peak_flops=989e12, memory_bytes=141e9, hbm_bandwidth=4.8e12,
+    "h200": Hardware("h200", peak_flops=989e12, memory_bytes=143_771 * 2**20, hbm_bandwidth=4.8e12,
                      gpus_per_node=8, nvlink_bandwidth=450e9, ib_bandwidth=50e9),
 }
 

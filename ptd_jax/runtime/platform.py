@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import os
 
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
 
@@ -15,10 +14,21 @@ def _installed(*modules: str) -> bool:
     return any(importlib.util.find_spec(name) is not None for name in modules)
 
 
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+"""NVIDIA's device nodes, WSL2's GPU node and AMD's."""
+
+
 def gpu_present() -> bool:
-    """A CUDA or ROCm plugin and an NVIDIA (/dev/nvidia*) or AMD (/dev/kfd) device."""
-    devices = os.path.exists("/dev/nvidiactl") or glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")
-    return bool(devices) and _installed(*GPU_PLUGINS)
+    """A CUDA or ROCm plugin and a GPU device node."""
+    return any(glob.glob(pattern) for pattern in GPU_DEVICES) and _installed(*GPU_PLUGINS)
+
+
+def other_plugin_installed() -> bool:
+    """A JAX plugin this module cannot check for a device (registered under another name): taken as present."""
+    import importlib.metadata
+
+    known = {"xla_cuda12", "xla_cuda13", "xla_rocm7", "xla_rocm60"}
+    return any(entry.name not in known for entry in importlib.metadata.entry_points(group="jax_plugins"))
 
 
 def tpu_present() -> bool:
@@ -27,4 +37,4 @@ def tpu_present() -> bool:
 
 
 def accelerator_present() -> bool:
-    return gpu_present() or tpu_present()
+    return gpu_present() or tpu_present() or other_plugin_installed()

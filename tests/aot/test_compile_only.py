@@ -5,6 +5,7 @@ changes nothing for ordinary runs on a machine without a GPU."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +36,8 @@ def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
     assert summary["layout"] | {"virtual": 2} == summary["layout"] and summary["layout"]["data"] == 2
     # auto resolves as on a GPU: uniform branching, the Pallas kernels (compiled by Triton, not interpreted)
     assert summary["resolved"] == {"pipeline_branching": "uniform", "attention_backend": "pallas",
-                                   "fused_kernels": True, "dtype": "bfloat16"}
+                                   "fused_kernels": True, "dtype": "bfloat16", "vocab_size": 257}
+    assert summary["memory_budget_bytes"] == int(0.75 * TARGETS[target].memory_bytes)
     assert summary["kernels"]["pallas_triton"] > 0
     # tensor all-reduces in groups of 2, the data-parallel gradient all-reduce over 2, the pipe ring
     assert 2 in summary["collectives"]["all-reduce"]["group_sizes"]
@@ -57,7 +59,7 @@ def test_a_step_that_does_not_fit_exits_1_with_the_bytes(capsys):
     assert code == 1 and "DOES NOT FIT" in out and "compile time" in out and "kernels:" in out
     line = err.strip().splitlines()[-1]
     assert line.startswith("ptd-train: the step needs ")
-    assert line.endswith("bytes per GPU but one a100-80gb has 85,100,068,864")
+    assert line.endswith("bytes per GPU but one a100-80gb has 63,825,051,648 usable (0.75 of 85,100,068,864)")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -68,6 +70,18 @@ def test_a_step_that_does_not_fit_exits_1_with_the_bytes(capsys):
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     code, out, err = compile_only(["--compile-only", "--target", "h200", "--bf16", *argv], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_compile_flags_need_compile_only(capsys):
+    code, out, err = compile_only(["--target", "h200", "--json"], capsys)
+    assert code == 2 and out == "" and err == "ptd-train: error: --target, --json need --compile-only\n"
+
+
+def test_the_preset_decides_the_vocabulary(capsys):
+    code, out, _ = compile_only(["--compile-only", "--model-preset", "gpt2-small", "--num-layers", "2",
+                                 "--num-gpus", "1", "--micro-batch-size", "1", "--global-batch-size", "1",
+                                 "--seq-length", "128", "--bf16", "--json"], capsys)
+    assert code == 0 and json.loads(out)["resolved"]["vocab_size"] == 50257
 
 
 def test_without_the_plugin_one_line_says_what_to_install(monkeypatch, capsys):
@@ -88,9 +102,25 @@ def test_the_installed_plugin_changes_nothing_without_a_gpu():
     from ptd_jax.runtime import platform
 
     assert plugin_installed(), "the gpu-compile extra is part of [test]"
+    if any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")):
+        pytest.skip("a GPU is here: this test is about machines without one")
     assert not platform.gpu_present() and not platform.accelerator_present()
     code = "import ptd_jax, jax; print(jax.devices()[0].platform)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={
         k: v for k, v in __import__("os").environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS",
                                                                        "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")})
     assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "cpu", "")
+
+
+def test_plan_search_verify_compiles_the_best_layouts(capsys):
+    """`ptd-plan search --verify 2`: the two best layouts compiled for 8 H100s, XLA's memory beside the prediction
+    (within 15%: the model counts what the program stashes), and no layout predicted to fit that does not."""
+    from ptd_jax.cli.plan import main as plan
+
+    assert plan(["search", "--model-preset", "1.3b", "--num-gpus", "8", "--global-batch-size", "16", "--hardware",
+                 "h100-sxm", "--recompute-granularity", "none", "--verify", "2", "--json"]) == 0
+    verified = json.loads(capsys.readouterr().out)["verified"]
+    assert len(verified) == 2
+    for row in verified:
+        assert row["compiled_fits"] and not row["fits_mismatch"]
+        assert row["memory_gb_per_gpu"] == pytest.approx(row["compiled_gb_per_gpu"], rel=0.15)

@@ -67,3 +67,10 @@ def test_an_oversized_block_is_refused_at_compile_time(target, requested):
     with pytest.raises(Exception, match=f"Shared memory size limit exceeded: requested {requested}, available: "
                                         f"{limit}"):
         compiles(jax.value_and_grad(flash_loss(pk.BlockSizes(256, 256)), (0, 1, 2)), q, q, q)
+
+
+def test_the_planner_and_the_compiler_describe_the_same_gpus():
+    from ptd_jax.perf.hardware import HARDWARE
+
+    assert set(HARDWARE) == set(TARGETS)
+    assert {n: HARDWARE[n].memory_bytes for n in TARGETS} == {n: t.memory_bytes for n, t in TARGETS.items()}
