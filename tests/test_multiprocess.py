@@ -322,16 +322,28 @@ def test_a_bubble_measurement_failing_in_one_process_is_skipped_by_all(small_cor
                              "--data-path", small_corpus, "--pipeline-model-parallel-size", "2", "--micro-batch-size",
                              "4", "--global-batch-size", "8", "--fake-devices", "1", "--train-iters", "3",
                              "--metrics-file", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:  # the hang: end the launcher and its children
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_with_children(proc.pid)
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     skipped = [line for line in err.splitlines() if line.startswith("pipeline: measured bubble skipped")]
     assert skipped == ["pipeline: measured bubble skipped (failed in process 1 of 2)"], err[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["measured_bubble"] is None
     assert [r["iteration"] for r in map(json.loads, open(metrics)) if r.get("kind") == "train"] == [1, 2, 3]
+
+
+def _kill_with_children(pid: int) -> None:
+    """SIGKILL `pid` and its children (ptd-launch starts each child in a session of its own: its group misses them)."""
+    try:
+        children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        children = []
+    for target in (*children, pid):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
