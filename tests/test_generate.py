@@ -1,4 +1,4 @@
-"""Generation with a KV cache (`ptd_jax/generate.py`): the cache changes nothing (against the full forward each
+"""Generation with a KV cache (`inference/generate.py`): the cache changes nothing (against the full forward each
 step), sampling's limits, and `ptd-generate`. The comparison with transformers' generate is in test_interop.py."""
 
 import json

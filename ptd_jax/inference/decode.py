@@ -1,4 +1,4 @@
-"""KV-cache decoding steps for sampling (`ptd_jax/generate.py`), on one device or tensor-parallel (paper §2.3).
+"""KV-cache decoding steps for sampling (`inference/generate.py`), on one device or tensor-parallel (paper §2.3).
 
 One step takes T new tokens at positions pos..pos+T-1 (the whole prompt at prefill, then one token), writes their
 keys and values into each layer's cache [B, P_max, H, K] and returns the logits of the last one. Under tensor
