@@ -127,15 +127,17 @@ def test_activation_formula_by_hand():
 
 
 def test_stashed_layers_per_schedule():
-    """Every rank's stash holds the lockstep table's slots and a trash slot, each one microbatch through l/(p v)
-    layers: 1F1B min(m, 2p − 1) + 1 slots of l/p layers, interleaved min(v m, (v + 1) p) + 1 of l/(p v), GPipe
-    m + 1 of l/p; at p = 1 the accumulation table's one slot and the trash, or one slot for a single microbatch."""
+    """Every rank's stash holds the lockstep table's slots and, under uniform branching (the GPU default), a
+    trash slot, each one microbatch through l/(p v) layers: 1F1B min(m, 2p − 1) + 1 slots of l/p layers, interleaved
+    min(v m, (v + 1) p) + 1 of l/(p v), GPipe m + 1 of l/p; at p = 1 (no idle cells) the table's one slot."""
     cfg = model_preset("paper-1.7b")  # l = 24
     assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16)) == 8 * 24 / 4
     assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, 3)) == 13 * 24 / 8  # v = 2
     gpipe = make_parallel(cfg, 4, 1, 4, 1, 16).replace(pipeline_schedule="gpipe")
     assert stashed_layers(cfg, gpipe) == 17 * 24 / 4
-    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 1, 16)) == 2 * 24  # p = 1, m = 16
+    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 1, 16)) == 24  # p = 1, m = 16: no idle cell, no trash
+    per_rank = make_parallel(cfg, 4, 1, 4, 1, 16).replace(pipeline_branching="per-rank")
+    assert stashed_layers(cfg, per_rank) == 7 * 24 / 4  # idle cells run nothing: no trash slot
     assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 16, 16)) == 24  # p = 1, m = 1: no table
 
 
@@ -379,3 +381,18 @@ def test_break_even_reports_a_tie_at_the_preset_instead_of_a_crossing_next_to_it
     apart = break_even(knob, rerun_with(0.01), A100, 8)
     assert not apart["tied_at_preset"] and apart["crossings"][0]["direction"] == ">="
     assert apart["crossings"][0]["value"] == pytest.approx(2 * preset, rel=1e-3)
+
+
+def test_the_run_check_counts_the_runs_dtypes():
+    """ptd-train's refusal counts the run's own widths: bf16 compute with float32 master weights is Megatron's 18
+    bytes per parameter and 16-bit activations; float32 compute 16 bytes (no 16-bit copy, no separate gradient
+    width) and twice the activations; float64 32 bytes and four times."""
+    from ptd_jax.perf.memory import run_memory_bytes
+
+    cfg, parallel = model_preset("1.3b"), make_parallel(model_preset("1.3b"), 1, 1, 1, 1, 1)
+    planned = memory_per_gpu(cfg.replace(dtype="bfloat16"), parallel, "none")
+    for dtype, param_dtype, per_param, widths in (("bfloat16", "float32", 18, 1), ("float32", "float32", 16, 2),
+                                                  ("float64", "float64", 32, 4)):
+        got = run_memory_bytes(cfg.replace(dtype=dtype, param_dtype=param_dtype), parallel, "none")
+        assert got["state"] == pytest.approx(per_param * planned["params"])
+        assert got["activations"] == pytest.approx(widths * planned["activations"])

@@ -26,8 +26,9 @@ a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's co
   everything a layer stashes is split over t (`experiments/bench/sp_stash.py`: exactly 1/t of t = 1's stash at
   t = 2, 4, 8). With the XLA attention backend the float32 scores 4 a s²b/t replace the attention output. Under
   "full", one layer's activations without recomputation are added (rebuilt during its backward).
-Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots and a trash slot on every
-pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v) layers.
+Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots (and a trash slot under uniform
+branching) on every pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk
+of l/(p v) layers.
 `stash_slots` gives the table's count in closed forms (`ptd_jax.parallel.pipeline.build`'s `num_act_slots`,
 checked against it in tests/test_perf.py: building the table takes seconds at the planner's sizes). The last
 stage adds the fp32 logits of the loss, 4 s b V/t. The model leaves out the CUDA context, NCCL buffers, XLA's
@@ -101,11 +102,10 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
 
 
 def stash_buffer_slots(parallel: ParallelConfig) -> int:
-    """Slots the executor allocates: the table's slots and a trash slot (idle cells write there), or one slot
-    when a single microbatch runs without a table."""
-    if parallel.pipeline_model_parallel_size == 1 and parallel.num_microbatches == 1:
-        return 1
-    return stash_slots(parallel) + 1
+    """Slots the executor allocates: the table's, and a trash slot where idle cells write theirs (p > 1 under
+    uniform branching, which "auto" is on GPUs; per-rank idle cells run nothing, p = 1 has no idle cells)."""
+    trash = parallel.pipeline_model_parallel_size > 1 and parallel.pipeline_branching in ("auto", "uniform")
+    return stash_slots(parallel) + (1 if trash else 0)
 
 
 def stash_slots(parallel: ParallelConfig) -> int:
@@ -174,9 +174,30 @@ def device_memory_bytes(device, num_local_devices: int) -> tuple[float | None, s
     return None, "unknown"
 
 
+def run_memory_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> dict[str, float]:
+    """`memory_per_gpu` for the dtypes a run actually has: the model's 16-bit activations scaled to the compute
+    dtype's width, and the state at float32 master weights (18 bytes per parameter for bf16/fp16 compute; with
+    float32 compute 16 = weights 4 + gradients 4 + Adam 8, with wider master weights twice the optimizer's)."""
+    need = dict(memory_per_gpu(cfg, parallel, recompute))
+    compute = _BYTES.get(cfg.dtype, 4)
+    master = _BYTES.get(cfg.param_dtype, 4)
+    need["activations"] *= compute / 2
+    if compute > 2 or master > 4:
+        optimizer = 3 * master  # master weights and Adam's two moments
+        d = parallel.data_parallel_size if parallel.use_distributed_optimizer else 1
+        per_param = (master if compute == master else compute + master) + optimizer / d
+        need["state"] = need["params"] * per_param
+    need["total"] = need["state"] + need["activations"]
+    return need
+
+
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
 def check_fits(cfg: ModelConfig, parallel: ParallelConfig, recompute: str, device, num_local_devices: int) -> None:
-    """Refuse, with the numbers, a run whose estimate exceeds the memory of `device` (a JAX device)."""
-    need = memory_per_gpu(cfg, parallel, recompute)
+    """Refuse, with the numbers, a run whose estimate (`run_memory_bytes`) exceeds the memory of `device` (a JAX
+    device)."""
+    need = run_memory_bytes(cfg, parallel, recompute)
     have, source = device_memory_bytes(device, num_local_devices)
     if have is not None and need["total"] > have:
         raise ConfigError(f"the run needs about {need['total'] / GIB:,.1f} GiB per device (state "

@@ -381,9 +381,11 @@ def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:
         raise
     else:
         interrupted = False
-    finally:
-        stop.restore()
-        _close(batches, run.saver, run.logger)
+    finally:  # the handlers stay until the last save is written: a second SIGTERM must not end it
+        try:
+            _close(batches, run.saver, run.logger)
+        finally:
+            stop.restore()
     if interrupted:
         newest = checkpoint.latest_step(run.options.save) if run.options.save else None
         kept = f"newest checkpoint: step {newest} in {run.options.save}" if newest is not None else "no checkpoint"

@@ -23,9 +23,11 @@ from ptd_jax.config import PIPELINE_BRANCHINGS, resolve_branching
 
 
 class Branching:
-    """The five questions whose answers differ between the two ways of branching."""
+    """The five questions whose answers differ between the two ways of branching, and whether idle cells run."""
 
     name: str
+    idle_cells_run: bool
+    """An idle cell runs its tick's chunk work on the trash slot (its stash needs one), or nothing."""
 
     def columns(self, embed_TxP: np.ndarray, head_TxP: np.ndarray) -> dict[str, np.ndarray]:
         """The table's "embed" and "head" columns, from where each cell needs them."""
@@ -50,6 +52,7 @@ class Branching:
 
 class Uniform(Branching):
     name = "uniform"
+    idle_cells_run = True
 
     def columns(self, embed_TxP, head_TxP):
         return {"embed": embed_TxP.any(axis=1), "head": head_TxP.any(axis=1)}
@@ -71,6 +74,7 @@ class Uniform(Branching):
 
 class PerRank(Branching):
     name = "per-rank"
+    idle_cells_run = False
 
     def columns(self, embed_TxP, head_TxP):
         return {"embed": embed_TxP, "head": head_TxP}

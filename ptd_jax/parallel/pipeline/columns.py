@@ -75,3 +75,10 @@ def tick_work(sched: Schedule, branching: str) -> dict[str, np.ndarray]:
                 embed[t, r] = stage == 0
                 head[t, r] = stage == last and kind == head_kind
     return chosen.columns(embed, head)
+
+
+def residual_slots(sched: Schedule, idle_cells_run: bool) -> int:
+    """Slots of the residual stash: the table's, and a trash slot only where an idle cell writes its residuals
+    there (uniform branching with idle cells; per-rank idle cells run nothing, and p = 1 has none)."""
+    idle = any(cell.action is None for row in sched.cells for cell in row)
+    return sched.num_act_slots + (1 if idle and idle_cells_run else 0)

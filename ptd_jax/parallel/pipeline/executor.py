@@ -50,7 +50,7 @@ from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
 from ptd_jax.parallel.pipeline.branching import Branching, strategy
-from ptd_jax.parallel.pipeline.columns import schedule_arrays, tick_runs, tick_work
+from ptd_jax.parallel.pipeline.columns import residual_slots, schedule_arrays, tick_runs, tick_work
 from ptd_jax.parallel.pipeline.lockstep import Schedule
 from ptd_jax.parallel.pipeline.stash import Residuals
 from ptd_jax.parallel.vma import mark_like, mark_varying, varying_axes
@@ -426,7 +426,7 @@ def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_to
     ctx = dataclasses.replace(ctx, residuals=residuals)
     carry = Carry(act=_slots(ctx, sched.num_act_slots), grad=_slots(ctx, sched.num_grad_slots),
                   grads_chunks=_accumulators(chunks), grads_shared=_accumulators(shared), loss=_loss_start(ctx),
-                  res=residuals.buffers(sched.num_act_slots + 1, ctx.layers_per_chunk))
+                  res=residuals.buffers(residual_slots(sched, ctx.branching.idle_cells_run), ctx.layers_per_chunk))
     carry = run_table(ctx, carry, columns, sched.kinds, TRAINING_TICKS)
     grads = dict(carry.grads_shared)
     grads["layers"] = sharding.from_local_chunks(carry.grads_chunks)
