@@ -385,8 +385,8 @@ def test_break_even_reports_a_tie_at_the_preset_instead_of_a_crossing_next_to_it
 
 def test_the_run_check_counts_the_runs_dtypes():
     """ptd-train's refusal counts the run's own widths: bf16 compute with float32 master weights is Megatron's 18
-    bytes per parameter and 16-bit activations; float32 compute 16 bytes (no 16-bit copy, no separate gradient
-    width) and twice the activations; float64 32 bytes and four times."""
+    bytes per parameter (6 + 12/d distributed) and 16-bit activations; float32 compute 16 bytes (no compute copy;
+    8 + 12/d distributed) and twice the activations; float64 32 bytes and four times."""
     from ptd_jax.perf.memory import run_memory_bytes
 
     cfg, parallel = model_preset("1.3b"), make_parallel(model_preset("1.3b"), 1, 1, 1, 1, 1)
@@ -396,3 +396,9 @@ def test_the_run_check_counts_the_runs_dtypes():
         got = run_memory_bytes(cfg.replace(dtype=dtype, param_dtype=param_dtype), parallel, "none")
         assert got["state"] == pytest.approx(per_param * planned["params"])
         assert got["activations"] == pytest.approx(widths * planned["activations"])
+    # the distributed optimizer at d = 8: the gathered compute copy, full fp32 gradients, the 1/d optimizer shards
+    shared = make_parallel(cfg, 8, 1, 1, 1, 8, use_distributed_optimizer=True)
+    params = memory_per_gpu(cfg, shared, "none")["params"]
+    for dtype, per_param in (("bfloat16", 6 + 12 / 8), ("float32", 8 + 12 / 8)):
+        assert run_memory_bytes(cfg.replace(dtype=dtype), shared, "none")["state"] == pytest.approx(
+            per_param * params)

@@ -59,13 +59,31 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s32|u32|s64|u64|s8|u8|pred|s16|u16)\[([\d,]*)\]")
 
 
-def _shape_bytes(text: str, started: bool = False) -> int:
-    """Bytes of an op's result. An asynchronous `-start` op's result is a tuple (operand, result, contexts...): its
-    bytes are the result's, the tuple's second element; a combined synchronous op's tuple counts whole."""
-    shapes = _SHAPE.findall(text)
-    if started and text.startswith("(") and len(shapes) >= 2:
-        shapes = shapes[1:2]
-    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in shapes)
+def _tuple_elements(text: str) -> list[str]:
+    """The top-level elements of an HLO tuple shape "(a, (b, c), d)"; [text] for a non-tuple."""
+    if not text.startswith("("):
+        return [text]
+    elements, depth, begin = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            elements.append(text[begin:i].strip())
+            begin = i + 1
+    return elements
+
+
+def _shape_bytes(text: str, op: str = "", started: bool = False) -> int:
+    """Bytes of an op's result. An asynchronous all-gather's, collective-permute's or reduce-scatter's `-start`
+    result is a tuple (operands, results, contexts...): its bytes are the results' (the second element, itself a
+    tuple when the op was combined); an all-reduce-start's result is its results; a synchronous op's counts whole."""
+    if started and op != "all-reduce" and text.startswith("("):
+        elements = _tuple_elements(text)
+        text = elements[1] if len(elements) >= 2 else text
+    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in
+               _SHAPE.findall(text))
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
@@ -137,7 +155,7 @@ def hlo_collectives(hlo_text: str) -> dict:
             if not op or times == 0:
                 continue
             entry_ = result.setdefault(op.group(2), {"count": 0, "bytes": 0, "replica_groups": set(), "ops": []})
-            nbytes = _shape_bytes(op.group(1), started=bool(op.group(3)))
+            nbytes = _shape_bytes(op.group(1), op.group(2), started=bool(op.group(3)))
             entry_["count"] += times
             entry_["bytes"] += times * nbytes
             groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)

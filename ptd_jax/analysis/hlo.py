@@ -9,7 +9,7 @@ from collections import Counter
 from ptd_jax.analysis.collectives import hlo_collectives
 
 _CUSTOM_CALL = re.compile(r' custom-call\(.*custom_call_target="([^"]+)"')
-_FUSION = re.compile(r"^\S+ = .*? fusion\(")
+_FUSION = re.compile(r"^(?:ROOT )?\S+ = .*? fusion\(")
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 
 

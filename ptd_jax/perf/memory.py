@@ -175,18 +175,20 @@ def device_memory_bytes(device, num_local_devices: int) -> tuple[float | None, s
 
 
 def run_memory_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> dict[str, float]:
-    """`memory_per_gpu` for the dtypes a run actually has: the model's 16-bit activations scaled to the compute
-    dtype's width, and the state at float32 master weights (18 bytes per parameter for bf16/fp16 compute; with
-    float32 compute 16 = weights 4 + gradients 4 + Adam 8, with wider master weights twice the optimizer's)."""
+    """`memory_per_gpu` for the widths a run actually has (c compute, w master weights, g = max(4, w) the gradient
+    accumulators): activations scaled from 16 bits to c, and the state per parameter w + (c where c ≠ w: the
+    per-step compute copy) + g + 2w (Adam), or with the distributed optimizer c (the gathered copy) + g + 3w/d.
+    bf16 or fp16 compute on float32 weights gives Megatron's 18 and 6 + 12/d (ptd-train keeps float32 gradients
+    under --fp16 too)."""
     need = dict(memory_per_gpu(cfg, parallel, recompute))
-    compute = _BYTES.get(cfg.dtype, 4)
-    master = _BYTES.get(cfg.param_dtype, 4)
-    need["activations"] *= compute / 2
-    if compute > 2 or master > 4:
-        optimizer = 3 * master  # master weights and Adam's two moments
-        d = parallel.data_parallel_size if parallel.use_distributed_optimizer else 1
-        per_param = (master if compute == master else compute + master) + optimizer / d
-        need["state"] = need["params"] * per_param
+    c, w = _BYTES.get(cfg.dtype, 4), _BYTES.get(cfg.param_dtype, 4)
+    g = max(4, w)
+    if parallel.use_distributed_optimizer:
+        per_param = c + g + 3 * w / parallel.data_parallel_size
+    else:
+        per_param = w + (c if c != w else 0) + g + 2 * w
+    need["activations"] *= c / 2
+    need["state"] = need["params"] * per_param
     need["total"] = need["state"] + need["activations"]
     return need
 

@@ -165,7 +165,9 @@ def after_first_step(enabled: bool | None, train_step, state, batch, key, mesh, 
     The measurement needs a second program and a second copy of the state, which may not fit where the run does: a
     failure skips it (one line) and training goes on. Several processes agree on that after each part (building the
     2m step, timing): were one to skip while the others went on to run the 2m step, their collectives would no
-    longer pair up and the run would hang with its heartbeats alive."""
+    longer pair up and the run would hang with its heartbeats alive. The agreement covers a failure while building
+    the step (compiling, allocating its state); one process failing *inside* the 2m step's collectives still leaves
+    the others waiting there, as any collective failing on one process does."""
     if parallel.pipeline_model_parallel_size == 1:
         return None
     if enabled is None:

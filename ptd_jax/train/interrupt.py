@@ -7,6 +7,8 @@ SIGTERM (a scheduler's preemption, `kill`), in a one-process run: the loop stops
 step when --save is set (as several processes do on their agreed stop), finishes the asynchronous write, says so in
 one line naming the signal and exits 143 (128 + 15, the status a shell reports for a process SIGTERM ended:
 `Terminated`). A second SIGTERM changes nothing: the save goes on (a scheduler's SIGKILL ends it if it must).
+A SIGTERM during the last step still exits 143, without the JSON summary: the run was stopped, even if it had
+nothing left to do (its final checkpoint is written).
 
 With several processes, the first Ctrl-C becomes a SIGTERM, on which JAX's preemption sync makes every process stop
 at the same step (`runtime/multiprocess.stop_agreed`); SIGTERM is left to JAX there.

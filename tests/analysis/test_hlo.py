@@ -12,11 +12,15 @@ ENTRY %main (p: bf16[8,8]) -> bf16[8,8] {
   %cublas.1 = bf16[8,8]{1,0} custom-call(%p), custom_call_target="__cublas$gemm"
   ROOT %add = bf16[8,8]{1,0} add(%pallas_call.7, %cublas.1)
 }
+
+%fused (p: f32[4]) -> f32[4] {
+  ROOT %loop_fusion.2 = f32[4]{0} fusion(%p), kind=kLoop, calls=%c3
+}
 """
 
 
 def test_kernels_are_classified_by_their_own_op():
-    assert hlo_kernels(KERNELS) == {"cublas": 1, "fusion": 1, "pallas_triton": 1, "triton_gemm": 1}
+    assert hlo_kernels(KERNELS) == {"cublas": 1, "fusion": 2, "pallas_triton": 1, "triton_gemm": 1}
 
 
 COLLECTIVES = """
@@ -48,6 +52,22 @@ def test_collectives_count_runs_once_per_execution():
     assert got["all-gather"] == {"count": 5, "bytes": 5 * 32, "group_sizes": [2]}
     # of the conditional's branches only the larger one (two all-reduces) runs
     assert got["all-reduce"] == {"count": 2, "bytes": 2 * 16, "group_sizes": [2]}
+
+
+COMBINED = """
+ENTRY %main (a: f32[16], b: bf16[32], c: f32[4096], d: f32[1024]) -> f32[4] {
+  %ag = ((f32[16]{0}, bf16[32]{0}), (f32[128]{0}, bf16[256]{0})) all-gather-start(%a, %b), replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %ar = (f32[4096]{0}, f32[1024]{0}) all-reduce-start(%c, %d), replica_groups=[1,8]<=[8], to_apply=%sum
+}
+"""
+
+
+def test_combined_asynchronous_collectives_count_all_their_results():
+    """XLA combines small all-gathers and all-reduces: a combined all-gather-start's results are a tuple inside the
+    (operands, results) tuple; an all-reduce-start's result is its results."""
+    got = collective_summary(COMBINED)
+    assert got["all-gather"]["bytes"] == 128 * 4 + 256 * 2
+    assert got["all-reduce"]["bytes"] == (4096 + 1024) * 4
 
 
 def test_group_sizes_in_both_notations():

@@ -2,10 +2,10 @@
 
 `jax.vjp` returns a closure that is a pytree whose leaves are the residuals the backward needs; their shapes and the
 tree structure are fixed at trace time. So an F tick's scan over its chunk's layers can write layer j's leaves
-straight into scan-carried buffers [slots + trash, k, ...] at (slot, j), in place, and a later B tick's reverse
-scan can read them at (slot, j) and unflatten them into the same closure (docs/architecture.md, "Recomputation:
-Megatron's semantics"): the same traffic as autodiff's own stacked residuals, with no copy into or out of a slot.
-Two refinements over storing every leaf:
+straight into scan-carried buffers [slots (+ a trash slot where idle cells write), k, ...] at (slot, j), in place,
+and a later B tick's reverse scan can read them at (slot, j) and unflatten them into the same closure
+(docs/architecture.md, "Recomputation: Megatron's semantics"): the same traffic as autodiff's own stacked residuals,
+with no copy into or out of a slot. Two refinements over storing every leaf:
 - leaves that *are* the chunk's parameters (a matmul's weight, passed through unchanged) are not stashed: the B
   tick puts its own copy of the same parameters back in their place, so no slot holds a weight;
 - PRNG keys (selective recomputation re-draws attention dropout from its key) are stored as their raw key data.
