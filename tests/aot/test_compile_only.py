@@ -112,6 +112,7 @@ def test_the_installed_plugin_changes_nothing_without_a_gpu():
     assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "cpu", "")
 
 
+@pytest.mark.slow  # two 1.3B compiles, ~30 s; experiments/results/aot_memory.json holds the same comparison
 def test_plan_search_verify_compiles_the_best_layouts(capsys):
     """`ptd-plan search --verify 2`: the two best layouts compiled for 8 H100s, XLA's memory beside the prediction
     (within 15%: the model counts what the program stashes), and no layout predicted to fit that does not."""
