@@ -34,6 +34,19 @@ def small_corpus(tmp_path_factory):
     return prefix
 
 
+def random_corpus_at(folder, documents: int, shortest: int, longest: int, seed: int) -> str:
+    """A .bin/.idx pair of `documents` random byte-token documents of shortest..longest tokens (a second dataset
+    beside `small_corpus`, for blends); returns its prefix."""
+    from ptd_jax.data.indexed_dataset import IndexedDatasetWriter
+
+    rng = np.random.default_rng(seed)
+    prefix = folder / "random_document"
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        for _ in range(documents):
+            writer.add_document(rng.integers(0, 257, size=int(rng.integers(shortest, longest))))
+    return str(prefix)
+
+
 @pytest.fixture(scope="session")
 def gpt2_files(tmp_path_factory):
     """(vocab.json, merges.txt) of a tiny GPT-2-format byte-level BPE (at most 400 tokens, `<|endoftext|>` = 0), trained

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ptd_jax.cli.train import main
-from ptd_jax.data.indexed_dataset import IndexedDatasetWriter
+from tests.conftest import random_corpus_at
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--no-progress", "--eval-iters", "0", "--tensor-model-parallel-size", "1",
@@ -20,12 +20,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 @pytest.fixture(scope="module")
 def second_corpus(tmp_path_factory):
     """60 documents of random byte tokens."""
-    rng = np.random.default_rng(2)
-    prefix = tmp_path_factory.mktemp("second") / "random_document"
-    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
-        for _ in range(60):
-            writer.add_document(rng.integers(0, 257, size=int(rng.integers(50, 300))))
-    return str(prefix)
+    return random_corpus_at(tmp_path_factory.mktemp("second"), 60, 50, 300, seed=2)
 
 
 def losses(path):

@@ -7,7 +7,8 @@ import pytest
 from ptd_jax.data import GPTData, GPTDataset, split_documents
 from ptd_jax.data import blend as blend_module
 from ptd_jax.data.blend import BlendIndex, blending_indices, normalize, parse_blend
-from ptd_jax.data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter
+from ptd_jax.data.indexed_dataset import DataError, IndexedDataset
+from tests.conftest import random_corpus_at
 
 S = 16
 WEIGHT_SETS = [[0.3, 0.7], [1, 2, 3], [5, 0, 1, 1e-3], [1] * 9, [0.1, 0.2, 0.3, 0.15, 0.25, 0.01, 0.7, 0.3]]
@@ -16,12 +17,7 @@ WEIGHT_SETS = [[0.3, 0.7], [1, 2, 3], [5, 0, 1, 1e-3], [1] * 9, [0.1, 0.2, 0.3, 
 @pytest.fixture(scope="module")
 def random_corpus(tmp_path_factory):
     """80 documents of random byte tokens (a second dataset beside `small_corpus`)."""
-    rng = np.random.default_rng(1)
-    prefix = tmp_path_factory.mktemp("random") / "random_document"
-    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
-        for _ in range(80):
-            writer.add_document(rng.integers(0, 257, size=int(rng.integers(20, 200))))
-    return str(prefix)
+    return random_corpus_at(tmp_path_factory.mktemp("random"), 80, 20, 200, seed=1)
 
 
 def counts_after_each_sample(dataset_index, n):
