@@ -34,6 +34,24 @@ def small_corpus(tmp_path_factory):
     return prefix
 
 
+def signal_after_logged(proc, metrics, records: int, signum, timeout_s: float = 300) -> tuple[str, str]:
+    """Send `signum` to a training process once its --metrics-file holds `records` lines (or it ended, or the
+    timeout passed); (stdout, stderr) after it exits. A process still alive at the end is killed."""
+    import time
+
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None and not (
+                metrics.exists() and metrics.read_text().count("\n") >= records):
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def random_corpus_at(folder, documents: int, shortest: int, longest: int, seed: int) -> str:
     """A .bin/.idx pair of `documents` random byte-token documents of shortest..longest tokens (a second dataset
     beside `small_corpus`, for blends); returns its prefix."""

@@ -22,6 +22,7 @@ from ptd_jax.runtime import multiprocess
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import BATCH_SPEC
 from ptd_jax.train import checkpoint
+from tests.conftest import signal_after_logged
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--no-progress", "--eval-iters", "0", "--log-interval", "1", "--lr-warmup-iters", "1", "--peak-tflops", "1"]
@@ -236,17 +237,7 @@ def test_ctrl_c_to_ptd_launch_stops_every_process_after_the_same_step(small_corp
                              "--train-iters", "100000", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000",
                              "--metrics-file", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None and not (
-                metrics.exists() and metrics.read_text().count("\n") >= 2):
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, err = signal_after_logged(proc, metrics, 2, signal.SIGINT)
     assert proc.returncode == 130, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("ptd-train: interrupted (Ctrl-C) after iteration ")]
     assert len(said) == 2 and said[0].split(";")[0] == said[1].split(";")[0], err[-3000:]

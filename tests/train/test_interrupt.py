@@ -6,12 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 
 from ptd_jax.train import checkpoint
+from tests.conftest import signal_after_logged
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--no-progress", "--eval-iters", "0", "--fake-devices", "1", "--micro-batch-size", "8",
@@ -24,17 +24,7 @@ def test_sigterm_saves_the_step_it_stops_at_and_exits_143(small_corpus, tmp_path
                              "--train-iters", "100000", "--save", str(ckpt), "--save-interval", "100000",
                              "--log-interval", "1", "--metrics-file", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None and not (
-                metrics.exists() and metrics.read_text().count("\n") >= 1):  # after the first logged step
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, err = signal_after_logged(proc, metrics, 1, signal.SIGTERM)  # after the first logged step
     assert proc.returncode == 143, err[-3000:]
     last = err.strip().splitlines()[-1]
     steps = checkpoint.all_steps(ckpt)
