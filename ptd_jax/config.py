@@ -15,18 +15,23 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-split", "zb-h1", "zb-v")
+SPLIT_SCHEDULES = ("1f1b-split", "zb-h1", "zb-v")
+"""Schedules with split backwards (B: input gradient, W: weight gradients) on unit ticks: per-rank branching only."""
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 PIPELINE_BRANCHINGS = ("auto", "uniform", "per-rank")
 
 
-def resolve_branching(branching: str, backend: str | None = None) -> str:
+def resolve_branching(branching: str, backend: str | None = None, schedule: str | None = None) -> str:
     """"auto" is "per-rank" on XLA:CPU (fake devices share the host's cores, so an idle cell's dummy work and the
     masked embedding and head on every rank cost step time; tensor collectives in pipe-divergent branches are
     measured correct there) and "uniform" on accelerators (no collective in a pipe-divergent branch, and no
-    device-to-host read of a per-rank predicate); the other two are returned as they are."""
+    device-to-host read of a per-rank predicate); the other two are returned as they are. A split schedule
+    (`SPLIT_SCHEDULES`) runs different kinds on different ranks in one tick: "auto" is "per-rank" for it everywhere."""
     if branching != "auto":
         return branching
+    if schedule in SPLIT_SCHEDULES:
+        return "per-rank"
     if backend is None:
         import jax
 
@@ -59,8 +64,11 @@ def check_pipeline_request(schedule: str, p: int, v: int, m: int, group: int | N
     returns the effective G. `ParallelConfig` and the schedule builders both check them here."""
     _check(schedule in PIPELINE_SCHEDULES, f"schedule={schedule!r} is not one of {PIPELINE_SCHEDULES}")
     _check(p >= 1 and v >= 1 and m >= 1, f"p={p}, v={v} and m={m} must be positive")
+    if schedule == "zb-v":
+        _check(v == 2, f"schedule='zb-v' runs two model chunks per rank (a V): needs v=2, got v={v}")
+        return 1
     if schedule != "interleaved":
-        _check(v == 1, f"schedule={schedule!r} has no model chunks: v={v} needs schedule='interleaved'")
+        _check(v == 1, f"schedule={schedule!r} has no model chunks: v={v} needs schedule='interleaved' or 'zb-v'")
         return 1
     _check(p >= 2, f"interleaving needs p >= 2 pipeline ranks, got p={p}")
     g = p if group is None else group
@@ -213,9 +221,12 @@ class ParallelConfig:
             f"{self.micro_batch_size} x data_parallel_size={self.data_parallel_size}",
         )
         if self.virtual_pipeline_stages > 1:
-            _check(self.pipeline_schedule == "interleaved",
-                   f"virtual_pipeline_stages={self.virtual_pipeline_stages} needs pipeline_schedule='interleaved', "
-                   f"got {self.pipeline_schedule!r}")
+            _check(self.pipeline_schedule in ("interleaved", "zb-v"),
+                   f"virtual_pipeline_stages={self.virtual_pipeline_stages} needs pipeline_schedule='interleaved' "
+                   f"or 'zb-v', got {self.pipeline_schedule!r}")
+        _check(self.pipeline_schedule not in SPLIT_SCHEDULES or self.pipeline_branching != "uniform",
+               f"pipeline_schedule={self.pipeline_schedule!r} runs different kinds (F, B, W) on different ranks in "
+               f"one tick: it needs pipeline_branching='per-rank' (or 'auto'), got 'uniform'")
         _check(self.microbatch_group_size is None or self.pipeline_schedule == "interleaved",
                f"microbatch_group_size={self.microbatch_group_size} applies to pipeline_schedule='interleaved' "
                f"only, got {self.pipeline_schedule!r}")

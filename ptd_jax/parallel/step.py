@@ -33,7 +33,8 @@ from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
 from ptd_jax.parallel.pipeline.executor import pipeline_accumulate, pipeline_loss
-from ptd_jax.parallel.pipeline.lockstep import build, build_forward_only, validate
+from ptd_jax.parallel.pipeline.unit_executor import split_accumulate, split_loss
+from ptd_jax.parallel.pipeline.tables import build, build_forward_only, validate
 from ptd_jax.parallel.vma import mark_tree, mark_varying
 
 DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
@@ -43,7 +44,8 @@ def on_mesh(parallel: ParallelConfig, mesh) -> ParallelConfig:
     """`parallel` with "auto" branching resolved for the platform of the mesh's devices (not the process's default
     backend, which need not be the one a step is built for)."""
     platform = mesh.devices.flat[0].platform
-    return dataclasses.replace(parallel, pipeline_branching=resolve_branching(parallel.pipeline_branching, platform))
+    return dataclasses.replace(parallel, pipeline_branching=resolve_branching(parallel.pipeline_branching, platform,
+                                                                               parallel.pipeline_schedule))
 
 
 def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None, *,
@@ -129,7 +131,8 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
         staged = not _pipeline_layout(param_specs)
         if staged:  # the p = 1 accumulation table: layers [L, ...] as the executor's one chunk [1, 1, L, ...]
             varying = {**varying, "layers": sharding.stage_layers(varying["layers"], 1, 1)}
-        loss, grads = pipeline_accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
+        accumulate = split_accumulate if sched.split else pipeline_accumulate
+        loss, grads = accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
                                           sequence_parallel=parallel.sequence_parallel,
                                           scatter_gather=scatter_gather, recompute=recompute,
                                           branching=parallel.pipeline_branching, key=key)
@@ -252,7 +255,8 @@ def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
         total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
         if sched is not None:
             varying = mark_tree(params, _replicated_axes(param_specs, parallel))
-            loss = pipeline_loss(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
+            evaluate = split_loss if sched.split else pipeline_loss
+            loss = evaluate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
                                  sequence_parallel=parallel.sequence_parallel, scatter_gather=parallel.scatter_gather,
                                  branching=parallel.pipeline_branching)
             return jax.lax.psum(loss, (DATA, PIPE))

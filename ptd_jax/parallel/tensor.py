@@ -20,13 +20,15 @@ Local shape legend: B batch, S sequence (S/t under sequence parallelism: "Sl"), 
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig
 from ptd_jax.parallel.mesh import Axis
-from ptd_jax.parallel.vma import mark_varying
+from ptd_jax.parallel.vma import mark_varying, varying_axes
 
 TENSOR = Axis.TENSOR.value
 SEQ_DIM = 1  # activations are [B, S, D]
@@ -68,22 +70,63 @@ def leave_tensor_region(x, sequence_parallel: bool):
 # Layers on local shards
 # ---------------------------------------------------------------------------------------------------------------
 
+# A layer's four matmuls, by name: the einsum of each (input, kernel). `dot` runs one; with a tap in the parameters
+# (`<name>_tap`, a split backward's) its backward gives the input gradient only, and hands the tap the matmul's
+# input and output gradient, from which `tap_weight_grad` makes the kernel's gradient later (a zero-bubble W).
+DOTS = {"qkv": "bsd,dthk->bsthk", "out": "bshk,hkd->bsd", "fc1": "bsd,df->bsf", "fc2": "bsf,fd->bsd"}
+TAP_SHAPES: dict | None = None
+"""Set to {} by `tap_structs` while it traces a layer: each `dot` records its input's and output's types."""
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tapped_dot(spec, x, w, tap):
+    return jnp.einsum(spec, x, w)
+
+
+def _tapped_dot_fwd(spec, x, w, tap):
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _tapped_dot_bwd(spec, res, g):
+    x, w = res
+    (dx,) = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)[1](g)
+    return dx, jnp.zeros_like(w), {"x": x, "g": g}
+
+
+_tapped_dot.defvjp(_tapped_dot_fwd, _tapped_dot_bwd)
+
+
+def dot(p, name: str, x):
+    """Matmul `name` of the layer (`DOTS`) on x with `p[name + "_kernel"]`, tapped where `p` holds a tap."""
+    y = jnp.einsum(DOTS[name], x, p[f"{name}_kernel"])
+    if TAP_SHAPES is not None:  # types only: x and y may belong to an inner trace (a checkpointed layer's)
+        TAP_SHAPES[name] = tuple((jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(sorted(varying_axes(a))))
+                                 for a in (x, y))
+    tap = p.get(f"{name}_tap")
+    return y if tap is None else _tapped_dot(DOTS[name], x, p[f"{name}_kernel"], tap)
+
+
+def tap_weight_grad(name: str, tap, kernel):
+    """The kernel gradient of matmul `name` from its tap's (input, output gradient): what its backward skipped."""
+    return jax.vjp(lambda w: jnp.einsum(DOTS[name], tap["x"], w), kernel)[1](tap["g"])[0]
+
+
 def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None, recompute: str = "none"):
     """Column-parallel QKV (local heads), causal attention on local heads, row-parallel output projection."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
-    qkv_BxSx3xHlxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
+    qkv_BxSx3xHlxK = dot(p, "qkv", x_BxSxD) + p["qkv_bias"]
     q, k, v = (qkv_BxSx3xHlxK[:, :, i] for i in range(3))
     key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
     ctx_BxSxHlxK = gpt.core_attention(q, k, v, cfg, key, recompute)
-    partial_BxSxD = jnp.einsum("bshk,hkd->bsd", ctx_BxSxHlxK, p["out_kernel"])
+    partial_BxSxD = dot(p, "out", ctx_BxSxHlxK)
     return leave_tensor_region(partial_BxSxD, sequence_parallel) + p["out_bias"]
 
 
 def mlp(p, x, cfg: ModelConfig, sequence_parallel: bool):
     """Column-parallel fc1 (F/t local columns) + GeLU, row-parallel fc2."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
-    h_BxSxFl = gpt.gelu(x_BxSxD @ p["fc1_kernel"] + p["fc1_bias"], cfg.gelu_approximate)
-    return leave_tensor_region(h_BxSxFl @ p["fc2_kernel"], sequence_parallel) + p["fc2_bias"]
+    h_BxSxFl = gpt.gelu(dot(p, "fc1", x_BxSxD) + p["fc1_bias"], cfg.gelu_approximate)
+    return leave_tensor_region(dot(p, "fc2", h_BxSxFl), sequence_parallel) + p["fc2_bias"]
 
 
 def _per_tensor_rank(key):

@@ -1,7 +1,10 @@
 """Pipeline model parallelism (paper §2.2): the schedule as data, and the one executor that reads it.
 
-    schedule.py   actions (F/B chunk.microbatch) and each rank's order: GPipe, 1F1B, interleaved 1F1B. Pure Python.
-    lockstep.py   the orders placed on global ticks of one kind, stash slots, validation, simulation. Pure Python.
+    schedule.py   actions (F/B/W chunk.microbatch) and each rank's order: GPipe, 1F1B, interleaved 1F1B, and the
+                  split ones 1F1B-split, ZB-H1, ZB-V. Pure Python.
+    lockstep.py   fused orders placed on global ticks of one kind, stash slots, validation, simulation. Pure Python.
+    unit.py       split orders placed on unit ticks (each rank its own kind), slots, validation. Pure Python.
+    tables.py     a request -> its table (lockstep or unit ticks). Pure Python.
     plot.py       the timeline as a PNG (paper Figure 4).
     columns.py    the table as the executor's integer columns, and its ticks as runs of a static pattern (numpy).
     branching.py  where a tick's work runs: "uniform" (the same on every rank, masked) or "per-rank" (JAX).
@@ -12,9 +15,10 @@ The CLI is `ptd_jax/cli/schedule.py` (`ptd-schedule`). Importing this package do
 built, checked and drawn anywhere.
 """
 
-from ptd_jax.parallel.pipeline.lockstep import Cell, Schedule, build, build_forward_only, validate
+from ptd_jax.parallel.pipeline.lockstep import Cell, Schedule
+from ptd_jax.parallel.pipeline.tables import build, build_forward_only, validate
 from ptd_jax.parallel.pipeline.plot import plot
-from ptd_jax.parallel.pipeline.schedule import SCHEDULES, Action, ScheduleError, build_orders
+from ptd_jax.parallel.pipeline.schedule import SCHEDULES, SPLIT_SCHEDULES, Action, ScheduleError, build_orders
 
-__all__ = ["SCHEDULES", "Action", "Cell", "Schedule", "ScheduleError", "build", "build_forward_only",
+__all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "Action", "Cell", "Schedule", "ScheduleError", "build", "build_forward_only",
            "build_orders", "plot", "validate"]

@@ -24,9 +24,8 @@ pipeline rank
 4. writes what it received into the table's slot, after the branches.
 
 Where the embedding and the head run, and whether an idle cell computes, is the branching strategy's choice
-(`branching.py`: "uniform" or "per-rank"), made once per step. The tick kinds are a table so that a zero-bubble W
-(a B's weight-gradient half) is one entry more; ranks running different kinds in one tick would pick their
-function with a `lax.switch`, the ring still outside it.
+(`branching.py`: "uniform" or "per-rank"), made once per step. Split schedules (B and W, each rank its own kind in
+a tick) run through `unit_executor.py`, which reuses this module's cell functions.
 
 The parameters are cast to the compute dtype once per step, before the scans (with `--bf16` and float32 master
 weights, a bf16 copy of the rank's layers lives through the step: half their float32 size).
@@ -83,6 +82,8 @@ class TickContext:
     act_like: jax.Array       # a zero activation [B, S or S/t, D], typed like the slots' contents
     acc_dtype: jnp.dtype      # loss and gradient accumulation (float32, or float64 in the exactness tests)
     residuals: Residuals | None = None  # training: the stash layout of one layer's vjp
+    taps: object = None       # split schedules: the types of a layer's matmul taps (`stash.Taps`)
+    v_shape: bool = False     # ZB-V: chunk 1 on rank r is virtual stage 2p − 1 − r (`schedule.stage_of`)
 
     @property
     def act_dtype(self):
@@ -146,9 +147,16 @@ def microbatch_keys(ctx: TickContext, cell: TracedCell):
     return jax.random.split(jax.random.fold_in(ctx.key, cell.microbatch))
 
 
+def stage_id(ctx: TickContext, chunk):
+    """The virtual stage of this rank's `chunk` (`schedule.stage_of`)."""
+    if ctx.v_shape:
+        return jnp.where(chunk == 0, ctx.rank, 2 * ctx.p - 1 - ctx.rank)
+    return chunk * ctx.p + ctx.rank
+
+
 def first_layer(ctx: TickContext, cell: TracedCell):
     """The index in the whole stack of the cell's chunk's first layer (its dropout stream)."""
-    return (cell.chunk * ctx.p + ctx.rank) * ctx.layers_per_chunk
+    return stage_id(ctx, cell.chunk) * ctx.layers_per_chunk
 
 
 def embed(ctx: TickContext, cell: TracedCell, shared):
@@ -341,7 +349,6 @@ def evaluation_tick(ctx: TickContext, carry: EvalCarry, row) -> EvalCarry:
     return carry._replace(act=carry.act.at[cell.recv_slot].set(recv), loss=loss)
 
 
-# Each kind of tick and its function: a W (weight gradients) would be one entry more.
 TRAINING_TICKS = {"F": forward_tick, "B": backward_tick}
 EVALUATION_TICKS = {"F": evaluation_tick}
 

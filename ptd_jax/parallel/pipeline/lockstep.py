@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ptd_jax.parallel.pipeline.schedule import Action, B, F, ScheduleError, build_orders, check_request
+from ptd_jax.parallel.pipeline.schedule import (SPLIT_SCHEDULES, Action, B, F, ScheduleError, build_orders,
+                                                check_request, dependencies, stage_of)
 
 
 @dataclass
@@ -23,6 +24,10 @@ class Cell:
     in_slot: int = -1      # activation slot holding (or, on virtual stage 0, receiving) this action's input
     grad_slot: int = -1    # B only: slot holding the gradient received from the next virtual stage
     recv_slot: int = -1    # where the tensor arriving at the end of this tick goes (F: activation, B: gradient)
+    # Split schedules (`unit.py`) only:
+    w_slot: int = -1       # B: where it stashes what its W needs; W: where it reads it
+    send: int | None = None  # where its output goes: +1 (rank + 1), -1 (rank − 1), 0 (this rank: the V's turn)
+    recv: dict = field(default_factory=dict)  # {+1: from rank − 1, -1: from rank + 1, 0: own} -> ("act"|"grad", slot)
 
 
 @dataclass
@@ -33,37 +38,63 @@ class Schedule:
     m: int
     group: int
     orders: list[list[Action]]
-    kinds: list[str] = field(default_factory=list)          # per tick: "F" or "B"
+    kinds: list[str] = field(default_factory=list)          # per tick: "F" or "B"; "X" (mixed) in a split schedule
     cells: list[list[Cell]] = field(default_factory=list)   # [tick][rank]
     num_act_slots: int = 0
     num_grad_slots: int = 0
     peak_stash: list[int] = field(default_factory=list)     # per rank: most microbatches held at once (a slot each)
     forward_only: bool = False                              # forwards alone (evaluation): `build_forward_only`
+    num_w_slots: int = 0                                    # split schedules: slots of the W stash
+    peak_w_stash: list[int] = field(default_factory=list)   # per rank: most B's whose W has not run yet
+
+    @property
+    def split(self) -> bool:
+        """Split backwards (B and W) on unit ticks, where ranks run different kinds in one tick (`unit.py`)."""
+        return self.name in SPLIT_SCHEDULES
 
     @property
     def ticks(self) -> int:
         return len(self.kinds)
 
     def stage(self, action: Action, rank: int) -> int:
-        return action.chunk * self.p + rank
+        return stage_of(self.name, self.p, action.chunk, rank)
 
-    def simulate(self, backward_ratio: float = 2.0) -> dict:
-        """Lockstep makespan with forward = 1/v per chunk (a whole stage's forward = 1) and backward = k×forward.
-        Bubble = (makespan − ideal) / ideal, the paper's t_pb / t_id."""
-        tf = 1.0 / self.v
-        makespan = sum(tf if k == "F" else backward_ratio * tf for k in self.kinds)
-        ideal = self.m * (1.0 + backward_ratio)
+    def cell_time(self, action: Action | None, times: tuple[float, float, float]) -> float:
+        """One cell's duration: a whole stage's F, B, W take `times` (f, b, w), a chunk 1/v of it; a fused B is
+        b + w."""
+        if action is None:
+            return 0.0
+        f, b, w = times
+        return {"F": f, "B": b if self.split else b + w, "W": w}[action.kind] / self.v
+
+    def simulate(self, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None) -> dict:
+        """Lockstep makespan: each tick lasts as long as its longest cell (`cell_time`); `times` = (f, b, w), by
+        default (1, k/2, k/2) for backward = k × forward. Bubble = (makespan − ideal) / ideal, the paper's
+        t_pb / t_id, with ideal = m·(f + b + w)."""
+        times = times or (1.0, backward_ratio / 2, backward_ratio / 2)
+        makespan = sum(max(self.cell_time(c.action, times) for c in row) for row in self.cells)
+        ideal = self.m * sum(times)
         return {"makespan": makespan, "ideal": ideal, "bubble_fraction": (makespan - ideal) / ideal}
 
-    def formula_bubble(self) -> float:
+    def formula_bubble(self, times: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float | None:
+        """(p−1)/(v·m) (GPipe, 1F1B, interleaved); ZB-H1's (p−1)(f+b−w)/(m(f+b+w)) (the zero-bubble paper);
+        None for ZB-V, whose paper gives no closed form for this table."""
+        if self.name == "zb-h1":
+            f, b, w = times
+            return (self.p - 1) * max(f + b - w, 0.0) / (self.m * (f + b + w))
+        if self.name == "zb-v":
+            return None
         return (self.p - 1) / (self.v * self.m)
 
-    def to_json(self, backward_ratio: float = 2.0) -> dict:
-        sim = self.simulate(backward_ratio)
+    def to_json(self, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None) -> dict:
+        times = times or (1.0, backward_ratio / 2, backward_ratio / 2)
+        sim = self.simulate(times=times)
         return {"schedule": self.name, "p": self.p, "v": self.v, "m": self.m, "G": self.group,
-                "ticks": self.ticks, "bubble_fraction": sim["bubble_fraction"],
-                "formula_bubble": self.formula_bubble(), "backward_ratio": backward_ratio,
-                "peak_stash": self.peak_stash, "ranks": [[str(a) for a in order] for order in self.orders]}
+                "ticks": self.ticks, "bubble_fraction": sim["bubble_fraction"], "makespan": sim["makespan"],
+                "formula_bubble": self.formula_bubble(times), "backward_ratio": (times[1] + times[2]) / times[0],
+                "times": {"f": times[0], "b": times[1], "w": times[2]},
+                "peak_stash": self.peak_stash, "peak_w_stash": self.peak_w_stash or [0] * self.p,
+                "ranks": [[str(a) for a in order] for order in self.orders]}
 
     def table(self) -> str:
         """Text table: one row per tick, one column per rank."""
@@ -73,22 +104,6 @@ class Schedule:
             lines.append(f"{t:4d} {kind:>4} " + "".join((str(c.action) if c.action else ".").rjust(width)
                                                          for c in row))
         return "\n".join(lines)
-
-
-def _dependencies(action: Action, rank: int, p: int, v: int):
-    """(rank, action) pairs that must finish at an earlier tick."""
-    stage = action.chunk * p + rank
-    last = p * v - 1
-    if action.kind == "F":
-        if stage == 0:
-            return []
-        prev = stage - 1
-        return [(prev % p, F(prev // p, action.microbatch))]
-    deps = [(rank, F(action.chunk, action.microbatch))]
-    if stage < last:
-        nxt = stage + 1
-        deps.append((nxt % p, B(nxt // p, action.microbatch)))
-    return deps
 
 
 class _SlotPool:
@@ -171,13 +186,14 @@ class _Placement:
                     self.grad.release(r, cell.grad_slot)
 
 
-def _ready(orders: list[list[Action]], pos: list[int], done: dict, tick: int, v: int) -> dict[int, Action]:
+def _ready(name: str, orders: list[list[Action]], pos: list[int], done: dict, tick: int, v: int
+           ) -> dict[int, Action]:
     """Each rank's next action whose dependencies finished at an earlier tick."""
     p, ready = len(orders), {}
     for r in range(p):
         if pos[r] < len(orders[r]):
             a = orders[r][pos[r]]
-            if all(done.get(d, tick) < tick for d in _dependencies(a, r, p, v)):
+            if all(done.get(d, tick) < tick for d in dependencies(name, a, r, p, v)):
                 ready[r] = a
     return ready
 
@@ -211,7 +227,7 @@ def lockstep(name: str, orders: list[list[Action]], p: int, v: int, m: int, grou
     total = sum(len(o) for o in orders)
     while len(done) < total:
         tick = sched.ticks
-        ready = _ready(orders, pos, done, tick, v)
+        ready = _ready(name, orders, pos, done, tick, v)
         if not ready:
             raise ScheduleError(f"schedule {name!r} deadlocks at tick {tick}: no rank can proceed "
                                 f"(next actions: {[str(o[i]) if i < len(o) else None for o, i in zip(orders, pos)]})")
@@ -265,7 +281,7 @@ def validate(sched: Schedule) -> None:
         missing = sorted(expected - set(seen))[:3]
         raise ScheduleError(f"schedule {sched.name!r} misses or adds actions, e.g. {[(r, str(a)) for r, a in missing]}")
     for (r, a), t in seen.items():
-        for dep in _dependencies(a, r, p, v):
+        for dep in dependencies(sched.name, a, r, p, v):
             if seen[dep] >= t:
                 raise ScheduleError(f"{a} on rank {r} at tick {t} runs before its dependency {dep[1]} on rank "
                                     f"{dep[0]} (tick {seen[dep]})")
