@@ -2,6 +2,7 @@
 
     ptd-schedule --schedule interleaved --pipeline-model-parallel-size 4 --virtual-stages 2 --num-microbatches 8
                  [--microbatch-group-size G] [--json] [--plot FILE.png] [--backward-ratio 2]
+                 [--f-time F] [--b-time B] [--w-time W]
 
 Every flag is checked before anything is built: sizes are positive integers, the backward ratio a positive finite
 number, and the --plot file a .png/.pdf/.svg name in an existing folder. The plot is drawn into a temporary file
@@ -16,11 +17,12 @@ import sys
 from pathlib import Path
 
 from ptd_jax.cli.args import OneLineParser, positive_float, positive_int
-from ptd_jax.parallel.pipeline import SCHEDULES, ScheduleError, build, plot, validate
+from ptd_jax.parallel.pipeline import SCHEDULES, SPLIT_SCHEDULES, ScheduleError, build, plot, validate
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 MAX_ACTIONS = 200_000
-"""Most forwards and backwards (2·p·v·m) one table may hold: 10 s to build and check on one core (measured)."""
+"""Most actions (2·p·v·m, 3·p·v·m with split backwards) one table may hold: 10 s to build and check on one core
+(measured)."""
 MAX_PLOT_ACTIONS = 8192
 """Most actions --plot draws: one bar and one label each, 30 s for 8192 (measured)."""
 
@@ -47,15 +49,35 @@ def plot_problem(name: str) -> str | None:
     return None
 
 
-def write_plot(sched, path: Path, backward_ratio: float) -> None:
+def write_plot(sched, path: Path, times: tuple[float, float, float]) -> None:
     """Draw into a temporary file beside `path` (same extension: matplotlib reads the format from it), then
     rename it to `path`; the temporary is removed on any failure."""
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
     try:
-        plot(sched, str(tmp), backward_ratio)
+        plot(sched, str(tmp), times=times)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def schedule_times(args) -> tuple[float, float, float]:
+    """(f, b, w): --f-time, and --b-time/--w-time, each by default half of --backward-ratio."""
+    half = args.backward_ratio / 2
+    return (args.f_time, half if args.b_time is None else args.b_time, half if args.w_time is None else args.w_time)
+
+
+def summary(sched, times: tuple[float, float, float]) -> str:
+    """The line under the table: ticks, simulated bubble and makespan, the formula's bubble, the peak stash."""
+    sim = sched.simulate(times=times)
+    formula = sched.formula_bubble(times)
+    law = "(p-1)(f+b-w)/(m(f+b+w))" if sched.name == "zb-h1" else "(p-1)/(v*m)"
+    formula_text = "no closed form" if formula is None else f"formula {law} = {formula:.4f}"
+    line = (f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} G={sched.group}: {sched.ticks} ticks, makespan "
+            f"{sim['makespan']:.4g} at f={times[0]:g} b={times[1]:g} w={times[2]:g}, bubble "
+            f"{sim['bubble_fraction']:.4f} ({formula_text}), peak stash per rank {sched.peak_stash}")
+    if sched.split:
+        line += f", peak W stash per rank {sched.peak_w_stash}"
+    return line
 
 
 def main(argv=None) -> int:
@@ -74,22 +96,33 @@ def run(argv) -> int:
                         help="model chunks per rank (default: 2 for interleaved, else 1)")
     parser.add_argument("--num-microbatches", "-m", type=positive_int, default=8)
     parser.add_argument("--microbatch-group-size", type=positive_int, help="interleaved only (default: p)")
-    parser.add_argument("--backward-ratio", type=positive_float, default=2.0, help="backward time / forward time")
+    parser.add_argument("--backward-ratio", type=positive_float, default=2.0,
+                        help="backward time / forward time: b + w when --b-time/--w-time are not given")
+    parser.add_argument("--f-time", type=positive_float, default=1.0, help="a whole stage's forward time")
+    parser.add_argument("--b-time", type=positive_float,
+                        help="a stage's input-gradient backward time (default: backward ratio / 2)")
+    parser.add_argument("--w-time", type=positive_float,
+                        help="a stage's weight-gradient time (default: backward ratio / 2); a fused schedule's "
+                             "backward lasts b + w")
     parser.add_argument("--json", action="store_true", help="print the schedule as JSON")
     parser.add_argument("--plot", help=f"write a timeline (paper Figure 4 style); {'/'.join(PLOT_FORMATS)}")
     args = parser.parse_args(argv)
     p, m = args.pipeline_model_parallel_size, args.num_microbatches
-    v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule == "interleaved" else 1)
+    v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule in ("interleaved", "zb-v")
+                                                                      else 1)
+    times = schedule_times(args)
+    actions = (3 if args.schedule in SPLIT_SCHEDULES else 2) * p * v * m
+    per = "3·p·v·m" if args.schedule in SPLIT_SCHEDULES else "2·p·v·m"
     if args.microbatch_group_size is not None and args.schedule != "interleaved":
         parser.error(f"argument --microbatch-group-size: G={args.microbatch_group_size} needs --schedule "
                      f"interleaved (schedule={args.schedule!r} has no groups)")
-    if 2 * p * v * m > MAX_ACTIONS:
-        parser.error(f"p={p}, v={v}, m={m} make 2·p·v·m = {2 * p * v * m} actions, more than this tool builds "
+    if actions > MAX_ACTIONS:
+        parser.error(f"p={p}, v={v}, m={m} make {per} = {actions} actions, more than this tool builds "
                      f"({MAX_ACTIONS})")
     if args.plot is not None and (problem := plot_problem(args.plot)):
         parser.error(f"argument --plot: {problem}")
-    if args.plot is not None and 2 * p * v * m > MAX_PLOT_ACTIONS:
-        parser.error(f"argument --plot: p={p}, v={v}, m={m} make {2 * p * v * m} actions, more than a timeline "
+    if args.plot is not None and actions > MAX_PLOT_ACTIONS:
+        parser.error(f"argument --plot: p={p}, v={v}, m={m} make {actions} actions, more than a timeline "
                      f"draws ({MAX_PLOT_ACTIONS}); leave out --plot or use fewer microbatches")
     try:
         sched = build(args.schedule, p, v, m, args.microbatch_group_size)
@@ -99,19 +132,16 @@ def run(argv) -> int:
         return 2
     if args.plot is not None:
         try:
-            write_plot(sched, Path(args.plot), args.backward_ratio)
+            write_plot(sched, Path(args.plot), times)
         except (OSError, ValueError) as err:  # the file system's and matplotlib's
             print(f"ptd-schedule: error: cannot write --plot {args.plot!r}: {err}", file=sys.stderr)
             return 2
     try:
         if args.json:
-            print(json.dumps(sched.to_json(args.backward_ratio)))
+            print(json.dumps(sched.to_json(times=times)))
         else:
-            sim = sched.simulate(args.backward_ratio)
             print(sched.table())
-            print(f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} G={sched.group}: {sched.ticks} ticks, bubble "
-                  f"{sim['bubble_fraction']:.4f} (formula (p-1)/(v*m) = {sched.formula_bubble():.4f}), peak stash "
-                  f"per rank {sched.peak_stash}")
+            print(summary(sched, times))
         sys.stdout.flush()
     except BrokenPipeError:  # `ptd-schedule | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

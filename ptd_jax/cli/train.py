@@ -22,7 +22,7 @@ from ptd_jax.data import DataError
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer, training_tokenizer
 from ptd_jax.perf.memory import check_fits
-from ptd_jax.cli import compile_only
+from ptd_jax.cli import compile_only, schedule_choice
 from ptd_jax.runtime import multiprocess, platform
 from ptd_jax.runtime.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
 from ptd_jax.cli.precision import add_precision_args, compute_dtype, train_config_fields
@@ -74,7 +74,9 @@ def add_parallel_args(g) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, help="p (default 1; see the demo layout below)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
-    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES + ("auto",), default="1f1b",
+                   help="auto: the shortest simulated step at --schedule-times, printed with the alternatives")
+    schedule_choice.add_args(g)
     g.add_argument("--pipeline-branching", choices=PIPELINE_BRANCHINGS, default="auto",
                    help="uniform: every pipeline rank takes the same branch each tick (embedding and output layer "
                         "masked on all ranks, only on the ticks that need them); per-rank: each rank computes only "
@@ -192,6 +194,7 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
 
 def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) -> ParallelConfig:
     p = args.pipeline_model_parallel_size
+    schedule_choice.resolve(args, model_cfg.num_layers, num_devices, primary_only=not args.compile_only)
     virtual = 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
         k = args.num_layers_per_virtual_pipeline_stage

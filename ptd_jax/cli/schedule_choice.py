@@ -1,0 +1,70 @@
+"""`ptd-train --pipeline-schedule auto`: resolve "auto" to the schedule with the shortest simulated step
+(`ptd_jax/parallel/pipeline/choose.py`) before the ParallelConfig is built, print the choice and the alternatives,
+and give ZB-V its two chunks per rank (v = 2) when --num-layers-per-virtual-pipeline-stage is not set."""
+
+from __future__ import annotations
+
+from ptd_jax.cli.args import positive_float
+from ptd_jax.parallel.pipeline.choose import CANDIDATES, choose_schedule, format_choice
+from ptd_jax.parallel.pipeline.schedule import ScheduleError
+from ptd_jax.runtime import multiprocess
+
+
+def add_args(g) -> None:
+    g.add_argument("--schedule-times", type=positive_float, nargs=3, metavar=("F", "B", "W"), default=(1.0, 1.0, 1.0),
+                   help="--pipeline-schedule auto: a stage's forward, input-gradient and weight-gradient times "
+                        "(measured ratios; 1 1 1 is the zero-bubble paper's assumption)")
+
+
+def microbatches(args, num_devices: int) -> int | None:
+    """m = B / (b · d) with d = devices / (t · p), as `ParallelConfig.for_devices`; None where that does not
+    divide (the ParallelConfig names the problem)."""
+    tp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if tp < 1 or num_devices % tp or args.micro_batch_size is None or args.micro_batch_size < 1:
+        return None
+    per_step = args.micro_batch_size * (num_devices // tp)
+    if per_step < 1 or args.global_batch_size % per_step or args.global_batch_size < per_step:
+        return None
+    return args.global_batch_size // per_step
+
+
+def choices(args, num_layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(v_options, names) allowed by the layers and --num-layers-per-virtual-pipeline-stage: chunked schedules
+    (interleaved, ZB-V at v = 2) only where the layers split into v·p equal chunks."""
+    p, k = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if k is None:
+        return ((2,) if num_layers % (2 * p) == 0 else ()), CANDIDATES
+    if k < 1 or num_layers % (k * p):
+        return (), ("1f1b",)  # the ParallelConfig refuses k with its own message
+    v = num_layers // (k * p)
+    if v == 1:
+        return (), CANDIDATES
+    return (v,), ("interleaved", "zb-v") if v == 2 else ("interleaved",)
+
+
+def resolve(args, num_layers: int, num_devices: int, primary_only: bool = False) -> str | None:
+    """Replace "auto" in `args.pipeline_schedule` by the chosen schedule (and set the layers per chunk for a
+    chunked one); for ZB-V without --num-layers-per-virtual-pipeline-stage set v = 2. Returns the printed block
+    (`format_choice`), or None when nothing was chosen. `primary_only`: print in process 0 only (JAX started)."""
+    p, text = args.pipeline_model_parallel_size, None
+    if args.pipeline_schedule == "auto":
+        m = microbatches(args, num_devices)
+        v_options, names = choices(args, num_layers)
+        times = tuple(args.schedule_times)
+        name, v, rows = "1f1b", 1, []  # where nothing is valid: the ParallelConfig says why
+        if m is not None:
+            try:
+                name, v, rows = choose_schedule(p, None, m, times, v_options=v_options, names=names)
+            except ScheduleError:
+                pass
+        args.pipeline_schedule = name
+        if v > 1 and args.num_layers_per_virtual_pipeline_stage is None:
+            args.num_layers_per_virtual_pipeline_stage = num_layers // (v * p)
+        if rows:
+            text = format_choice(name, rows, times)
+            if not primary_only or multiprocess.is_primary():
+                print(text, flush=True)
+    if args.pipeline_schedule == "zb-v" and args.num_layers_per_virtual_pipeline_stage is None and p >= 1 and \
+            num_layers % (2 * p) == 0:
+        args.num_layers_per_virtual_pipeline_stage = num_layers // (2 * p)
+    return text

@@ -1,0 +1,84 @@
+"""ptd-schedule on the split schedules (times, peak W stash, plot), the schedule chooser and `ptd-train
+--pipeline-schedule auto`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ptd_jax.cli.schedule import main as schedule_main
+from ptd_jax.parallel.pipeline.choose import choose_schedule, format_choice
+
+
+def schedule_json(capsys, *args):
+    assert schedule_main(["-p", "4", "-m", "8", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name, v, makespan", [("1f1b-split", 1, 30.0), ("zb-h1", 1, 27.0), ("zb-v", 2, 25.5)])
+def test_json_of_split_schedules(capsys, name, v, makespan):
+    out = schedule_json(capsys, "--schedule", name, "--f-time", "1", "--b-time", "1", "--w-time", "1")
+    assert out["schedule"] == name and out["v"] == v  # zb-v defaults to v = 2
+    assert out["times"] == {"f": 1.0, "b": 1.0, "w": 1.0}
+    assert out["makespan"] == pytest.approx(makespan)
+    assert len(out["peak_w_stash"]) == 4 and max(out["peak_w_stash"]) >= 1
+    slower = schedule_json(capsys, "--schedule", name, "--f-time", "1", "--b-time", "1", "--w-time", "2")
+    assert slower["times"]["w"] == 2.0 and slower["makespan"] > out["makespan"]
+
+
+def test_backward_ratio_still_sets_b_plus_w(capsys):
+    out = schedule_json(capsys, "--schedule", "1f1b", "--backward-ratio", "3")
+    assert out["times"] == {"f": 1.0, "b": 1.5, "w": 1.5} and out["backward_ratio"] == 3.0
+    assert out["bubble_fraction"] == pytest.approx(3 / 8)  # lockstep 1F1B reaches (p-1)/m
+
+
+def test_text_summary_of_zb_v(capsys):
+    assert schedule_main(["--schedule", "zb-v", "-p", "4", "-m", "8"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "no closed form" in last and "peak W stash per rank [4, 4, 4, 4]" in last and "makespan 25.5" in last
+
+
+def test_plot_of_zb_v(tmp_path, capsys):
+    path = tmp_path / "zbv.png"
+    assert schedule_main(["--schedule", "zb-v", "-p", "4", "-m", "8", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_chooser_picks_zb_v_then_falls_back_when_memory_refuses():
+    name, v, rows = choose_schedule(4, None, 8, (1, 1, 1))
+    assert (name, v) == ("zb-v", 2)
+    by = {r["schedule"]: r for r in rows}
+    assert set(by) == {"gpipe", "1f1b", "interleaved", "1f1b-split", "zb-h1", "zb-v"}
+    assert by["zb-v"]["makespan"] == pytest.approx(25.5) and by["zb-v"]["bubble_fraction"] == pytest.approx(1 / 16)
+    assert by["zb-v"]["peak_stash"] == 4 and by["zb-v"]["peak_w_stash"] == 4
+    name, v, rows = choose_schedule(4, None, 8, (1, 1, 1), memory_ok=lambda n, v, s: n not in ("zb-v", "zb-h1"))
+    assert (name, v) == ("interleaved", 2)
+    assert [r["schedule"] for r in rows if not r["fits"]] == ["zb-h1", "zb-v"]
+    text = format_choice(name, rows)
+    assert text.splitlines()[0].startswith("pipeline schedule: interleaved (v=2)") and "does not fit" in text
+    name, v, _ = choose_schedule(4, None, 8, (1, 1, 1), v_options=())  # no chunks: ZB-H1
+    assert (name, v) == ("zb-h1", 1)
+
+
+def test_zb_v_gets_two_chunks_per_rank_in_ptd_train():
+    from ptd_jax.cli import train as cli
+
+    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
+                                          "--num-layers", "8", "--pipeline-schedule", "zb-v"])
+    cli.fill_defaults(args)
+    parallel = cli.parallel_config_from_args(args, cli.model_config_from_args(args), 4)
+    assert parallel.pipeline_schedule == "zb-v" and parallel.virtual_pipeline_stages == 2
+
+
+def test_ptd_train_auto_prints_its_choice():
+    proc = subprocess.run([sys.executable, "-m", "ptd_jax.cli.train", "--fake-devices", "4",
+                           "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "auto", "--train-iters", "1",
+                           "--global-batch-size", "16", "--micro-batch-size", "2", "--eval-iters", "0",
+                           "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the tiny model's 4 layers do not split into 2·p chunks: no interleaved, no ZB-V; ZB-H1 is the shortest
+    assert "pipeline schedule: zb-h1 (v=1), the shortest simulated step at F:B:W = 1:1:1" in proc.stdout
+    block = proc.stdout.split("\nptd_jax:")[0]
+    assert " * zb-h1" in block and "1f1b-split" in block and "zb-v" not in block and "interleaved" not in block
+    assert json.loads(proc.stdout.splitlines()[-1])["iterations"] == 1
