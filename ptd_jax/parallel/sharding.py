@@ -62,14 +62,23 @@ def param_specs(params, pipelined: bool = False):
     return jax.tree_util.tree_map_with_path(lambda path, leaf: param_spec(path, leaf, pipelined), params)
 
 
-def stage_layers(layers, p: int, v: int):
+def _v_turn(x):
+    """ZB-V's layout from the round-robin one and back: chunk 1's ranks reversed ([1, r] <-> [1, p − 1 − r])."""
+    return jnp.concatenate([x[:1], x[1:, ::-1]]) if x.shape[0] == 2 else x
+
+
+def stage_layers(layers, p: int, v: int, v_shape: bool = False):
     """[L, ...] -> [v, p, L/(p·v), ...]: a free reshape that puts layer (c·p + r)·k + j at [c, r, j], i.e. chunk c
-    of pipeline rank r holds virtual stage c·p + r — the paper's round-robin assignment (§2.2.2)."""
-    return jax.tree.map(lambda x: x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]), layers)
+    of pipeline rank r holds virtual stage c·p + r — the paper's round-robin assignment (§2.2.2). `v_shape` (ZB-V,
+    v = 2): chunk 1 of rank r holds stage 2p − 1 − r instead (a reversal of chunk 1's ranks)."""
+    staged = jax.tree.map(lambda x: x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]), layers)
+    return jax.tree.map(_v_turn, staged) if v_shape else staged
 
 
-def unstage_layers(layers):
-    """[v, p, k, ...] -> [L, ...] (the reference layout)."""
+def unstage_layers(layers, v_shape: bool = False):
+    """[v, p, k, ...] -> [L, ...] (the reference layout); `v_shape` as in `stage_layers`."""
+    if v_shape:
+        layers = jax.tree.map(_v_turn, layers)
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), layers)
 
 
@@ -140,17 +149,18 @@ def global_norm(grads, specs):
 # The canonical form (checkpoints): layers [L, ...] in model order, the word embedding [V, D] unpadded
 # ---------------------------------------------------------------------------------------------------------------
 
-def _canonical_leaf(names, x, vocab_size: int, pipelined: bool):
+def _canonical_leaf(names, x, vocab_size: int, pipelined: bool, v_shape: bool = False):
     if pipelined and names[0] == "layers":
-        return x.reshape(-1, *x.shape[3:])  # [v, p, k, ...] -> [L, ...] (`unstage_layers`)
+        return (_v_turn(x) if v_shape else x).reshape(-1, *x.shape[3:])  # [v, p, k, ...] -> [L, ...]
     if names == ("embed", "word"):
         return x[:vocab_size]
     return x
 
 
-def _layout_leaf(names, x, padded_vocab_size: int, p: int, v: int):
+def _layout_leaf(names, x, padded_vocab_size: int, p: int, v: int, v_shape: bool = False):
     if p > 1 and names[0] == "layers":
-        return x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:])  # `stage_layers`
+        staged = x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:])  # `stage_layers`
+        return _v_turn(staged) if v_shape else staged
     if names == ("embed", "word"):
         # The padded rows are zero and get zero gradients (they never enter the loss), so their parameters and
         # Adam moments stay zero: padding with zeros restores exactly the state a run at this t would have.
@@ -182,14 +192,15 @@ def _map_state(optimizer, state, leaf_fn, non_params=lambda x: x):
     return out
 
 
-def to_canonical(optimizer, state, vocab_size: int, pipelined: bool):
-    """The run's {"params", "opt_state"} -> the canonical form (a free reshape and a slice)."""
-    return _map_state(optimizer, state, lambda n, x: _canonical_leaf(n, x, vocab_size, pipelined))
+def to_canonical(optimizer, state, vocab_size: int, pipelined: bool, v_shape: bool = False):
+    """The run's {"params", "opt_state"} -> the canonical form (a free reshape and a slice; ZB-V's layout,
+    `v_shape`, also reverses chunk 1's ranks)."""
+    return _map_state(optimizer, state, lambda n, x: _canonical_leaf(n, x, vocab_size, pipelined, v_shape))
 
 
-def from_canonical(optimizer, canonical, padded_vocab_size: int, p: int, v: int):
+def from_canonical(optimizer, canonical, padded_vocab_size: int, p: int, v: int, v_shape: bool = False):
     """The canonical form -> the layout of a run at pipeline size p with v chunks and this padded vocabulary."""
-    return _map_state(optimizer, canonical, lambda n, x: _layout_leaf(n, x, padded_vocab_size, p, v))
+    return _map_state(optimizer, canonical, lambda n, x: _layout_leaf(n, x, padded_vocab_size, p, v, v_shape))
 
 
 def canonical_specs(optimizer, canonical, p: int):

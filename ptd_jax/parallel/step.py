@@ -59,7 +59,8 @@ def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: P
     def init(k):
         params = gpt.init_params(k, model_cfg, mesh.shape[TENSOR])
         if p > 1:
-            params["layers"] = sharding.stage_layers(params["layers"], p, v)
+            params["layers"] = sharding.stage_layers(params["layers"], p, v,
+                                                     parallel is not None and parallel.pipeline_schedule == "zb-v")
         state = new_state(params, optimizer)
         loss_scale = init_loss_scale(model_cfg, train_cfg or TrainConfig())
         return state if loss_scale is None else {**state, "loss_scale": loss_scale}

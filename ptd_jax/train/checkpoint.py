@@ -60,6 +60,11 @@ def all_steps(directory) -> list[int]:
         return sorted(manager.all_steps())
 
 
+def _v_shape(parallel: ParallelConfig) -> bool:
+    """ZB-V stores chunk 1 of rank r as virtual stage 2p − 1 − r (`sharding.stage_layers`)."""
+    return parallel.pipeline_schedule == "zb-v" and parallel.pipeline_model_parallel_size > 1
+
+
 def _pipelined(parallel: ParallelConfig) -> bool:
     return parallel.pipeline_model_parallel_size > 1
 
@@ -85,7 +90,7 @@ class Checkpointer:
         """Write `state` as step `iteration` (returns once the arrays are copied to the host)."""
         body = {"params": state["params"], "opt_state": state["opt_state"]}
         to_canonical = partial(sharding.to_canonical, self._optimizer, vocab_size=self._model_cfg.vocab_size,
-                               pipelined=_pipelined(self._parallel))
+                               pipelined=_pipelined(self._parallel), v_shape=_v_shape(self._parallel))
         if self._on_devices:  # several processes: none sees every shard; convert on the devices, each writes its own
             canonical = self._canonical_on_devices(to_canonical, body)
         else:
@@ -197,7 +202,7 @@ def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConf
     if load_optim:
         body["opt_state"] = like_state["opt_state"]
     canonical = jax.eval_shape(partial(sharding.to_canonical, optimizer, vocab_size=model_cfg.vocab_size,
-                                       pipelined=pipelined), body)
+                                       pipelined=pipelined, v_shape=_v_shape(parallel)), body)
     shardings = _canonical_shardings(mesh, optimizer, canonical, parallel)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), canonical, shardings)
     items = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}
@@ -209,7 +214,8 @@ def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConf
                           f"({type(err).__name__}: {err})".splitlines()[0]) from None
     restored = {name: restored[name] for name in abstract}
     to_layout = partial(sharding.from_canonical, optimizer,
-                        padded_vocab_size=model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size), p=p, v=v)
+                        padded_vocab_size=model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size), p=p, v=v,
+                        v_shape=_v_shape(parallel))
     out_shardings = jax.tree.map(lambda x: x.sharding, body)
     state = jax.jit(to_layout, out_shardings=out_shardings)(restored)
     if not load_optim:  # fresh moments, but the learning rate goes on from the checkpoint's iteration

@@ -134,8 +134,6 @@ def read_cell(ctx: TickContext, row: dict) -> TracedCell:
                       embed=embed > 0, head=head > 0)
 
 
-# --- the work of one cell -------------------------------------------------------------------------------------------
-
 def chunk_index(ctx: TickContext, cell: TracedCell):
     return cell.chunk if ctx.v > 1 else 0  # with one chunk per rank the index is static: no dynamic slice
 
@@ -286,8 +284,6 @@ def send(ctx: TickContext, out, shift: int):
     return jax.lax.all_gather(recv, TENSOR, axis=-1, tiled=True, to="invarying") if ctx.scatter else recv
 
 
-# --- the ticks ------------------------------------------------------------------------------------------------------
-
 def _embed_input(ctx: TickContext, cell: TracedCell, x_in):
     return jnp.where(cell.is_first, embed(ctx, cell, ctx.shared), x_in)
 
@@ -369,8 +365,6 @@ def run_table(ctx: TickContext, carry, columns: dict, kinds, ticks: dict):
         carry, _ = jax.lax.scan(partial(_run_pattern, ctx, [ticks[kind] for kind in pattern]), carry, rows)
     return carry
 
-
-# --- entry points ---------------------------------------------------------------------------------------------------
 
 def make_context(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
                  sched: Schedule, sequence_parallel: bool, scatter_gather: bool, recompute: str, branching: str,

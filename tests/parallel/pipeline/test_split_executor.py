@@ -1,0 +1,119 @@
+"""Split schedules (1F1B-split, ZB-H1, ZB-V: B and W on unit ticks, each rank its own kind) against the
+single-device reference in float64: loss, every gradient, grad norm; and what their tables promise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ptd_jax import model as gpt
+from ptd_jax.config import ConfigError, ParallelConfig
+from ptd_jax.parallel import sharding
+from ptd_jax.parallel.mesh import make_mesh
+from ptd_jax.parallel.pipeline import build, validate
+from ptd_jax.parallel.step import make_parallel_eval_step, make_parallel_grad_step
+from ptd_jax.train.reference import accumulate_gradients, make_eval_step
+
+from .test_executor import B, batch, model_cfg
+
+V = {"1f1b-split": 1, "zb-h1": 1, "zb-v": 2}
+
+
+def layout(d, p, t, schedule, sp=False):
+    return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
+                          virtual_pipeline_stages=V[schedule], pipeline_schedule=schedule, micro_batch_size=1,
+                          global_batch_size=B, sequence_parallel=sp, pipeline_branching="per-rank")
+
+
+def compare(parallel, cfg, rtol, recompute="none"):
+    p, v, t = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages,
+               parallel.tensor_model_parallel_size)
+    turn = parallel.pipeline_schedule == "zb-v"
+    params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
+    m = parallel.num_microbatches * parallel.data_parallel_size
+    ref_loss, ref_grads = jax.jit(accumulate_gradients, static_argnums=4)(params, *batch(m), cfg)
+    mesh = make_mesh(parallel)
+    pp = {**params, "layers": sharding.stage_layers(params["layers"], p, v, turn)}
+    specs = sharding.param_specs(pp, pipelined=True)
+    step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute)
+    placed = jax.device_put(pp, sharding.named(mesh, specs))
+    loss, grads, norm = step(placed, *batch(parallel.num_microbatches))
+    grads = {**grads, "layers": sharding.unstage_layers(grads["layers"], turn)}
+    assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
+    for path, ref, got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads),
+                              jax.tree.leaves(grads)):
+        err = float(jnp.max(jnp.abs(got - ref))) / float(jnp.max(jnp.abs(ref)))
+        assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
+    ref_norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(ref_grads))))
+    assert float(norm) == pytest.approx(ref_norm, rel=rtol)
+    return mesh, specs, placed
+
+
+CASES = [((d, p, t), s, r, sp) for s in V for (d, p, t) in [(1, 4, 1), (1, 4, 2), (2, 2, 2)]
+         for r, sp in [("none", False)]]
+CASES += [((1, 4, 2), s, r, False) for s in V for r in ("selective", "full")]
+CASES += [((1, 2, 2), s, "none", True) for s in V]
+QUICK = {((1, 4, 1), "zb-h1", "none", False), ((2, 2, 2), "zb-v", "none", False),
+         ((1, 2, 2), "1f1b-split", "none", True), ((1, 4, 2), "zb-v", "full", False)}
+
+
+@pytest.mark.parametrize("dpt, schedule, recompute, sp", [
+    pytest.param(*c, id=f"d{c[0][0]}p{c[0][1]}t{c[0][2]}-{c[1]}-{c[2]}{'-sp' if c[3] else ''}",
+                 marks=() if c in QUICK else pytest.mark.slow) for c in CASES])
+def test_float64_split_schedule_equals_the_reference(dpt, schedule, recompute, sp):
+    d, p, t = dpt
+    with jax.enable_x64(True):
+        compare(layout(d, p, t, schedule, sp), model_cfg(p), rtol=1e-12, recompute=recompute)
+
+
+def test_zb_v_evaluation_equals_the_reference():
+    """ZB-V's evaluation runs its V on unit ticks (the layers stored in the V's order)."""
+    parallel = layout(1, 2, 1, "zb-v")
+    cfg = model_cfg(2)
+    with jax.enable_x64(True):
+        params = gpt.init_params(jax.random.key(0), cfg)
+        mesh = make_mesh(parallel)
+        pp = {**params, "layers": sharding.stage_layers(params["layers"], 2, 2, True)}
+        specs = sharding.param_specs(pp, pipelined=True)
+        got = make_parallel_eval_step(mesh, cfg, parallel, specs)(jax.device_put(pp, sharding.named(mesh, specs)),
+                                                                  *batch(parallel.num_microbatches))
+        want = make_eval_step(cfg)(params, *batch(parallel.num_microbatches))
+        assert float(got) == pytest.approx(float(want), rel=1e-12)
+
+
+def test_uniform_branching_is_refused_for_split_schedules():
+    with pytest.raises(ConfigError, match="zb-h1.*per-rank.*'uniform'"):
+        ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", pipeline_branching="uniform")
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (2, 4), (4, 16), (8, 16), (3, 6)])
+def test_split_tables_keep_their_promises(p, m):
+    """At t_F = t_B = t_W: 1F1B-split holds p − s on stage s, its bubble (p−1)(f+b)/(m(f+b+w)) = 2(p−1)/(3m);
+    ZB-H1 at most 1/2 of 1F1B's bubble (p−1)/m with a stash <= p; ZB-V at most 1/4 of it with a stash (in whole
+    stages: chunk inputs / 2) <= 1F1B's p."""
+    times = (1.0, 1.0, 1.0)
+    fused = build("1f1b", p, 1, m).simulate(times=times)["bubble_fraction"]
+    assert fused == pytest.approx((p - 1) / m)
+    split = build("1f1b-split", p, 1, m)
+    validate(split)
+    assert split.peak_stash == [p - s for s in range(p)]
+    assert split.simulate(times=times)["bubble_fraction"] == pytest.approx(2 * (p - 1) / (3 * m))
+    h1 = build("zb-h1", p, 1, m)
+    validate(h1)
+    assert h1.simulate(times=times)["bubble_fraction"] <= fused / 2
+    assert h1.simulate(times=times)["bubble_fraction"] == pytest.approx(h1.formula_bubble(times))
+    assert max(h1.peak_stash) <= p and max(h1.peak_w_stash) <= p
+    zbv = build("zb-v", p, 2, m)
+    validate(zbv)
+    assert zbv.simulate(times=times)["bubble_fraction"] <= fused / 4
+    assert max(zbv.peak_stash) / 2 <= p
+
+
+def test_split_validator_catches_a_broken_table():
+    """Two of rank 0's W's reading each other's stash (ZB-H1 holds up to p of them at once) is caught."""
+    sched = build("zb-h1", 4, 1, 8)
+    w_cells = [row[0] for row in sched.cells if row[0].action is not None and row[0].action.kind == "W"]
+    first, second = next((a, b) for a in w_cells for b in w_cells if a.w_slot != b.w_slot)
+    first.w_slot, second.w_slot = second.w_slot, first.w_slot
+    with pytest.raises(ValueError, match="reads w slot"):
+        validate(sched)
