@@ -295,10 +295,10 @@ def _announce(run: _Run) -> None:
         f"({run.peak_source}), data {run.data_path}")
     if sched is not None:
         sim = sched.simulate()
-        run.logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep "
-                           f"ticks, simulated bubble {sim['bubble_fraction']:.3f} (paper (p-1)/(v*m) = "
-                           f"{sched.formula_bubble():.3f}), peak stash per rank {sched.peak_stash}; measured bubble: "
-                           f"after the first step, if measured (train/bubble.py)")
+        formula, w = sched.formula_bubble(), f", W stash {sched.peak_w_stash}" if sched.split else ""
+        run.logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
+                           f"simulated bubble {sim['bubble_fraction']:.3f} (formula {formula and round(formula, 3)}), "
+                           f"peak stash per rank {sched.peak_stash}{w}; measured bubble: after the first step")
     run.logger.message(f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
                        f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="
                        f"{run.train_cfg.recompute_granularity}{', the pipeline table' if sched else ''}), paper eq. "

@@ -54,7 +54,7 @@ CASES = [((d, p, t), s, r, sp) for s in V for (d, p, t) in [(1, 4, 1), (1, 4, 2)
 CASES += [((1, 4, 2), s, r, False) for s in V for r in ("selective", "full")]
 CASES += [((1, 2, 2), s, "none", True) for s in V]
 QUICK = {((1, 4, 1), "zb-h1", "none", False), ((2, 2, 2), "zb-v", "none", False),
-         ((1, 2, 2), "1f1b-split", "none", True), ((1, 4, 2), "zb-v", "full", False)}
+         ((1, 2, 2), "1f1b-split", "none", True)}
 
 
 @pytest.mark.parametrize("dpt, schedule, recompute, sp", [
