@@ -28,6 +28,10 @@ CASES = {
     "1.3b-d8-distopt-none": ("1.3b", "h100-sxm", 8, 8, 1, 1, None, 1, 16, "none", True),
     "1.3b-d8-none": ("1.3b", "h200", 8, 8, 1, 1, None, 1, 16, "none", False),
     "paper-39.1b-p2t8-full": ("paper-39.1b", "a100-80gb", 512, 32, 2, 8, None, 1, 1536, "full", False),
+    # split backwards (a twelfth field: the schedule), beside the two d2p4 cases above
+    "1.3b-d2p4-1f1b-split-none": ("1.3b", "h100-sxm", 8, 2, 4, 1, None, 1, 16, "none", False, "1f1b-split"),
+    "1.3b-d2p4-zb-h1-none": ("1.3b", "h100-sxm", 8, 2, 4, 1, None, 1, 16, "none", False, "zb-h1"),
+    "1.3b-d2p4-zb-v-none": ("1.3b", "h100-sxm", 8, 2, 4, 1, 3, 1, 16, "none", False, "zb-v"),
 }
 
 
@@ -38,19 +42,20 @@ def run_case(name: str) -> dict:
     from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
     from ptd_jax.perf.memory import memory_per_gpu
 
-    preset, target, n, d, p, t, k, b, B, recompute, distributed = CASES[name]
+    preset, target, n, d, p, t, k, b, B, recompute, distributed = CASES[name][:11]
+    schedule = CASES[name][11] if len(CASES[name]) > 11 else "interleaved" if k else "1f1b"
     cfg = gpu_model_config(model_preset(preset).replace(dtype="bfloat16"))
     v = cfg.num_layers // (p * k) if k else 1
     parallel = ParallelConfig.for_devices(n, tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                                           virtual_pipeline_stages=v, micro_batch_size=b, global_batch_size=B,
-                                          pipeline_schedule="interleaved" if k else "1f1b",
+                                          pipeline_schedule=schedule,
                                           use_distributed_optimizer=distributed)
     assert parallel.data_parallel_size == d, (name, parallel.data_parallel_size)
     predicted = memory_per_gpu(cfg, parallel, recompute)
     parallel, (train,) = compile_steps(cfg, parallel, TrainConfig(recompute_granularity=recompute),
                                        TARGETS[target], n, evaluation=False)
     compiled = train.memory
-    return {"case": name, "model": preset, "target": target, "num_gpus": n,
+    return {"case": name, "model": preset, "target": target, "num_gpus": n, "schedule": schedule,
             "layout": {"d": d, "p": p, "t": t, "v": v, "b": b, "m": parallel.num_microbatches},
             "recompute": recompute, "distributed_optimizer": distributed,
             "branching": parallel.pipeline_branching,
@@ -91,6 +96,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--out", default=str(RESULTS / "aot_memory.json"))
+    parser.add_argument("--no-state", action="store_true", help="leave out the bytes-per-parameter compiles")
     args = parser.parse_args(argv)
     rows = []
     for name in args.cases:
@@ -101,7 +107,8 @@ def main(argv=None) -> None:
               f" GiB (args {row['compiled_gib']['arguments']:.2f}, temp {row['compiled_gib']['temporaries']:.2f}), "
               f"ratio {row['ratio_predicted_over_compiled']:.3f}, temporaries {row['ratio_temporaries']:.3f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
-    state = [state_bytes_per_param(d, distributed) for d in (2, 8) for distributed in (False, True)]
+    state = [] if args.no_state else [state_bytes_per_param(d, distributed) for d in (2, 8)
+                                      for distributed in (False, True)]
     for row in state:
         print(f"state at d={row['d']} distributed={row['distributed_optimizer']}: "
               f"{row['compiled_bytes_per_param']:.2f} bytes/param compiled, "

@@ -7,9 +7,9 @@ p = 4, m = 8, d = t = 1, b = 1, recompute none, per-rank branching, the bench mo
 - executed matmul FLOPs per rank and the critical path (Σ over ticks of the busiest cell's FLOPs), counted from the
   traced step (`analysis.jaxpr.dot_flops`) and the table. Fused schedules: as `pipeline_flops.py` (named calls
   chunk_forward / chunk_backward / head_backward, weighted by the table's active cells). Split schedules: the
-  per-rank `lax.switch` of the unit tick (branches idle / F / B / W) found in the jaxpr, each branch's FLOPs counted
-  (the head's backward, which `tally` counts inside B as its conditional's larger branch, taken out and added back
-  only on the cells whose `unit_arrays` head column is set), times the table's cells of that kind;
+  unit tick's named calls (chunk_forward, chunk_input_backward, chunk_weight_backward), each counted once (the
+  head's backward, which `tally` counts inside B as its conditional's larger branch, taken out and added back only
+  on the cells whose `unit_arrays` head column is set), times the table's cells of that kind;
 - the step's median wall and process CPU time over alternating rounds after a warm-up (`common.alternate`);
 - the simulated bubble (`pipeline.build(name, p, v, m).simulate(times=(1, 1, 1))`).
 
@@ -69,7 +69,6 @@ def cell_flops(jaxpr, sched):
     """[T, p] matmul FLOPs of each cell, and the per-piece FLOPs they were built from."""
     import numpy as np
 
-    from ptd_jax.analysis.jaxpr import dot_flops, equations
 
     head = _named(jaxpr, "head_backward")
     if not getattr(sched, "split", False):  # fused ticks: pipeline_flops.py's count (per-rank branching)
@@ -83,14 +82,12 @@ def cell_flops(jaxpr, sched):
         return chunk * active + head * where["head"], {**work, "method": "named calls x table (pipeline_flops.py)"}
     from ptd_jax.parallel.pipeline.unit_executor import unit_arrays
 
-    switches = [e for e in equations(jaxpr) if e.primitive.name == "cond" and len(e.params["branches"]) == 4]
-    assert len(switches) == 1, f"expected one 4-way switch (idle/F/B/W), found {len(switches)}"
-    idle, fwd, bwd, wgt = (dot_flops(b) for b in switches[0].params["branches"])
+    fwd, bwd, wgt = (_named(jaxpr, n) for n in ("chunk_forward", "chunk_input_backward", "chunk_weight_backward"))
     cols = unit_arrays(sched)
-    per_kind = np.array([idle, fwd, bwd - head, wgt])  # B without the head (tally counted its larger branch)
+    per_kind = np.array([0.0, fwd, bwd - head, wgt])  # B without the head (counted at its cond's larger branch)
     cells = per_kind[cols["kind"]] + head * (cols["head"] > 0)
-    return cells, {"idle": idle, "F": fwd, "B_without_head": bwd - head, "W": wgt, "head_backward": head,
-                   "method": "traced switch branches x unit table"}
+    return cells, {"idle": 0.0, "F": fwd, "B_without_head": bwd - head, "W": wgt, "head_backward": head,
+                   "method": "named calls (chunk_forward, chunk_input_backward, chunk_weight_backward) x unit table"}
 
 
 def main(argv=None) -> None:
@@ -135,7 +132,7 @@ def main(argv=None) -> None:
         row["temp_over_1f1b"] = row["temp_bytes_per_device"] / base["temp_bytes_per_device"]
         row["critical_path_over_1f1b"] = row["critical_path_flops"] / base["critical_path_flops"]
         row["executed_over_1f1b"] = row["executed_flops_total"] / base["executed_flops_total"]
-    for name, row in rows.items():
+    for row in rows.values():
         row["wall_over_1f1b"] = row["median_wall_s"] / base["median_wall_s"]
         row["cpu_over_1f1b"] = row["median_cpu_s"] / base["median_cpu_s"]
     targets = {

@@ -89,7 +89,7 @@ def _tapped_dot_fwd(spec, x, w, tap):
 
 def _tapped_dot_bwd(spec, res, g):
     x, w = res
-    (dx,) = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)[1](g)
+    (dx,) = jax.linear_transpose(lambda x: jnp.einsum(spec, x, w), x)(g)
     return dx, jnp.zeros_like(w), {"x": x, "g": g}
 
 
@@ -98,17 +98,18 @@ _tapped_dot.defvjp(_tapped_dot_fwd, _tapped_dot_bwd)
 
 def dot(p, name: str, x):
     """Matmul `name` of the layer (`DOTS`) on x with `p[name + "_kernel"]`, tapped where `p` holds a tap."""
-    y = jnp.einsum(DOTS[name], x, p[f"{name}_kernel"])
+    tap = p.get(f"{name}_tap")
+    y = jnp.einsum(DOTS[name], x, p[f"{name}_kernel"]) if tap is None else _tapped_dot(DOTS[name], x,
+                                                                                       p[f"{name}_kernel"], tap)
     if TAP_SHAPES is not None:  # types only: x and y may belong to an inner trace (a checkpointed layer's)
         TAP_SHAPES[name] = tuple((jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(sorted(varying_axes(a))))
                                  for a in (x, y))
-    tap = p.get(f"{name}_tap")
-    return y if tap is None else _tapped_dot(DOTS[name], x, p[f"{name}_kernel"], tap)
+    return y
 
 
 def tap_weight_grad(name: str, tap, kernel):
     """The kernel gradient of matmul `name` from its tap's (input, output gradient): what its backward skipped."""
-    return jax.vjp(lambda w: jnp.einsum(DOTS[name], tap["x"], w), kernel)[1](tap["g"])[0]
+    return jax.linear_transpose(lambda w: jnp.einsum(DOTS[name], tap["x"], w), kernel)(tap["g"])[0]
 
 
 def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None, recompute: str = "none"):

@@ -29,6 +29,7 @@ a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's co
 Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots (and a trash slot under uniform
 branching) on every pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk
 of l/(p v) layers.
+Split schedules (1F1B-split, ZB-H1, ZB-V) free a slot at the B and keep a W stash (`w_stash_bytes`) until the W.
 `stash_slots` gives the table's count in closed forms (`ptd_jax.parallel.pipeline.build`'s `num_act_slots`,
 checked against it in tests/test_perf.py: building the table takes seconds at the planner's sizes). The last
 stage adds the fp32 logits of the loss, 4 s b V/t. The model leaves out the CUDA context, NCCL buffers, XLA's
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig
+from ptd_jax.config import SPLIT_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import GIB
 
 
@@ -104,7 +105,8 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
 def stash_buffer_slots(parallel: ParallelConfig) -> int:
     """Slots the executor allocates: the table's, and a trash slot where idle cells write theirs (p > 1 under
     uniform branching, which "auto" is on GPUs; per-rank idle cells run nothing, p = 1 has no idle cells)."""
-    trash = parallel.pipeline_model_parallel_size > 1 and parallel.pipeline_branching in ("auto", "uniform")
+    trash = (parallel.pipeline_model_parallel_size > 1 and parallel.pipeline_branching in ("auto", "uniform")
+             and parallel.pipeline_schedule not in SPLIT_SCHEDULES)  # split schedules run per-rank
     return stash_slots(parallel) + (1 if trash else 0)
 
 
@@ -117,6 +119,8 @@ def stash_slots(parallel: ParallelConfig) -> int:
     group = parallel.microbatch_group_size
     if p == 1:
         return 1
+    if parallel.pipeline_schedule in SPLIT_SCHEDULES:
+        return _table_slots(parallel.pipeline_schedule, p, v, m, 1)
     if parallel.pipeline_schedule == "gpipe":
         return m
     if parallel.pipeline_schedule == "1f1b":
@@ -127,10 +131,28 @@ def stash_slots(parallel: ParallelConfig) -> int:
 
 
 @lru_cache(maxsize=64)
-def _table_slots(schedule: str, p: int, v: int, m: int, group: int) -> int:
+def _table_slots(schedule: str, p: int, v: int, m: int, group: int, what: str = "num_act_slots") -> int:
     from ptd_jax.parallel.pipeline import build  # pure Python, no JAX
 
-    return build(schedule, p, v, m, group).num_act_slots
+    return getattr(build(schedule, p, v, m, group), what)
+
+
+def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Bytes one layer's W stash holds per microbatch (split schedules): each matmul's input and output gradient
+    (`parallel.tensor.dot`'s tap), at 2 bytes: QKV h + 3h/t, the projection h/t + h (its output before the
+    all-reduce or reduce-scatter), fc1 h + 4h/t, fc2 4h/t + h, per token of the whole sequence (the inputs of QKV
+    and fc1 are the gathered LayerNorm outputs under sequence parallelism): 2 s b h (4 + 12/t)."""
+    t = parallel.tensor_model_parallel_size
+    return 2 * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size * (4 + 12 / t)
+
+
+def w_stash_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """The W stash of a split schedule on a pipeline rank: the table's W slots, each a chunk's layers' taps."""
+    p, v, m = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches
+    if parallel.pipeline_schedule not in SPLIT_SCHEDULES or p == 1:
+        return 0.0
+    slots = _table_slots(parallel.pipeline_schedule, p, v, m, 1, "num_w_slots")
+    return slots * cfg.num_layers / (p * v) * tap_bytes_per_layer(cfg, parallel)
 
 
 def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig) -> float:
@@ -149,6 +171,7 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     stash = stashed_layers(cfg, parallel) * activation_bytes_per_layer(cfg, parallel, recompute)
     # the layer being recomputed under "full" holds its full activations meanwhile
     stash += activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
+    stash += w_stash_bytes(cfg, parallel)
     logits = 4 * s * b * cfg.padded_vocab_size(t) / t
     stages = {"first": (params["first"], stash), "last": (params["last"], stash + logits)}
     if parallel.pipeline_model_parallel_size == 1:

@@ -181,6 +181,9 @@ class Taps:
                 tp.TAP_SHAPES = None
 
         jax.eval_shape(probe, params_j, h)
+        if set(found) != set(TAP_GROUPS):  # jax.checkpoint caches its trace: a layer traced before runs no `dot`
+            raise RuntimeError(f"tracing the layer recorded the matmuls {sorted(found)}, not {sorted(TAP_GROUPS)}: "
+                               f"trace the taps of a layer function before anything else traces it")
         return cls({name: {"x": found[name][0], "g": found[name][1]} for name in TAP_GROUPS})
 
     def zeros(self, lead: tuple = ()) -> dict:

@@ -82,56 +82,87 @@ def _cell(ctx: ex.TickContext, row: dict) -> ex.TracedCell:
                          embed=row["embed"][r] > 0, head=row["head"][r] > 0)
 
 
-def _idle(ctx, cell, w_slot, x, y, dy, carry: UnitCarry):
-    return jnp.zeros_like(x), carry
-
-
 def _input(ctx, cell, x):
     """The chunk's input: x, or on virtual stage 0 the embedding."""
     return jax.lax.cond(cell.embed, partial(ex._embed_input, ctx, cell), lambda x: x, x)
 
 
-def _forward(ctx, cell, w_slot, x, y, dy, carry: UnitCarry):
-    out, res = ctx.residuals.forward(ex.layer_function(ctx, cell), ctx.chunks, ex.chunk_index(ctx, cell),
-                                     _input(ctx, cell, x), carry.res, cell.in_slot, taps=ctx.taps.zeros())
-    return out.astype(ctx.act_dtype), carry._replace(res=res)
+def _forward(ctx, cell, chunks, x, res, slot):
+    """F: the chunk's layers, each layer's residuals (taps beside its matmuls) to the stash at (slot, j)."""
+    out, res = ctx.residuals.forward(ex.layer_function(ctx, cell), chunks, ex.chunk_index(ctx, cell),
+                                     _input(ctx, cell, x), res, slot, taps=ctx.taps.zeros())
+    return out.astype(ctx.act_dtype), res
 
 
-def _backward(ctx, cell, w_slot, x, y, dy, carry: UnitCarry):
+def _skip_forward(chunks, x, res, slot):
+    return jnp.zeros_like(x), res
+
+
+def _input_backward(ctx, cell, chunks, y, dy, res, taps, grads_chunks, grads_shared, loss, w_slot):
+    """B: the head (last stage), the layers' input gradients (their taps to the W stash), the embedding's transpose
+    (stage 0)."""
     ct_y = mark_like(jnp.where(cell.is_last, jnp.zeros_like(dy), dy), y)
     ct_y, grads_shared, loss = jax.lax.cond(cell.head, ex.named("head_backward", ex._head_backward, ctx, cell),
-                                            ex._skip_head_backward, y, ct_y, carry.grads_shared, carry.loss)
-    dx, grads_chunks, taps = ctx.residuals.input_backward(
-        ctx.chunks, ex.chunk_index(ctx, cell), carry.res, cell.in_slot, ct_y, carry.grads_chunks, ctx.taps.zeros(),
-        carry.taps, w_slot)
+                                            ex._skip_head_backward, y, ct_y, grads_shared, loss)
+    dx, grads_chunks, taps = ctx.residuals.input_backward(chunks, ex.chunk_index(ctx, cell), res, cell.in_slot,
+                                                          ct_y, grads_chunks, ctx.taps.zeros(), taps, w_slot)
+    dx = dx.astype(ctx.act_dtype)
     grads_shared = jax.lax.cond(cell.embed, ex.named("embed_backward", ex._embed_backward, ctx, cell),
-                                ex._skip_embed_backward, grads_shared, dx.astype(ctx.act_dtype))
-    return dx.astype(ctx.act_dtype), carry._replace(grads_chunks=grads_chunks, grads_shared=grads_shared, loss=loss,
-                                                    taps=taps)
+                                ex._skip_embed_backward, grads_shared, dx)
+    return dx, taps, grads_chunks, grads_shared, loss
 
 
-def _weight(ctx, cell, w_slot, x, y, dy, carry: UnitCarry):
-    grads = weight_backward(ctx.chunks, ex.chunk_index(ctx, cell), carry.taps, w_slot, carry.grads_chunks,
-                            ctx.taps.zeros())
-    return jnp.zeros_like(x), carry._replace(grads_chunks=grads)
+def _skip_input_backward(chunks, y, dy, res, taps, grads_chunks, grads_shared, loss, w_slot):
+    return jnp.zeros_like(dy), taps, grads_chunks, grads_shared, loss
 
 
-def _eval_forward(ctx, cell, w_slot, x, y, dy, carry):
-    chunk_params = jax.tree.map(lambda a: a[ex.chunk_index(ctx, cell)], ctx.chunks)
+def _weight_backward(ctx, cell, chunks, taps, grads_chunks, w_slot):
+    """W: the kernels' gradients from the taps at w_slot, added in place."""
+    return weight_backward(chunks, ex.chunk_index(ctx, cell), taps, w_slot, grads_chunks, ctx.taps.zeros())
+
+
+def _skip_weight_backward(chunks, taps, grads_chunks, w_slot):
+    return grads_chunks
+
+
+def training_tick(ctx: ex.TickContext, carry: UnitCarry, row) -> tuple[jax.Array, UnitCarry]:
+    """F, B and W as three conditionals on this rank's kind (one of them runs), each holding only the buffers it
+    reads or writes; slots are read before them. Returns (what the cell sends, the carry)."""
+    cell, kind, w_slot = _cell(ctx, row), row["kind"][ctx.rank], row["w_slot"][ctx.rank]
+    x, dy = carry.act[cell.in_slot], carry.grad[cell.grad_slot]
+    y, res = jax.lax.cond(kind == KINDS["F"], ex.named("chunk_forward", _forward, ctx, cell), _skip_forward,
+                          ctx.chunks, x, carry.res, cell.in_slot)
+    dx, taps, grads_chunks, grads_shared, loss = jax.lax.cond(
+        kind == KINDS["B"], ex.named("chunk_input_backward", _input_backward, ctx, cell), _skip_input_backward,
+        ctx.chunks, x, dy, res, carry.taps, carry.grads_chunks, carry.grads_shared, carry.loss, w_slot)
+    grads_chunks = jax.lax.cond(kind == KINDS["W"], ex.named("chunk_weight_backward", _weight_backward, ctx, cell),
+                                _skip_weight_backward, ctx.chunks, taps, grads_chunks, w_slot)
+    out = jnp.where(kind == KINDS["F"], y, dx)
+    return out, carry._replace(res=res, taps=taps, grads_chunks=grads_chunks, grads_shared=grads_shared, loss=loss)
+
+
+def _eval_forward(ctx, cell, chunks, x, loss):
+    chunk_params = jax.tree.map(lambda a: a[ex.chunk_index(ctx, cell)], chunks)
     out = ex._eval_chunk_forward(ctx, cell, chunk_params, _input(ctx, cell, x))
-    loss = jax.lax.cond(cell.head, partial(ex._head_loss_add, ctx, cell), lambda y, loss: loss, out, carry.loss)
+    loss = jax.lax.cond(cell.head, partial(ex._head_loss_add, ctx, cell), lambda y, loss: loss, out, loss)
+    return out, loss
+
+
+def evaluation_tick(ctx: ex.TickContext, carry, row):
+    cell = _cell(ctx, row)
+    out, loss = jax.lax.cond(row["kind"][ctx.rank] == KINDS["F"], partial(_eval_forward, ctx, cell),
+                             lambda chunks, x, loss: (jnp.zeros_like(x), loss), ctx.chunks,
+                             carry.act[cell.in_slot], carry.loss)
     return out, carry._replace(loss=loss)
 
 
-def unit_tick(ctx: ex.TickContext, branches: list, carry, row):
-    """One unit tick: reads, the per-rank switch on the cell's kind, the ring both ways, writes."""
+def unit_tick(ctx: ex.TickContext, work, carry, row):
+    """One unit tick: this rank's work (`training_tick` or `evaluation_tick`), then the ring both ways, issued by
+    every rank outside every branch, and the writes of what arrived."""
+    out, carry = work(ctx, carry, row)
     cell = _cell(ctx, row)
-    kind = row["kind"][ctx.rank]
-    x, dy = carry.act[cell.in_slot], carry.grad[cell.grad_slot]
-    out, carry = jax.lax.switch(kind, [partial(fn, ctx, cell) for fn in branches], row["w_slot"][ctx.rank], x, x, dy,
-                                carry)
     trash = carry.act.shape[0] - 1
-    is_f = kind == KINDS["F"]
+    is_f = row["kind"][ctx.rank] == KINDS["F"]
     act = carry.act.at[jnp.where(cell.is_last & is_f, cell.in_slot, trash)].set(out)  # the head's input
     grad = carry.grad
     arrived = {"left": ex.send(ctx, out, 1), "right": ex.send(ctx, out, -1), "self": out}
@@ -141,14 +172,10 @@ def unit_tick(ctx: ex.TickContext, branches: list, carry, row):
     return carry._replace(act=act, grad=grad)
 
 
-TRAINING_BRANCHES = [_idle, _forward, _backward, _weight]
-EVALUATION_BRANCHES = [_idle, _eval_forward]
-
-
-def run_unit_table(ctx: ex.TickContext, carry, columns: dict, branches: list):
+def run_unit_table(ctx: ex.TickContext, carry, columns: dict, work):
     """All ticks in one `lax.scan` (every tick has the same body: the kinds are in the table)."""
     def body(carry, row):
-        return unit_tick(ctx, branches, carry, row), None
+        return unit_tick(ctx, work, carry, row), None
 
     carry, _ = jax.lax.scan(body, carry, {k: jnp.asarray(a) for k, a in columns.items()})
     return carry
@@ -184,7 +211,7 @@ def split_loss(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, 
                                   sched=sched, sequence_parallel=sequence_parallel, scatter_gather=scatter_gather,
                                   recompute="none", key=None)
     carry = UnitEvalCarry(act=ex._slots(ctx, sched.num_act_slots), grad=ex._slots(ctx, 0), loss=ex._loss_start(ctx))
-    return run_unit_table(ctx, carry, columns, EVALUATION_BRANCHES).loss / total_tokens
+    return run_unit_table(ctx, carry, columns, evaluation_tick).loss / total_tokens
 
 
 def _accumulate(ctx: ex.TickContext, sched: Schedule, columns: dict, chunks, shared, total_tokens):
@@ -200,7 +227,7 @@ def _accumulate(ctx: ex.TickContext, sched: Schedule, columns: dict, chunks, sha
                       grads_chunks=ex._accumulators(chunks), grads_shared=ex._accumulators(shared),
                       loss=ex._loss_start(ctx), res=residuals.buffers(sched.num_act_slots, k),
                       taps=taps.buffers(max(sched.num_w_slots, 1), k))
-    carry = run_unit_table(ctx, carry, columns, TRAINING_BRANCHES)
+    carry = run_unit_table(ctx, carry, columns, training_tick)
     grads = dict(carry.grads_shared)
     grads["layers"] = sharding.from_local_chunks(carry.grads_chunks)
     return carry.loss / total_tokens, grads
