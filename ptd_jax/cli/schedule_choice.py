@@ -42,9 +42,33 @@ def choices(args, num_layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return (v,), ("interleaved", "zb-v") if v == 2 else ("interleaved",)
 
 
-def resolve(args, num_layers: int, num_devices: int, primary_only: bool = False) -> str | None:
+def memory_check(args, model_cfg, num_devices: int, recompute: str, device, num_local_devices: int, build_parallel):
+    """`memory_ok` for `choose_schedule`: whether the run with that schedule passes `perf.memory.check_fits` on
+    `device` (the same estimate ptd-train refuses by); `build_parallel(args, model_cfg, num_devices)` makes the
+    ParallelConfig from a copy of the flags with the schedule (and its chunks) set."""
+    import copy
+
+    from ptd_jax.config import ConfigError
+    from ptd_jax.perf.memory import check_fits
+
+    def ok(name: str, v: int, sched) -> bool:
+        trial = copy.copy(args)
+        trial.pipeline_schedule = name
+        if v > 1:
+            p = args.pipeline_model_parallel_size
+            trial.num_layers_per_virtual_pipeline_stage = model_cfg.num_layers // (v * p)
+        try:
+            check_fits(model_cfg, build_parallel(trial, model_cfg, num_devices), recompute, device, num_local_devices)
+        except ConfigError:
+            return False
+        return True
+    return ok
+
+
+def resolve(args, num_layers: int, num_devices: int, primary_only: bool = False, memory_ok=None) -> str | None:
     """Replace "auto" in `args.pipeline_schedule` by the chosen schedule (and set the layers per chunk for a
-    chunked one); for ZB-V without --num-layers-per-virtual-pipeline-stage set v = 2. Returns the printed block
+    chunked one) among those `memory_ok` accepts (`memory_check`; None: all); for ZB-V without
+    --num-layers-per-virtual-pipeline-stage set v = 2. Returns the printed block
     (`format_choice`), or None when nothing was chosen. `primary_only`: print in process 0 only (JAX started)."""
     p, text = args.pipeline_model_parallel_size, None
     if args.pipeline_schedule == "auto":
@@ -54,7 +78,7 @@ def resolve(args, num_layers: int, num_devices: int, primary_only: bool = False)
         name, v, rows = "1f1b", 1, []  # where nothing is valid: the ParallelConfig says why
         if m is not None:
             try:
-                name, v, rows = choose_schedule(p, None, m, times, v_options=v_options, names=names)
+                name, v, rows = choose_schedule(p, None, m, times, memory_ok, v_options=v_options, names=names)
             except ScheduleError:
                 pass
         args.pipeline_schedule = name

@@ -192,9 +192,9 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
     )
 
 
-def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int) -> ParallelConfig:
+def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int, memory_ok=None) -> ParallelConfig:
     p = args.pipeline_model_parallel_size
-    schedule_choice.resolve(args, model_cfg.num_layers, num_devices, primary_only=not args.compile_only)
+    schedule_choice.resolve(args, model_cfg.num_layers, num_devices, not args.compile_only, memory_ok)
     virtual = 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
         k = args.num_layers_per_virtual_pipeline_stage
@@ -337,7 +337,9 @@ def run(argv=None) -> dict | int:
     tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
     model_cfg = check_default_kernels(model_config_from_args(args, tokenizer), args)
     train_cfg = train_config_from_args(args)
-    parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()))
+    fits = schedule_choice.memory_check(args, model_cfg, len(jax.devices()), train_cfg.recompute_granularity,
+                                        jax.local_devices()[0], jax.local_device_count(), parallel_config_from_args)
+    parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()), fits)
     check_backend(model_cfg)
     check_outputs(args)
     check_fits(model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count())

@@ -82,3 +82,46 @@ def test_ptd_train_auto_prints_its_choice():
     block = proc.stdout.split("\nptd_jax:")[0]
     assert " * zb-h1" in block and "1f1b-split" in block and "zb-v" not in block and "interleaved" not in block
     assert json.loads(proc.stdout.splitlines()[-1])["iterations"] == 1
+
+
+class _Device:
+    """A device with `bytes_limit` of memory (what `perf.memory.device_memory_bytes` reads)."""
+
+    platform, device_kind = "gpu", "test GPU"
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_auto_keeps_to_the_memory_the_device_has():
+    """With room for everything auto takes ZB-V; on a device just too small for ZB-V's and ZB-H1's stashes (the
+    estimate ptd-train refuses by), the shortest schedule that fits."""
+    from ptd_jax.cli import schedule_choice
+    from ptd_jax.cli import train as cli
+    from ptd_jax.perf.memory import run_memory_bytes
+
+    argv = ["--fake-devices", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "8",
+            "--global-batch-size", "16", "--micro-batch-size", "2", "--seq-length", "256"]
+
+    def parsed(schedule):
+        args = cli.build_parser().parse_args(argv + ["--pipeline-schedule", schedule])
+        cli.fill_defaults(args)
+        return args, cli.model_config_from_args(args)
+
+    def choose(limit):
+        args, cfg = parsed("auto")
+        fits = schedule_choice.memory_check(args, cfg, 4, "none", _Device(limit), 1, cli.parallel_config_from_args)
+        return cli.parallel_config_from_args(args, cfg, 4, fits).pipeline_schedule
+
+    assert choose(1e15) == "zb-v"
+    need = {}
+    for schedule in ("zb-v", "zb-h1", "interleaved", "1f1b-split", "1f1b", "gpipe"):
+        args, cfg = parsed(schedule)
+        need[schedule] = run_memory_bytes(cfg, cli.parallel_config_from_args(args, cfg, 4), "none")["total"]
+    limit = min(need["zb-v"], need["zb-h1"]) - 1
+    name = choose(limit)
+    assert name not in ("zb-v", "zb-h1") and need[name] <= limit
+    assert choose(min(need.values()) - 1) == "1f1b"  # nothing fits: the ParallelConfig's default, refused later
