@@ -208,7 +208,7 @@ def test_ctrl_c_in_preprocess_leaves_nothing(tmp_path, monkeypatch, capsys):
 def test_ctrl_c_in_schedule_plot_leaves_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
 
-    def interrupted(sched, path, ratio):
+    def interrupted(sched, path, ratio=None, times=None):
         Path(path).write_bytes(b"half a PNG")
         raise KeyboardInterrupt
 
