@@ -23,7 +23,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.vma import mark_varying, varying_axes
 
 
@@ -96,13 +95,13 @@ class Residuals:
         return [mark_varying(jnp.zeros((slots, layers, *s.shape), s.dtype), a)
                 for s, a in zip(self.structs, self.axes)]
 
-    def forward(self, layer: Callable, chunks, chunk, x, buffers: list, slot, taps=None):
+    def forward(self, layer: Callable, chunks, chunk, x, buffers: list, slot):
         """Run `layer(params_j, h, j)` over the layers of `chunks[chunk]` ([v, k, ...]: layer j's parameters are
         sliced inside the loop, once) from x, writing layer j's residuals to the buffers at (slot, j). Returns
-        (y, buffers). `taps`: a split backward's (`Taps.zeros`), put beside each layer's parameters."""
+        (y, buffers)."""
         def body(carry, j):
             h, bufs = carry
-            params_j = with_taps(jax.tree.map(lambda a: a[chunk, j], chunks), taps)
+            params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
             h, vjp = jax.vjp(lambda prm, h: layer(prm, h, j), params_j, h)
             bufs = [buf.at[slot, j].set(r) for buf, r in zip(bufs, self.split(vjp, params_j), strict=True)]
             return (h, bufs), None
@@ -127,90 +126,6 @@ class Residuals:
 
         (dx, grads), _ = jax.lax.scan(body, (ct_y, grads), jnp.arange(_num_layers(chunks)), reverse=True)
         return dx, grads
-
-
-    def input_backward(self, chunks, chunk, buffers: list, slot, ct_y, grads, taps, tap_buffers: list, w_slot):
-        """A split backward's B: the layers in reverse from the residuals at (slot, j), each passing its input
-        gradient down; the small parameters' gradients (LayerNorms, biases) are added to `grads`, and each matmul's
-        (input, output gradient) goes to the tap buffers at (w_slot, j) for the W (`weight_backward`). No kernel
-        gradient is computed here. Returns (dx, grads, tap buffers)."""
-        def body(carry, j):
-            ct, acc, tbufs = carry
-            params_j = with_taps(jax.tree.map(lambda a: a[chunk, j], chunks), taps)
-            d_params, ct = self.join(params_j, [buf[slot, j] for buf in buffers])(ct)
-            d_taps = [jax.tree.leaves(d_params[group][f"{name}_tap"]) for name, group in TAP_GROUPS.items()]
-            tbufs = [buf.at[w_slot, j].set(leaf) for buf, leaf in zip(tbufs, sum(d_taps, []), strict=True)]
-            return (ct, add_layer_grads(acc, chunk, j, d_params, only=lambda n: not n.endswith("_kernel")),
-                    tbufs), None
-
-        (dx, grads, tap_buffers), _ = jax.lax.scan(body, (ct_y, grads, tap_buffers), jnp.arange(_num_layers(chunks)),
-                                                   reverse=True)
-        return dx, grads, tap_buffers
-
-
-TAP_GROUPS = {"qkv": "attn", "out": "attn", "fc1": "mlp", "fc2": "mlp"}
-"""Each tapped matmul (`parallel.tensor.DOTS`) and the parameter group holding its kernel."""
-
-
-def with_taps(params_j, taps):
-    """Layer j's parameters with the taps beside the kernels (`<name>_tap`), or as they are without taps."""
-    if taps is None:
-        return params_j
-    out = dict(params_j)
-    for name, group in TAP_GROUPS.items():
-        out[group] = {**out[group], f"{name}_tap": taps[name]}
-    return out
-
-
-@dataclass(frozen=True)
-class Taps:
-    """The types of a layer's matmul taps: per matmul its input x and output gradient g (`tensor.dot`)."""
-
-    structs: dict   # name -> {"x": (ShapeDtypeStruct, axes), "g": (ShapeDtypeStruct, axes)}
-
-    @classmethod
-    def trace(cls, layer: Callable, params_j, h, j) -> Taps:
-        found = {}
-
-        def probe(params_j, h):
-            tp.TAP_SHAPES = {}
-            try:
-                layer(params_j, h, j)
-            finally:
-                found.update(tp.TAP_SHAPES)
-                tp.TAP_SHAPES = None
-
-        jax.eval_shape(probe, params_j, h)
-        if set(found) != set(TAP_GROUPS):  # jax.checkpoint caches its trace: a layer traced before runs no `dot`
-            raise RuntimeError(f"tracing the layer recorded the matmuls {sorted(found)}, not {sorted(TAP_GROUPS)}: "
-                               f"trace the taps of a layer function before anything else traces it")
-        return cls({name: {"x": found[name][0], "g": found[name][1]} for name in TAP_GROUPS})
-
-    def zeros(self, lead: tuple = ()) -> dict:
-        """Zero taps {name: {"x", "g"}} with `lead` dimensions first, typed like the values they stand for."""
-        return {name: {k: mark_varying(jnp.zeros((*lead, *s.shape), s.dtype), axes) for k, (s, axes) in pair.items()}
-                for name, pair in self.structs.items()}
-
-    def buffers(self, slots: int, layers: int) -> list:
-        """The W stash: a buffer [slots, layers, ...] per tap leaf, in `jax.tree.leaves` order of a layer's taps."""
-        return sum((jax.tree.leaves(self.zeros((slots, layers))[name]) for name in TAP_GROUPS), [])
-
-
-def weight_backward(chunks, chunk, tap_buffers: list, w_slot, grads, structure: dict):
-    """A split backward's W: every layer's kernel gradients from the taps at (w_slot, j) (`tensor.tap_weight_grad`),
-    added in place to `grads[chunk, j]`. `structure`: zero taps of one layer (`Taps.zeros()`), for the leaf order."""
-    def body(acc, j):
-        leaves = iter(buf[w_slot, j] for buf in tap_buffers)  # `Taps.buffers`' order: by matmul, then leaf
-        taps = {name: jax.tree.unflatten(jax.tree.structure(structure[name]), [next(leaves) for _ in range(2)])
-                for name in TAP_GROUPS}
-        d = {}
-        for name, group in TAP_GROUPS.items():
-            kernel = chunks[group][f"{name}_kernel"][chunk, j]
-            d.setdefault(group, {})[f"{name}_kernel"] = tp.tap_weight_grad(name, taps[name], kernel)
-        return add_layer_grads(acc, chunk, j, d, only=lambda n: n.endswith("_kernel")), None
-
-    grads, _ = jax.lax.scan(body, grads, jnp.arange(_num_layers(chunks)))
-    return grads
 
 
 def add_layer_grads(grads, chunk, j, d_params, keep=None, only=None):

@@ -8,7 +8,7 @@ gradient) goes to rank + 1 and to rank − 1, and each receiver keeps what its t
 without a send. Only per-rank branching runs these tables (`config.SPLIT_SCHEDULES`): under uniform branching every
 rank would run F, B and W each tick.
 
-The split backward (`stash.Residuals.input_backward`, `stash.weight_backward`): B runs each layer's vjp from the F's
+The split backward (`split.py`: `forward`, `input_backward`, `weight_backward`): B runs each layer's vjp from the F's
 residuals with a tap beside every matmul (`tensor.dot`), which computes the input gradient and hands the tap the
 matmul's input and output gradient instead of computing the kernel's gradient; B adds the small parameters'
 gradients and stashes the taps; W turns the taps into the kernels' gradients, added in place. So no matmul runs
@@ -28,7 +28,9 @@ import numpy as np
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel.pipeline import executor as ex
 from ptd_jax.parallel.pipeline.lockstep import Schedule
-from ptd_jax.parallel.pipeline.stash import Residuals, Taps, weight_backward, with_taps
+from ptd_jax.parallel.pipeline import split
+from ptd_jax.parallel.pipeline.split import Taps, with_taps
+from ptd_jax.parallel.pipeline.stash import Residuals
 from ptd_jax.parallel.vma import mark_like
 
 KINDS = {None: 0, "F": 1, "B": 2, "W": 3}
@@ -87,58 +89,39 @@ def _input(ctx, cell, x):
     return jax.lax.cond(cell.embed, partial(ex._embed_input, ctx, cell), lambda x: x, x)
 
 
-def _forward(ctx, cell, chunks, x, res, slot):
-    """F: the chunk's layers, each layer's residuals (taps beside its matmuls) to the stash at (slot, j)."""
-    out, res = ctx.residuals.forward(ex.layer_function(ctx, cell), chunks, ex.chunk_index(ctx, cell),
-                                     _input(ctx, cell, x), res, slot, taps=ctx.taps.zeros())
-    return out.astype(ctx.act_dtype), res
+def _forward(ctx, cell, run, x, res):
+    """F: the chunk's layers, each layer's residuals (taps beside its matmuls) to the stash at (in_slot, j)."""
+    x = jax.lax.cond(run, partial(_input, ctx, cell), lambda x: x, x)
+    y, res = split.forward(ctx.residuals, ctx.taps, ex.layer_function(ctx, cell), ctx.chunks,
+                           ex.chunk_index(ctx, cell), x, res, cell.in_slot, run)
+    return y.astype(ctx.act_dtype), res
 
 
-def _skip_forward(chunks, x, res, slot):
-    return jnp.zeros_like(x), res
-
-
-def _input_backward(ctx, cell, chunks, y, dy, res, taps, grads_chunks, grads_shared, loss, w_slot):
+def _input_backward(ctx, cell, run, y, dy, carry: UnitCarry, w_slot):
     """B: the head (last stage), the layers' input gradients (their taps to the W stash), the embedding's transpose
     (stage 0)."""
     ct_y = mark_like(jnp.where(cell.is_last, jnp.zeros_like(dy), dy), y)
     ct_y, grads_shared, loss = jax.lax.cond(cell.head, ex.named("head_backward", ex._head_backward, ctx, cell),
-                                            ex._skip_head_backward, y, ct_y, grads_shared, loss)
-    dx, grads_chunks, taps = ctx.residuals.input_backward(chunks, ex.chunk_index(ctx, cell), res, cell.in_slot,
-                                                          ct_y, grads_chunks, ctx.taps.zeros(), taps, w_slot)
+                                            ex._skip_head_backward, y, ct_y, carry.grads_shared, carry.loss)
+    dx, grads_chunks, taps = split.input_backward(ctx.residuals, ctx.taps, ctx.chunks, ex.chunk_index(ctx, cell),
+                                                  carry.res, cell.in_slot, ct_y, carry.grads_chunks, carry.taps,
+                                                  w_slot, run)
     dx = dx.astype(ctx.act_dtype)
-    grads_shared = jax.lax.cond(cell.embed, ex.named("embed_backward", ex._embed_backward, ctx, cell),
-                                ex._skip_embed_backward, grads_shared, dx)
-    return dx, taps, grads_chunks, grads_shared, loss
-
-
-def _skip_input_backward(chunks, y, dy, res, taps, grads_chunks, grads_shared, loss, w_slot):
-    return jnp.zeros_like(dy), taps, grads_chunks, grads_shared, loss
-
-
-def _weight_backward(ctx, cell, chunks, taps, grads_chunks, w_slot):
-    """W: the kernels' gradients from the taps at w_slot, added in place."""
-    return weight_backward(chunks, ex.chunk_index(ctx, cell), taps, w_slot, grads_chunks, ctx.taps.zeros())
-
-
-def _skip_weight_backward(chunks, taps, grads_chunks, w_slot):
-    return grads_chunks
+    grads_shared = jax.lax.cond(cell.embed & run, ex.named("embed_backward", ex._embed_backward, ctx, cell),
+                                ex._skip_embed_backward, grads_shared, dx)  # "embed" marks stage 0's F's too
+    return dx, carry._replace(grads_chunks=grads_chunks, grads_shared=grads_shared, loss=loss, taps=taps)
 
 
 def training_tick(ctx: ex.TickContext, carry: UnitCarry, row) -> tuple[jax.Array, UnitCarry]:
-    """F, B and W as three conditionals on this rank's kind (one of them runs), each holding only the buffers it
-    reads or writes; slots are read before them. Returns (what the cell sends, the carry)."""
+    """F, B and W of this rank's cell (one of them runs: `split.py`, each layer's work in a conditional on the
+    kind, the slot buffers read and written outside it). Returns (what the cell sends, the carry)."""
     cell, kind, w_slot = _cell(ctx, row), row["kind"][ctx.rank], row["w_slot"][ctx.rank]
     x, dy = carry.act[cell.in_slot], carry.grad[cell.grad_slot]
-    y, res = jax.lax.cond(kind == KINDS["F"], ex.named("chunk_forward", _forward, ctx, cell), _skip_forward,
-                          ctx.chunks, x, carry.res, cell.in_slot)
-    dx, taps, grads_chunks, grads_shared, loss = jax.lax.cond(
-        kind == KINDS["B"], ex.named("chunk_input_backward", _input_backward, ctx, cell), _skip_input_backward,
-        ctx.chunks, x, dy, res, carry.taps, carry.grads_chunks, carry.grads_shared, carry.loss, w_slot)
-    grads_chunks = jax.lax.cond(kind == KINDS["W"], ex.named("chunk_weight_backward", _weight_backward, ctx, cell),
-                                _skip_weight_backward, ctx.chunks, taps, grads_chunks, w_slot)
-    out = jnp.where(kind == KINDS["F"], y, dx)
-    return out, carry._replace(res=res, taps=taps, grads_chunks=grads_chunks, grads_shared=grads_shared, loss=loss)
+    y, res = _forward(ctx, cell, kind == KINDS["F"], x, carry.res)
+    dx, carry = _input_backward(ctx, cell, kind == KINDS["B"], x, dy, carry._replace(res=res), w_slot)
+    grads_chunks = split.weight_backward(ctx.taps, ctx.chunks, ex.chunk_index(ctx, cell), carry.taps, w_slot,
+                                         carry.grads_chunks, kind == KINDS["W"])
+    return jnp.where(kind == KINDS["F"], y, dx), carry._replace(grads_chunks=grads_chunks)
 
 
 def _eval_forward(ctx, cell, chunks, x, loss):
