@@ -70,7 +70,7 @@ def pipeline_step(cfg, schedule, v, branching, recompute, p=4, m=8, *, t=1, d=1,
     mesh = make_mesh(parallel)
     params = gpt.init_params(jax.random.key(0), cfg, t)
     if p > 1:
-        params = {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
+        params = {**params, "layers": sharding.stage_layers(params["layers"], p, v, schedule == "zb-v")}
     specs = sharding.param_specs(params, pipelined=p > 1)
     params = jax.device_put(params, sharding.named(mesh, specs))
     step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute,

@@ -66,6 +66,7 @@ def check_pipeline_request(schedule: str, p: int, v: int, m: int, group: int | N
     _check(p >= 1 and v >= 1 and m >= 1, f"p={p}, v={v} and m={m} must be positive")
     if schedule == "zb-v":
         _check(v == 2, f"schedule='zb-v' runs two model chunks per rank (a V): needs v=2, got v={v}")
+        _check(p >= 2, f"schedule='zb-v' needs p >= 2 pipeline ranks (its V turns on rank p - 1), got p={p}")
         return 1
     if schedule != "interleaved":
         _check(v == 1, f"schedule={schedule!r} has no model chunks: v={v} needs schedule='interleaved' or 'zb-v'")
@@ -230,9 +231,9 @@ class ParallelConfig:
         _check(self.microbatch_group_size is None or self.pipeline_schedule == "interleaved",
                f"microbatch_group_size={self.microbatch_group_size} applies to pipeline_schedule='interleaved' "
                f"only, got {self.pipeline_schedule!r}")
-        if self.pipeline_schedule == "interleaved":
+        if self.pipeline_schedule in ("interleaved", "zb-v"):
             _check(self.pipeline_model_parallel_size >= 2,
-                   f"the interleaved schedule needs pipeline_model_parallel_size >= 2, got "
+                   f"the {self.pipeline_schedule} schedule needs pipeline_model_parallel_size >= 2, got "
                    f"{self.pipeline_model_parallel_size}")
         if self.pipeline_model_parallel_size > 1:
             check_pipeline_request(self.pipeline_schedule, self.pipeline_model_parallel_size,

@@ -5,6 +5,7 @@ and give ZB-V its two chunks per rank (v = 2) when --num-layers-per-virtual-pipe
 from __future__ import annotations
 
 from ptd_jax.cli.args import positive_float
+from ptd_jax.config import SPLIT_SCHEDULES
 from ptd_jax.parallel.pipeline.choose import CANDIDATES, choose_schedule, format_choice
 from ptd_jax.parallel.pipeline.schedule import ScheduleError
 from ptd_jax.runtime import multiprocess
@@ -30,16 +31,18 @@ def microbatches(args, num_devices: int) -> int | None:
 
 def choices(args, num_layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(v_options, names) allowed by the layers and --num-layers-per-virtual-pipeline-stage: chunked schedules
-    (interleaved, ZB-V at v = 2) only where the layers split into v·p equal chunks."""
+    (interleaved, ZB-V at v = 2) only where the layers split into v·p equal chunks; no split schedule under
+    --pipeline-branching uniform (they run per-rank only)."""
     p, k = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    names = tuple(n for n in CANDIDATES if not (args.pipeline_branching == "uniform" and n in SPLIT_SCHEDULES))
     if k is None:
-        return ((2,) if num_layers % (2 * p) == 0 else ()), CANDIDATES
+        return ((2,) if num_layers % (2 * p) == 0 else ()), names
     if k < 1 or num_layers % (k * p):
         return (), ("1f1b",)  # the ParallelConfig refuses k with its own message
     v = num_layers // (k * p)
     if v == 1:
-        return (), CANDIDATES
-    return (v,), ("interleaved", "zb-v") if v == 2 else ("interleaved",)
+        return (), names
+    return (v,), tuple(n for n in ("interleaved", "zb-v") if n in names and (n == "interleaved" or v == 2))
 
 
 def memory_check(args, model_cfg, num_devices: int, recompute: str, device, num_local_devices: int, build_parallel):

@@ -140,10 +140,11 @@ def _table_slots(schedule: str, p: int, v: int, m: int, group: int, what: str = 
 def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """Bytes one layer's W stash holds per microbatch (split schedules): each matmul's input and output gradient
     (`parallel.tensor.dot`'s tap), at 2 bytes: QKV h + 3h/t, the projection h/t + h (its output before the
-    all-reduce or reduce-scatter), fc1 h + 4h/t, fc2 4h/t + h, per token of the whole sequence (the inputs of QKV
-    and fc1 are the gathered LayerNorm outputs under sequence parallelism): 2 s b h (4 + 12/t)."""
-    t = parallel.tensor_model_parallel_size
-    return 2 * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size * (4 + 12 / t)
+    all-reduce or reduce-scatter), fc1 h + F/t, fc2 F/t + h, per token of the whole sequence (the inputs of QKV
+    and fc1 are the gathered LayerNorm outputs under sequence parallelism): 2 s b (4h + 4h/t + 2F/t), with the
+    MLP width F = 4h: 2 s b h (4 + 12/t)."""
+    t, h = parallel.tensor_model_parallel_size, cfg.hidden_size
+    return 2 * cfg.seq_length * parallel.micro_batch_size * (4 * h + 4 * h / t + 2 * cfg.ffn_size / t)
 
 
 def w_stash_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
@@ -176,6 +177,8 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     stages = {"first": (params["first"], stash), "last": (params["last"], stash + logits)}
     if parallel.pipeline_model_parallel_size == 1:
         stages = {"first": (params["first"], stash + logits)}
+    elif parallel.pipeline_schedule == "zb-v":  # the V: rank 0 holds the first and the last virtual stage
+        stages = {"first": (params["first"] + 2 * cfg.hidden_size, stash + logits)}
     name, (n, a) = max(stages.items(), key=lambda kv: kv[1][0] * per_param + kv[1][1])
     return {"stage": name, "params": n, "state": n * per_param, "activations": a, "total": n * per_param + a}
 

@@ -122,7 +122,8 @@ def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelCo
                   simulated_bubble=sched.simulate()["bubble_fraction"] if sched else 0.0,
                   simulated_two_point=simulated_two_point(parallel) if sched else 0.0,
                   formula_bubble=sched.formula_bubble() if sched else 0.0,
-                  branching=resolve_branching(parallel.pipeline_branching), measurement_s=time.perf_counter() - start,
+                  branching=resolve_branching(parallel.pipeline_branching, schedule=parallel.pipeline_schedule),
+                  measurement_s=time.perf_counter() - start,
                   method=DESCRIPTION)
     return result
 

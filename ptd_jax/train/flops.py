@@ -156,28 +156,30 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
     `recompute` recomputes) and the output layer's (3× its forward). With one (a `parallel.pipeline.Schedule`):
     summed over its ticks as the lockstep executor runs them — a forward cell runs its chunk's forwards; a backward
     cell its layers' backwards, each layer checkpointed as in the reference, plus the output layer (forward and
-    backward) on the last virtual stage; under "uniform" every rank runs its tick's chunk work, idle ones on a
+    backward) on the last virtual stage (a split schedule's B all but the kernels' gradients, its W those);
+    under "uniform" every rank runs its tick's chunk work, idle ones on a
     dummy, and the head on the ticks where some rank needs it."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
     if sched is None:  # no pipeline table: nothing to resolve (the planner stays free of JAX)
         tokens = global_batch_size * cfg.seq_length
         return cfg.num_layers * sum(layer_executed_flops(cfg, tokens, recompute)) + 3 * head_forward_flops(
             cfg, tokens, V)
-    branching = resolve_branching(branching)
+    branching = resolve_branching(branching, schedule=sched.name)
     tokens = global_batch_size * cfg.seq_length / sched.m  # one microbatch, over all data-parallel replicas
     layers = cfg.num_layers / (sched.p * sched.v)
     chunk_f, chunk_b = (layers * x for x in layer_executed_flops(cfg, tokens, recompute))
+    chunk_w = layers * layer_matmul_flops(cfg, tokens)  # a split backward's W: the kernels' gradients
+    cost = {"F": chunk_f, "B": chunk_b - chunk_w if sched.split else chunk_b, "W": chunk_w}
     head_b = 3 * head_forward_flops(cfg, tokens, V)
     last = sched.p * sched.v - 1
     total = 0.0
-    for kind, row in zip(sched.kinds, sched.cells):
+    for row in sched.cells:
         busy = [(r, c.action) for r, c in enumerate(row) if c.action is not None]
-        heads = sum(1 for r, a in busy if kind == "B" and a.chunk * sched.p + r == last)
-        cell = chunk_f if kind == "F" else chunk_b
-        if branching == "uniform":
-            total += sched.p * (cell + (head_b if heads else 0.0))
+        heads = sum(1 for r, a in busy if a.kind == "B" and sched.stage(a, r) == last)
+        if branching == "uniform":  # one kind a tick: every rank runs it (split tables run per-rank only)
+            total += sched.p * (cost[busy[0][1].kind] + (head_b if heads else 0.0))
         else:
-            total += len(busy) * cell + heads * head_b
+            total += sum(cost[a.kind] for _, a in busy) + heads * head_b
     return total
 
 

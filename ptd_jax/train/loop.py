@@ -296,8 +296,9 @@ def _announce(run: _Run) -> None:
     if sched is not None:
         sim = sched.simulate()
         formula, w = sched.formula_bubble(), f", W stash {sched.peak_w_stash}" if sched.split else ""
-        run.logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} lockstep ticks, "
-                           f"simulated bubble {sim['bubble_fraction']:.3f} (formula {formula and round(formula, 3)}), "
+        formula = "no closed form" if formula is None else f"formula {formula:.3f}"
+        run.logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} ticks, "
+                           f"simulated bubble {sim['bubble_fraction']:.3f} ({formula}), "
                            f"peak stash per rank {sched.peak_stash}{w}; measured bubble: after the first step")
     run.logger.message(f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
                        f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="

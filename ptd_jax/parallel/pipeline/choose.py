@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ptd_jax.config import PIPELINE_SCHEDULES
 from ptd_jax.parallel.pipeline.lockstep import Schedule
 from ptd_jax.parallel.pipeline.schedule import ScheduleError
 from ptd_jax.parallel.pipeline.tables import build
 
-CANDIDATES = ("gpipe", "1f1b", "interleaved", "1f1b-split", "zb-h1", "zb-v")
+CANDIDATES = PIPELINE_SCHEDULES
 
 
 def candidates(p: int, v_options: Sequence[int] = (2,)) -> list[tuple[str, int]]:

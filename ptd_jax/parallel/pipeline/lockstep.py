@@ -249,7 +249,9 @@ def lockstep(name: str, orders: list[list[Action]], p: int, v: int, m: int, grou
 
 
 def build(name: str, p: int, v: int = 1, m: int = 1, group: int | None = None) -> Schedule:
-    """The validated request's table: schedule `name` ("gpipe", "1f1b", "interleaved") placed on lockstep ticks."""
+    """The validated request's table: schedule `name` ("gpipe", "1f1b", "interleaved") placed on lockstep ticks
+    (`tables.build` takes every schedule)."""
+    _fused_only(name)
     g = check_request(name, p, v, m, group)
     return lockstep(name, build_orders(name, p, v, m, group), p, v, m, g)
 
@@ -258,9 +260,15 @@ def build_forward_only(name: str, p: int, v: int = 1, m: int = 1, group: int | N
     """The forwards of a schedule alone (evaluation): same per-rank order, no backwards. A slot holds a chunk's
     input from its arrival to its forward only, so the slots (`num_act_slots`) do not grow with m; virtual stage
     0's cells read none (in_slot -1: the trash, which the embedding replaces)."""
+    _fused_only(name)
     g = check_request(name, p, v, m, group)
     orders = [[a for a in order if a.kind == "F"] for order in build_orders(name, p, v, m, group)]
     return lockstep(name, orders, p, v, m, g, forward_only=True)
+
+
+def _fused_only(name: str) -> None:
+    if name in SPLIT_SCHEDULES:
+        raise ScheduleError(f"schedule={name!r} splits its backwards: it runs on unit ticks (`tables.build`)")
 
 
 def validate(sched: Schedule) -> None:

@@ -30,11 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from ptd_jax.config import PIPELINE_SCHEDULES, ConfigError, check_pipeline_request
+from ptd_jax.config import PIPELINE_SCHEDULES, SPLIT_SCHEDULES, ConfigError, check_pipeline_request  # noqa: F401
 
 SCHEDULES = PIPELINE_SCHEDULES
-SPLIT_SCHEDULES = ("1f1b-split", "zb-h1", "zb-v")
-"""Schedules with split backwards (B and W actions) on unit ticks."""
 
 
 def stage_of(name: str, p: int, chunk: int, rank: int) -> int:

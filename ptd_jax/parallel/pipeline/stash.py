@@ -110,8 +110,8 @@ class Residuals:
         return y, buffers
 
     def layer_backward(self, chunks, chunk, buffers: list, slot, j, ct):
-        """Layer j's backward from its residuals at (slot, j): (its input gradient, its parameter gradients). Both
-        come from one vjp; a zero-bubble W would take the second half to a later tick."""
+        """Layer j's backward from its residuals at (slot, j): (its input gradient, its parameter gradients), from
+        one vjp (the split schedules' B and W: `split.py`)."""
         params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
         d_params, ct = self.join(params_j, [buf[slot, j] for buf in buffers])(ct)
         return ct, d_params

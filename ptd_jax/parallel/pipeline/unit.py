@@ -4,8 +4,8 @@ where every rank runs its own next action, whatever its kind. Pure Python, no JA
 With every cell one unit long a tick lasts one unit on every rank, so the table follows the asynchronous timeline
 exactly: an action runs at the first tick after its dependencies (`schedule.dependencies`) finished. What a tick
 sends travels with the output's direction (`Cell.send`: +1 to rank + 1, −1 to rank − 1, 0 to the rank itself at
-ZB-V's turn), and what arrives is written to the slot named in the receiver's `Cell.recv`. The executor runs a
-tick as one per-rank `lax.switch` on the cell's kind, with both ring directions issued by every rank outside it.
+ZB-V's turn), and what arrives is written to the slot named in the receiver's `Cell.recv`. The executor
+(`unit_executor.py`) runs each rank's kind under per-rank conditionals, both ring directions outside them.
 
 Slots, per rank: activations (a chunk's input, from its F, or its arrival, to its B; on the last stage the chunk's
 output too), gradients (from arrival to the B that reads it), and the W stash (from a B to its W).
@@ -159,6 +159,9 @@ def validate_unit(sched: Schedule) -> None:
     if set(seen) != expected:
         missing = sorted(expected ^ set(seen))[:3]
         raise ScheduleError(f"schedule {sched.name!r} misses or adds actions, e.g. {[(r, str(a)) for r, a in missing]}")
+    cells = sum(1 for row in sched.cells for c in row if c.action is not None)
+    if cells != len(expected):
+        raise ScheduleError(f"schedule {sched.name!r} runs {cells} cells for {len(expected)} actions: one runs twice")
     for (r, a), t in seen.items():
         for dep in dependencies(sched.name, a, r, p, v):
             if seen[dep] >= t:
@@ -183,20 +186,27 @@ def _replay_slots(sched: Schedule) -> None:
                                         f"{held[buffer][r].get(slot)}")
             if a.kind == "F" and stage > 0:
                 check("act", cell.in_slot, "its input")
+                if sched.forward_only:
+                    held["act"][r].pop(cell.in_slot)
             if a.kind == "F" and stage == 0 and cell.in_slot >= 0:
                 held["act"][r][cell.in_slot] = key
-            if a.kind == "B":
+            if a.kind == "B":  # a slot is free once read: a second read finds it empty
                 check("act", cell.in_slot, "its stash")
+                held["act"][r].pop(cell.in_slot)
                 if stage < last:
                     check("grad", cell.grad_slot, "its output gradient")
+                    held["grad"][r].pop(cell.grad_slot)
             if a.kind == "W":
                 check("w", cell.w_slot, "its B's stash")
+                held["w"][r].pop(cell.w_slot)
         for r, cell in enumerate(row):
             if cell.action is not None and cell.action.kind == "B":
                 held["w"][r][cell.w_slot] = (cell.action.chunk, cell.action.microbatch)
             for direction, (buffer, slot) in cell.recv.items():
                 src = (r - direction) % p
                 sa = row[src].action
+                if sa is None or sa.kind == "W":
+                    raise ScheduleError(f"tick {t}: rank {r} expects a tensor from rank {src}, which sends none")
                 stage = sched.stage(sa, src) + (1 if sa.kind == "F" else -1)
                 rank, chunk = place_of(sched.name, p, stage)
                 if rank != r:

@@ -1,7 +1,7 @@
 """The executor of split schedules (1F1B-split, ZB-H1, ZB-V): unit ticks where each rank runs its own kind.
 
-A tick (`unit_tick`) is one per-rank `lax.switch` on the cell's kind — idle, F, B (input gradient) or W (weight
-gradients) — between the slot reads before it and the slot writes after it, then the ring in both directions,
+A tick (`unit_tick`) runs this rank's cell — idle, F, B (input gradient) or W (weight gradients), each layer's work
+in a conditional on the kind (`split.py`) — then the ring in both directions,
 issued by every rank on every tick outside every branch: what a rank's cell produced (an F's output, a B's input
 gradient) goes to rank + 1 and to rank − 1, and each receiver keeps what its table says arrives from that side
 (`Cell.recv`), in the activation or the gradient slot it names; ZB-V's turn (rank p − 1 feeding itself) is kept
@@ -77,7 +77,7 @@ class UnitCarry(NamedTuple):
 def _cell(ctx: ex.TickContext, row: dict) -> ex.TracedCell:
     r = ctx.rank
     c, active = row["chunk"][r], row["kind"][r] > 0
-    stage = jnp.where(c == 0, r, 2 * ctx.p - 1 - r) if ctx.v_shape else c * ctx.p + r
+    stage = ex.stage_id(ctx, c)
     return ex.TracedCell(active=active, chunk=c, microbatch=row["microbatch"][r], in_slot=row["in_slot"][r],
                          grad_slot=row["grad_slot"][r], recv_slot=row["in_slot"][r],
                          is_first=active & (stage == 0), is_last=active & (stage == ctx.p * ctx.v - 1),

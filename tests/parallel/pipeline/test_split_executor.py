@@ -148,3 +148,21 @@ def test_float64_dropout_train_step_equals_the_unpipelined_step(schedule, recomp
         assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-11, atol=1e-13)
+
+
+def test_split_validator_catches_an_action_run_twice():
+    """A tick repeating rank 0's last W (its slot no longer held) would add the kernels' gradients twice."""
+    from ptd_jax.parallel.pipeline.lockstep import Cell
+
+    sched = build("zb-h1", 4, 1, 8)
+    last_w = next(row[0] for row in reversed(sched.cells) if row[0].action is not None)
+    assert last_w.action.kind == "W"
+    sched.cells.append([Cell(action=last_w.action, w_slot=last_w.w_slot)] + [Cell() for _ in range(3)])
+    sched.kinds.append("X")
+    with pytest.raises(ValueError, match="runs twice"):
+        validate(sched)
+
+
+def test_zb_v_needs_two_ranks():
+    with pytest.raises(ConfigError, match="zb-v schedule needs pipeline_model_parallel_size >= 2"):
+        ParallelConfig(pipeline_model_parallel_size=1, virtual_pipeline_stages=2, pipeline_schedule="zb-v")

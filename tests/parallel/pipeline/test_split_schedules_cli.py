@@ -125,3 +125,17 @@ def test_auto_keeps_to_the_memory_the_device_has():
     name = choose(limit)
     assert name not in ("zb-v", "zb-h1") and need[name] <= limit
     assert choose(min(need.values()) - 1) == "1f1b"  # nothing fits: the ParallelConfig's default, refused later
+
+
+def test_auto_under_uniform_branching_leaves_the_split_schedules_out(capsys):
+    """Split schedules run per-rank only: under --pipeline-branching uniform auto does not offer them."""
+    from ptd_jax.cli import train as cli
+
+    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
+                                          "--num-layers", "8", "--pipeline-schedule", "auto",
+                                          "--pipeline-branching", "uniform"])
+    cli.fill_defaults(args)
+    parallel = cli.parallel_config_from_args(args, cli.model_config_from_args(args), 4)
+    assert parallel.pipeline_schedule == "interleaved"
+    block = capsys.readouterr().out
+    assert "zb-" not in block and "split" not in block and " * interleaved" in block
