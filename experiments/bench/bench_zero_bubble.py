@@ -7,9 +7,9 @@ p = 4, m = 8, d = t = 1, b = 1, recompute none, per-rank branching, the bench mo
 - executed matmul FLOPs per rank and the critical path (Σ over ticks of the busiest cell's FLOPs), counted from the
   traced step (`analysis.jaxpr.dot_flops`) and the table. Fused schedules: as `pipeline_flops.py` (named calls
   chunk_forward / chunk_backward / head_backward, weighted by the table's active cells). Split schedules: the
-  unit tick's named calls (chunk_forward, chunk_input_backward, chunk_weight_backward), each counted once (the
-  head's backward, which `tally` counts inside B as its conditional's larger branch, taken out and added back only
-  on the cells whose `unit_arrays` head column is set), times the table's cells of that kind;
+  per-layer named calls of `pipeline/split.py` (layer_forward, layer_input_backward, layer_weight_backward) times
+  the chunk's layers, the head's backward added on the cells whose `unit_arrays` head column is set, times the
+  table's cells of that kind;
 - the step's median wall and process CPU time over alternating rounds after a warm-up (`common.alternate`);
 - the simulated bubble (`pipeline.build(name, p, v, m).simulate(times=(1, 1, 1))`).
 
@@ -65,7 +65,7 @@ def _named(jaxpr, name):
     return 0.0 if body is None else dot_flops(body)
 
 
-def cell_flops(jaxpr, sched):
+def cell_flops(jaxpr, sched, layers: int):
     """[T, p] matmul FLOPs of each cell, and the per-piece FLOPs they were built from."""
     import numpy as np
 
@@ -82,12 +82,14 @@ def cell_flops(jaxpr, sched):
         return chunk * active + head * where["head"], {**work, "method": "named calls x table (pipeline_flops.py)"}
     from ptd_jax.parallel.pipeline.unit_executor import unit_arrays
 
-    fwd, bwd, wgt = (_named(jaxpr, n) for n in ("chunk_forward", "chunk_input_backward", "chunk_weight_backward"))
+    k = layers  # the named calls are per layer
+    fwd, bwd, wgt = (k * _named(jaxpr, n) for n in ("layer_forward", "layer_input_backward", "layer_weight_backward"))
     cols = unit_arrays(sched)
-    per_kind = np.array([0.0, fwd, bwd - head, wgt])  # B without the head (counted at its cond's larger branch)
+    per_kind = np.array([0.0, fwd, bwd, wgt])  # per layer calls x layers; the head apart
     cells = per_kind[cols["kind"]] + head * (cols["head"] > 0)
-    return cells, {"idle": 0.0, "F": fwd, "B_without_head": bwd - head, "W": wgt, "head_backward": head,
-                   "method": "named calls (chunk_forward, chunk_input_backward, chunk_weight_backward) x unit table"}
+    return cells, {"idle": 0.0, "F": fwd, "B_without_head": bwd, "W": wgt, "head_backward": head,
+                   "method": "per-layer named calls (layer_forward, layer_input_backward, layer_weight_backward)"
+                             " x layers x unit table"}
 
 
 def main(argv=None) -> None:
@@ -110,7 +112,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         step, step_args, sched = build_step(cfg, name, v)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), step_args)
-        cells, work = cell_flops(jax.make_jaxpr(step)(*abstract), sched)
+        cells, work = cell_flops(jax.make_jaxpr(step)(*abstract), sched, cfg.num_layers // (P * v))
         compiled = step.lower(*step_args).compile()
         steps[name] = (compiled, step_args)
         mem = compiled.memory_analysis()

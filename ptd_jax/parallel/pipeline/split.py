@@ -83,6 +83,13 @@ class Taps:
         return self.leaves(self.zeros((slots, layers)))
 
 
+def _named(name: str, fn):
+    """`fn` as one call named `name` in the jaxpr (layer_forward, layer_input_backward, layer_weight_backward:
+    tests and experiments/ count them)."""
+    fn.__name__ = fn.__qualname__ = name
+    return jax.jit(fn)
+
+
 def _layer(chunks, chunk, j):
     return jax.tree.map(lambda a: a[chunk, j], chunks)
 
@@ -109,7 +116,8 @@ def forward(residuals: Residuals, taps: Taps, layer: Callable, chunks, chunk, x,
     def body(carry, j):
         h, bufs = carry
         params_j = with_taps(_layer(chunks, chunk, j), taps.zeros())
-        h, leaves = jax.lax.cond(run, work, lambda prm, h, j: (h, zero_leaves), params_j, h, j)
+        h, leaves = jax.lax.cond(run, _named("layer_forward", work), lambda prm, h, j: (h, zero_leaves), params_j, h,
+                                 j)
         bufs = [buf.at[_only(run, slot, buf.shape[0]), j].set(leaf, mode="drop")
                 for buf, leaf in zip(bufs, leaves, strict=True)]
         return (h, bufs), None
@@ -142,7 +150,8 @@ def input_backward(residuals: Residuals, taps: Taps, chunks, chunk, buffers: lis
     def body(carry, j):
         ct, acc, tbufs = carry
         params_j = with_taps(_layer(chunks, chunk, j), taps.zeros())
-        ct, leaves, small = jax.lax.cond(run, work, skip, params_j, [buf[slot, j] for buf in buffers], ct)
+        ct, leaves, small = jax.lax.cond(run, _named("layer_input_backward", work), skip, params_j,
+                                         [buf[slot, j] for buf in buffers], ct)
         tbufs = [buf.at[_only(run, w_slot, buf.shape[0]), j].set(leaf, mode="drop") for buf, leaf in zip(tbufs, leaves)]
         acc = {g: {n: (a.at[_only(run, chunk, a.shape[0]), j].add(small[g][n], mode="drop") if n in small[g] else a)
                    for n, a in leaves_.items()} for g, leaves_ in acc.items()}
@@ -167,7 +176,8 @@ def weight_backward(taps: Taps, chunks, chunk, tap_buffers: list, w_slot, grads,
 
     def body(acc, j):
         kernels = {n: chunks[g][f"{n}_kernel"][chunk, j] for n, g in TAP_GROUPS.items()}
-        d = jax.lax.cond(run, work, skip, kernels, [buf[w_slot, j] for buf in tap_buffers])
+        d = jax.lax.cond(run, _named("layer_weight_backward", work), skip, kernels,
+                         [buf[w_slot, j] for buf in tap_buffers])
         acc = dict(acc)
         for n, g in TAP_GROUPS.items():
             a = acc[g][f"{n}_kernel"]
