@@ -34,6 +34,20 @@ def test_bubble_is_the_papers_closed_form(p, k, m):
     assert pred.terms["bubble"] == pytest.approx((p - 1) / v * pred.details["microbatch_slot_s"], rel=1e-12)
 
 
+@pytest.mark.parametrize("schedule, v", [("1f1b-split", 1), ("zb-h1", 1), ("zb-v", 2)])
+def test_split_schedules_bubble_is_their_simulated_table(schedule, v):
+    """No closed form for ZB-V: the predicted bubble is the unit table's at F = B = W (p = 4, m = 8: 0.25, 0.125,
+    0.0625), below 1F1B's (p−1)/m = 0.375."""
+    import dataclasses
+
+    cfg = model_preset("paper-1.7b")
+    parallel = dataclasses.replace(make_parallel(cfg, 4, 1, 4, 1, 8, None), pipeline_schedule=schedule,
+                                   virtual_pipeline_stages=v, pipeline_branching="per-rank")
+    pred = predict(cfg, parallel, A100, "none")
+    assert pred.bubble_fraction == pytest.approx({"1f1b-split": 0.25, "zb-h1": 0.125, "zb-v": 0.0625}[schedule])
+    assert pred.terms["bubble"] == pytest.approx(pred.bubble_fraction * 8 * pred.details["microbatch_slot_s"])
+
+
 def test_state_is_18_bytes_per_parameter_or_6_plus_12_over_d():
     cfg = model_preset("paper-39.1b")
     plain = memory_per_gpu(cfg, make_parallel(cfg, 512, 8, 2, 1, 1536))

@@ -38,8 +38,9 @@ distributed optimizer a reduce-scatter of it and an all-gather of the 16-bit wei
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from ptd_jax.config import ModelConfig, ParallelConfig
+from ptd_jax.config import SPLIT_SCHEDULES, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import Hardware
 from ptd_jax.perf.memory import grad_bytes_per_param, memory_per_gpu, state_bytes_per_param
 from ptd_jax.train.flops import flops_per_iteration, hardware_flops_per_iteration, model_flops_per_iteration
@@ -126,6 +127,22 @@ def data_parallel_seconds(params: float, parallel: ParallelConfig, hw: Hardware,
     return hw.allreduce_seconds(grad_bytes * params, d, within)
 
 
+@lru_cache(maxsize=64)
+def _split_bubble(name: str, p: int, v: int, m: int, b: float) -> float:
+    from ptd_jax.parallel.pipeline import build  # pure Python, no JAX
+
+    return build(name, p, v, m).simulate(times=(1.0, b, 1.0))["bubble_fraction"]
+
+
+def split_bubble_slots(parallel: ParallelConfig, recompute: str) -> float:
+    """A split schedule's bubble in microbatch slots: its unit table simulated with F = W = 1 and B = 1 (2 under
+    full recomputation, whose B runs the forward again), there being no closed form for ZB-V."""
+    p, v, m = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches
+    if p == 1:
+        return 0.0
+    return _split_bubble(parallel.pipeline_schedule, p, v, m, 2.0 if recompute == "full" else 1.0) * m
+
+
 def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute: str = "full") -> Prediction:
     """Predicted iteration time, terms, bubble and memory of `parallel` (its num_devices GPUs) training `cfg`."""
     parallel.check_model(cfg)
@@ -160,7 +177,8 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
         "grad_accumulation": hw.memory_seconds((HALF + 2 * grad_bytes) * params_last),
     }
     slot = sum(per_mb.values())
-    bubble_slots = (p - 1) / v
+    bubble_slots = split_bubble_slots(parallel, recompute) if parallel.pipeline_schedule in SPLIT_SCHEDULES else (
+        (p - 1) / v)
     state_bytes = state_bytes_per_param(parallel, cfg)
     terms = {name: m * x for name, x in per_mb.items()}
     terms["bubble"] = bubble_slots * slot
