@@ -12,9 +12,20 @@ from ptd_jax.runtime import multiprocess
 
 
 def add_args(g) -> None:
-    g.add_argument("--schedule-times", type=positive_float, nargs=3, metavar=("F", "B", "W"), default=(1.0, 1.0, 1.0),
-                   help="--pipeline-schedule auto: a stage's forward, input-gradient and weight-gradient times "
-                        "(measured ratios; 1 1 1 is the zero-bubble paper's assumption)")
+    g.add_argument("--schedule-times", type=positive_float, nargs=3, metavar=("F", "B", "W"),
+                   help="--pipeline-schedule auto: a stage's forward, input-gradient and weight-gradient times, "
+                        "e.g. measured (default: the ratios of their FLOPs in this model; 1 1 1 is the zero-bubble "
+                        "paper's assumption)")
+
+
+def model_times(cfg, recompute: str) -> tuple[float, float, float]:
+    """F : B : W of one layer from the FLOPs it executes (`train.flops`), F = 1: B is the backward but the kernels'
+    gradients (with what `recompute` recomputes), W those."""
+    from ptd_jax.train.flops import layer_executed_flops, layer_matmul_flops
+
+    f, backward = layer_executed_flops(cfg, cfg.seq_length, recompute)
+    w = layer_matmul_flops(cfg, cfg.seq_length)
+    return 1.0, (backward - w) / f, w / f
 
 
 def microbatches(args, num_devices: int) -> int | None:
@@ -68,16 +79,16 @@ def memory_check(args, model_cfg, num_devices: int, recompute: str, device, num_
     return ok
 
 
-def resolve(args, num_layers: int, num_devices: int, primary_only: bool = False, memory_ok=None) -> str | None:
+def resolve(args, model_cfg, num_devices: int, primary_only: bool = False, memory_ok=None) -> str | None:
     """Replace "auto" in `args.pipeline_schedule` by the chosen schedule (and set the layers per chunk for a
     chunked one) among those `memory_ok` accepts (`memory_check`; None: all); for ZB-V without
     --num-layers-per-virtual-pipeline-stage set v = 2. Returns the printed block
     (`format_choice`), or None when nothing was chosen. `primary_only`: print in process 0 only (JAX started)."""
-    p, text = args.pipeline_model_parallel_size, None
+    p, text, num_layers = args.pipeline_model_parallel_size, None, model_cfg.num_layers
     if args.pipeline_schedule == "auto":
         m = microbatches(args, num_devices)
         v_options, names = choices(args, num_layers)
-        times = tuple(args.schedule_times)
+        times = tuple(args.schedule_times or model_times(model_cfg, args.recompute_granularity))
         name, v, rows = "1f1b", 1, []  # where nothing is valid: the ParallelConfig says why
         if m is not None:
             try:

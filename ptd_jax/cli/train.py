@@ -194,7 +194,7 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
 
 def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int, memory_ok=None) -> ParallelConfig:
     p = args.pipeline_model_parallel_size
-    schedule_choice.resolve(args, model_cfg.num_layers, num_devices, not args.compile_only, memory_ok)
+    schedule_choice.resolve(args, model_cfg, num_devices, not args.compile_only, memory_ok)
     virtual = 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
         k = args.num_layers_per_virtual_pipeline_stage

@@ -78,7 +78,8 @@ def test_ptd_train_auto_prints_its_choice():
                            "--no-progress"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # the tiny model's 4 layers do not split into 2·p chunks: no interleaved, no ZB-V; ZB-H1 is the shortest
-    assert "pipeline schedule: zb-h1 (v=1), the shortest simulated step at F:B:W = 1:1:1" in proc.stdout
+    # F:B:W from the model's FLOPs (B: the backward but the kernels' gradients, W those): 1 : 8/7 : 6/7 here
+    assert "pipeline schedule: zb-h1 (v=1), the shortest simulated step at F:B:W = 1:1.14286:0.857143" in proc.stdout
     block = proc.stdout.split("\nptd_jax:")[0]
     assert " * zb-h1" in block and "1f1b-split" in block and "zb-v" not in block and "interleaved" not in block
     assert json.loads(proc.stdout.splitlines()[-1])["iterations"] == 1
@@ -104,7 +105,8 @@ def test_auto_keeps_to_the_memory_the_device_has():
     from ptd_jax.perf.memory import run_memory_bytes
 
     argv = ["--fake-devices", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "8",
-            "--global-batch-size", "16", "--micro-batch-size", "2", "--seq-length", "256"]
+            "--global-batch-size", "16", "--micro-batch-size", "2", "--seq-length", "256", "--schedule-times", "1", "1",
+            "1"]
 
     def parsed(schedule):
         args = cli.build_parser().parse_args(argv + ["--pipeline-schedule", schedule])
@@ -139,3 +141,18 @@ def test_auto_under_uniform_branching_leaves_the_split_schedules_out(capsys):
     assert parallel.pipeline_schedule == "interleaved"
     block = capsys.readouterr().out
     assert "zb-" not in block and "split" not in block and " * interleaved" in block
+
+
+def test_auto_prefers_fused_schedules_when_b_is_much_longer_than_f():
+    """A lockstep tick lasts as long as its longest cell: under full recomputation B runs the forward again (F:B:W
+    = 1 : 13/7 : 6/7 from the FLOPs), the split tables' mixed ticks all last a B, and interleaving wins."""
+    from ptd_jax.cli import schedule_choice
+    from ptd_jax.cli import train as cli
+
+    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
+                                          "--num-layers", "8", "--pipeline-schedule", "auto",
+                                          "--recompute-granularity", "full", "--global-batch-size", "32"])  # m = 8
+    cli.fill_defaults(args)
+    cfg = cli.model_config_from_args(args)
+    assert schedule_choice.model_times(cfg, "full") == pytest.approx((1.0, 13 / 7, 6 / 7))
+    assert cli.parallel_config_from_args(args, cfg, 4).pipeline_schedule == "interleaved"
