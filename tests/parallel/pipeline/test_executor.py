@@ -57,12 +57,13 @@ def compare(parallel, cfg, rtol, recompute="none"):
     m = parallel.num_microbatches * parallel.data_parallel_size  # reference microbatches of b rows each
     ref_loss, ref_grads = jax.jit(accumulate_gradients, static_argnums=4)(params, *batch(m), cfg)
     mesh = make_mesh(parallel)
-    pp = staged(params, p, v)
+    turn = parallel.pipeline_schedule == "zb-v"  # ZB-V stores its chunks in the V (`sharding.stage_layers`)
+    pp = {**params, "layers": sharding.stage_layers(params["layers"], p, v, turn)}
     specs = sharding.param_specs(pp, pipelined=True)
     step = make_parallel_grad_step(mesh, cfg, parallel, specs, scatter_gather=parallel.scatter_gather,
                                    recompute=recompute)
     loss, grads, norm = step(jax.device_put(pp, sharding.named(mesh, specs)), *batch(parallel.num_microbatches))
-    grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
+    grads = {**grads, "layers": sharding.unstage_layers(grads["layers"], turn)}
     assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
     for path, ref, got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads),
                               jax.tree.leaves(grads)):

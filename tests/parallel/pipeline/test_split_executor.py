@@ -2,7 +2,6 @@
 single-device reference in float64: loss, every gradient, grad norm; and what their tables promise."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,10 +10,10 @@ from ptd_jax.config import ConfigError, ParallelConfig
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.pipeline import build, validate
-from ptd_jax.parallel.step import make_parallel_eval_step, make_parallel_grad_step
-from ptd_jax.train.reference import accumulate_gradients, make_eval_step
+from ptd_jax.parallel.step import make_parallel_eval_step
+from ptd_jax.train.reference import make_eval_step
 
-from .test_executor import B, batch, model_cfg
+from .test_executor import B, batch, compare, model_cfg
 
 V = {"1f1b-split": 1, "zb-h1": 1, "zb-v": 2}
 
@@ -23,30 +22,6 @@ def layout(d, p, t, schedule, sp=False):
     return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
                           virtual_pipeline_stages=V[schedule], pipeline_schedule=schedule, micro_batch_size=1,
                           global_batch_size=B, sequence_parallel=sp, pipeline_branching="per-rank")
-
-
-def compare(parallel, cfg, rtol, recompute="none"):
-    p, v, t = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages,
-               parallel.tensor_model_parallel_size)
-    turn = parallel.pipeline_schedule == "zb-v"
-    params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
-    m = parallel.num_microbatches * parallel.data_parallel_size
-    ref_loss, ref_grads = jax.jit(accumulate_gradients, static_argnums=4)(params, *batch(m), cfg)
-    mesh = make_mesh(parallel)
-    pp = {**params, "layers": sharding.stage_layers(params["layers"], p, v, turn)}
-    specs = sharding.param_specs(pp, pipelined=True)
-    step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute)
-    placed = jax.device_put(pp, sharding.named(mesh, specs))
-    loss, grads, norm = step(placed, *batch(parallel.num_microbatches))
-    grads = {**grads, "layers": sharding.unstage_layers(grads["layers"], turn)}
-    assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
-    for path, ref, got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads),
-                              jax.tree.leaves(grads)):
-        err = float(jnp.max(jnp.abs(got - ref))) / float(jnp.max(jnp.abs(ref)))
-        assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
-    ref_norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(ref_grads))))
-    assert float(norm) == pytest.approx(ref_norm, rel=rtol)
-    return mesh, specs, placed
 
 
 CASES = [((d, p, t), s, r, sp) for s in V for (d, p, t) in [(1, 4, 1), (1, 4, 2), (2, 2, 2)]
