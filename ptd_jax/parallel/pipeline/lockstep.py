@@ -27,7 +27,7 @@ class Cell:
     # Split schedules (`unit.py`) only:
     w_slot: int = -1       # B: where it stashes what its W needs; W: where it reads it
     send: int | None = None  # where its output goes: +1 (rank + 1), -1 (rank − 1), 0 (this rank: the V's turn)
-    recv: dict = field(default_factory=dict)  # {+1: from rank − 1, -1: from rank + 1, 0: own} -> ("act"|"grad", slot)
+    recv: dict = field(default_factory=dict)  # arrivals {+1: from rank − 1, -1: from rank + 1, 0: own} -> (buf, slot)
 
 
 @dataclass
@@ -271,11 +271,29 @@ def _fused_only(name: str) -> None:
         raise ScheduleError(f"schedule={name!r} splits its backwards: it runs on unit ticks (`tables.build`)")
 
 
+def check_actions(sched: Schedule, seen: dict, kinds: str) -> None:
+    """`seen` ((rank, action) -> tick) holds each action of `kinds` exactly once per (virtual stage, microbatch), no
+    cell runs one twice, and every dependency ran at an earlier tick."""
+    p, v, m = sched.p, sched.v, sched.m
+    expected = {(r, Action(k, c, i)) for r in range(p) for c in range(v) for i in range(m) for k in kinds}
+    if set(seen) != expected:
+        missing = sorted(expected ^ set(seen))[:3]
+        raise ScheduleError(f"schedule {sched.name!r} misses or adds actions, e.g. {[(r, str(a)) for r, a in missing]}")
+    cells = sum(1 for row in sched.cells for c in row if c.action is not None)
+    if cells != len(expected):
+        raise ScheduleError(f"schedule {sched.name!r} runs {cells} cells for {len(expected)} actions: one runs twice")
+    for (r, a), t in seen.items():
+        for dep in dependencies(sched.name, a, r, p, v):
+            if seen[dep] >= t:
+                raise ScheduleError(f"{a} on rank {r} at tick {t} runs before its dependency {dep[1]} on rank "
+                                    f"{dep[0]} (tick {seen[dep]})")
+
+
 def validate(sched: Schedule) -> None:
     """Every F and B (F alone in a table of forwards only) exactly once per (virtual stage, microbatch); every B
     after its F; every dependency at an earlier tick; every read from a slot written earlier and not overwritten
     before it is read."""
-    p, v, m = sched.p, sched.v, sched.m
+    p, v = sched.p, sched.v
     seen: dict[tuple[int, Action], int] = {}
     for t, row in enumerate(sched.cells):
         for r, cell in enumerate(row):
@@ -283,16 +301,7 @@ def validate(sched: Schedule) -> None:
                 if cell.action.kind != sched.kinds[t]:
                     raise ScheduleError(f"tick {t} is {sched.kinds[t]} but rank {r} runs {cell.action}")
                 seen[(r, cell.action)] = t
-    expected = {(r, Action(k, c, i)) for r in range(p) for c in range(v) for i in range(m)
-                for k in ("F" if sched.forward_only else "FB")}
-    if set(seen) != expected:
-        missing = sorted(expected - set(seen))[:3]
-        raise ScheduleError(f"schedule {sched.name!r} misses or adds actions, e.g. {[(r, str(a)) for r, a in missing]}")
-    for (r, a), t in seen.items():
-        for dep in dependencies(sched.name, a, r, p, v):
-            if seen[dep] >= t:
-                raise ScheduleError(f"{a} on rank {r} at tick {t} runs before its dependency {dep[1]} on rank "
-                                    f"{dep[0]} (tick {seen[dep]})")
+    check_actions(sched, seen, "F" if sched.forward_only else "FB")
     # Slots: replay writes and reads.
     act = [dict() for _ in range(p)]
     grad = [dict() for _ in range(p)]

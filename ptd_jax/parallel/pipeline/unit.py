@@ -13,7 +13,7 @@ output too), gradients (from arrival to the B that reads it), and the W stash (f
 
 from __future__ import annotations
 
-from ptd_jax.parallel.pipeline.lockstep import Cell, Schedule, _SlotPool
+from ptd_jax.parallel.pipeline.lockstep import Cell, Schedule, _SlotPool, check_actions
 from ptd_jax.parallel.pipeline.schedule import (Action, F, ScheduleError, build_orders, check_request, dependencies,
                                                 place_of, stage_of)
 
@@ -41,13 +41,20 @@ class _UnitPlacement:
         self.w_slot: dict[tuple[int, Action], int] = {}
         self.held, self.peak = [0] * p, [0] * p
         self.waiting, self.peak_w = [0] * p, [0] * p
+        self.sent: list[tuple[int, int, str, int]] = []  # this tick's (to rank, direction, buffer, slot)
 
     def _send(self, r: int, a: Action, cell: Cell, to_stage: int, kind: str, pool: _SlotPool, slots: dict) -> None:
         to_rank, to_chunk = place_of(self.name, self.p, to_stage)
         slot = pool.alloc(to_rank)
         slots[(to_rank, Action(kind, to_chunk, a.microbatch))] = slot
         cell.send = _direction(self.name, self.p, r, to_rank, to_stage, self.stage(a, r))
-        cell.recv = {"to": to_rank, "buffer": "act" if kind == "F" else "grad", "slot": slot}
+        self.sent.append((to_rank, cell.send, "act" if kind == "F" else "grad", slot))
+
+    def deliver(self, row: list[Cell]) -> None:
+        """Each receiver's `recv`: what arrives at the end of the tick, by the direction it comes from."""
+        for to_rank, direction, buffer, slot in self.sent:
+            row[to_rank].recv[direction] = (buffer, slot)
+        self.sent = []
 
     def stage(self, a: Action, r: int) -> int:
         return stage_of(self.name, self.p, a.chunk, r)
@@ -95,16 +102,6 @@ class _UnitPlacement:
                 self.waiting[r] -= 1
 
 
-def _deliver(row: list[Cell]) -> None:
-    """Turn each sender's destination into the receiver's `recv` entry, keyed by the direction it came from."""
-    arriving: list[dict] = [{} for _ in row]
-    for cell in row:
-        if cell.recv:
-            arriving[cell.recv["to"]][cell.send] = (cell.recv["buffer"], cell.recv["slot"])
-    for cell, got in zip(row, arriving):
-        cell.recv = got
-
-
 def unit_ticks(name: str, orders: list[list[Action]], p: int, v: int, m: int, forward_only: bool = False
                ) -> Schedule:
     """Place the orders on unit ticks: each rank runs its next action at the first tick after its dependencies."""
@@ -128,7 +125,7 @@ def unit_ticks(name: str, orders: list[list[Action]], p: int, v: int, m: int, fo
             if cell.action is not None:
                 done[(r, cell.action)] = tick
                 pos[r] += 1
-        _deliver(row)
+        place.deliver(row)
         place.release(row)
         sched.kinds.append("X")
         sched.cells.append(row)
@@ -152,21 +149,8 @@ def build_unit_forward_only(name: str, p: int, v: int, m: int) -> Schedule:
 def validate_unit(sched: Schedule) -> None:
     """Every F, B and W (F alone in a table of forwards only) exactly once per (virtual stage, microbatch); every
     dependency at an earlier tick; every slot read holding what the reader needs."""
-    p, v, m = sched.p, sched.v, sched.m
     seen = {(r, c.action): t for t, row in enumerate(sched.cells) for r, c in enumerate(row) if c.action}
-    expected = {(r, Action(k, c, i)) for r in range(p) for c in range(v) for i in range(m)
-                for k in ("F" if sched.forward_only else "FBW")}
-    if set(seen) != expected:
-        missing = sorted(expected ^ set(seen))[:3]
-        raise ScheduleError(f"schedule {sched.name!r} misses or adds actions, e.g. {[(r, str(a)) for r, a in missing]}")
-    cells = sum(1 for row in sched.cells for c in row if c.action is not None)
-    if cells != len(expected):
-        raise ScheduleError(f"schedule {sched.name!r} runs {cells} cells for {len(expected)} actions: one runs twice")
-    for (r, a), t in seen.items():
-        for dep in dependencies(sched.name, a, r, p, v):
-            if seen[dep] >= t:
-                raise ScheduleError(f"{a} on rank {r} at tick {t} runs before its dependency {dep[1]} on rank "
-                                    f"{dep[0]} (tick {seen[dep]})")
+    check_actions(sched, seen, "F" if sched.forward_only else "FBW")
     _replay_slots(sched)
 
 
