@@ -322,6 +322,19 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
 
 # --- dropout ------------------------------------------------------------------------------------------------------
 
+def one_training_step(parallel, cfg, tcfg, key=7):
+    """(loss, grad norm, updated parameters in model order) of one training step from `init_sharded_state`."""
+    opt = make_optimizer(tcfg)
+    mesh = make_mesh(parallel)
+    state = init_sharded_state(jax.random.key(0), cfg, opt, mesh, parallel)
+    step = make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, state)
+    state, metrics = step(state, *batch(parallel.num_microbatches), jax.random.key(key))
+    params = state["params"]
+    if parallel.pipeline_model_parallel_size > 1:
+        params = {**params, "layers": sharding.unstage_layers(params["layers"], parallel.pipeline_schedule == "zb-v")}
+    return float(metrics["lm_loss"]), float(metrics["grad_norm"]), params
+
+
 @pytest.mark.parametrize("d, t, schedule, v, branching, sp, recompute", [
     pytest.param(1, 2, "interleaved", 2, "uniform", False, "none", marks=pytest.mark.slow),
     pytest.param(1, 2, "interleaved", 2, "per-rank", True, "none", marks=pytest.mark.slow),
@@ -337,20 +350,11 @@ def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, bra
     with jax.enable_x64(True):
         cfg = model_cfg(2).replace(hidden_dropout=0.2, attention_dropout=0.2)
         tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0, recompute_granularity=recompute)
-        opt = make_optimizer(tcfg)
         flat = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=1,
                               global_batch_size=B, sequence_parallel=sp)
-        results = []
-        for parallel, model in ((layout(d, 2, t, schedule, v, sp=sp, branching=branching), cfg), (flat, cfg),
-                                (flat, cfg.replace(hidden_dropout=0.0, attention_dropout=0.0))):
-            mesh = make_mesh(parallel)
-            state = init_sharded_state(jax.random.key(0), model, opt, mesh, parallel)
-            step = make_parallel_train_step(mesh, model, parallel, tcfg, opt, state)
-            state, metrics = step(state, *batch(parallel.num_microbatches), jax.random.key(7))
-            params = state["params"]
-            if parallel.pipeline_model_parallel_size > 1:
-                params = {**params, "layers": sharding.unstage_layers(params["layers"])}
-            results.append((float(metrics["lm_loss"]), float(metrics["grad_norm"]), params))
+        results = [one_training_step(parallel, model, tcfg) for parallel, model in (
+            (layout(d, 2, t, schedule, v, sp=sp, branching=branching), cfg), (flat, cfg),
+            (flat, cfg.replace(hidden_dropout=0.0, attention_dropout=0.0)))]
         (loss, norm, params), (ref_loss, ref_norm, ref_params), (plain_loss, _, _) = results
         assert abs(loss - plain_loss) > 1e-3  # dropout did act
         assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)

@@ -13,7 +13,7 @@ from ptd_jax.parallel.pipeline import build, validate
 from ptd_jax.parallel.step import make_parallel_eval_step
 from ptd_jax.train.reference import make_eval_step
 
-from .test_executor import B, batch, compare, model_cfg
+from .test_executor import B, batch, compare, model_cfg, one_training_step
 
 V = {"1f1b-split": 1, "zb-h1": 1, "zb-v": 2}
 
@@ -100,25 +100,13 @@ def test_float64_dropout_train_step_equals_the_unpipelined_step(schedule, recomp
     loss, grad norm and updated parameters of the p = 1 step. B's and W's masks are the F's, re-drawn from the
     stashed keys under selective recomputation."""
     from ptd_jax.config import TrainConfig
-    from ptd_jax.optimizer import make_optimizer
-    from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
 
     with jax.enable_x64(True):
         cfg = model_cfg(2).replace(hidden_dropout=0.2, attention_dropout=0.2)
         tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0, recompute_granularity=recompute)
-        opt = make_optimizer(tcfg)
         flat = ParallelConfig(micro_batch_size=1, global_batch_size=B)
-        results = []
-        for parallel in (layout(1, 2, 1, schedule), flat):
-            mesh = make_mesh(parallel)
-            state = init_sharded_state(jax.random.key(0), cfg, opt, mesh, parallel)
-            step = make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, state)
-            state, metrics = step(state, *batch(parallel.num_microbatches), jax.random.key(7))
-            params = state["params"]
-            if parallel.pipeline_model_parallel_size > 1:
-                params = {**params, "layers": sharding.unstage_layers(params["layers"], schedule == "zb-v")}
-            results.append((float(metrics["lm_loss"]), float(metrics["grad_norm"]), params))
-        (loss, norm, params), (ref_loss, ref_norm, ref_params) = results
+        (loss, norm, params), (ref_loss, ref_norm, ref_params) = (
+            one_training_step(parallel, cfg, tcfg) for parallel in (layout(1, 2, 1, schedule), flat))
         assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-11, atol=1e-13)
