@@ -15,22 +15,64 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-split", "zb-h1", "zb-v")
-SPLIT_SCHEDULES = ("1f1b-split", "zb-h1", "zb-v")
-"""Schedules with split backwards (B: input gradient, W: weight gradients) on unit ticks: per-rank branching only."""
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A pipeline schedule's properties, as data (`SCHEDULE_SPECS`): nothing else in the project names a schedule.
+    The pipeline package builds each rank's order of actions from `orders`, places them on ticks by `rows`, and the
+    one executor runs the table (docs/architecture.md, "Pipeline")."""
+
+    name: str
+    orders: str
+    """The order builder (`parallel.pipeline.schedule.ORDERS`)."""
+    split: bool
+    """Backwards split into I (input gradient) and W (weight gradients); else one fused B."""
+    rows: str
+    """"lockstep": one kind per tick (a tick lasts its longest cell; right for F and a fused B ≈ 2F); "unit": each
+    rank runs its next ready action, whatever its kind (right when F ≈ I ≈ W: the asynchronous timeline)."""
+    chunks: int | None
+    """Model chunks per rank: fixed (1, or 2 for the V), or None: set by --num-layers-per-virtual-pipeline-stage."""
+    stage_map: str = "round-robin"
+    """"round-robin": chunk c on rank r is virtual stage c·p + r; "v": chunk 1 runs back up (stage 2p − 1 − r)."""
+    min_p: int = 1
+    grouped: bool = False
+    """Takes Megatron's microbatch group size G (interleaving)."""
+    bubble_formula: str | None = "(p-1)/(v*m)"
+    """The closed-form bubble, None where the paper gives none."""
+
+
+SCHEDULE_SPECS = {spec.name: spec for spec in (
+    ScheduleSpec("gpipe", orders="gpipe", split=False, rows="lockstep", chunks=1),
+    ScheduleSpec("1f1b", orders="1f1b", split=True, rows="unit", chunks=1),
+    ScheduleSpec("interleaved", orders="interleaved", split=False, rows="lockstep", chunks=None, min_p=2,
+                 grouped=True),
+    ScheduleSpec("zb-h1", orders="zb-h1", split=True, rows="unit", chunks=1,
+                 bubble_formula="(p-1)(f+b-w)/(m(f+b+w))"),
+    ScheduleSpec("zb-v", orders="zero-bubble", split=True, rows="unit", chunks=2, stage_map="v", min_p=2,
+                 bubble_formula=None),
+)}
+PIPELINE_SCHEDULES = tuple(SCHEDULE_SPECS)
+RETIRED_SCHEDULES = {"1f1b-split": "'1f1b' now splits its backwards and holds Megatron's stash p - s"}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 PIPELINE_BRANCHINGS = ("auto", "uniform", "per-rank")
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The spec of schedule `name`, or a ConfigError naming the known ones."""
+    if name in RETIRED_SCHEDULES:
+        raise ConfigError(f"schedule={name!r} is retired: {RETIRED_SCHEDULES[name]}")
+    _check(name in SCHEDULE_SPECS, f"schedule={name!r} is not one of {PIPELINE_SCHEDULES}")
+    return SCHEDULE_SPECS[name]
 
 
 def resolve_branching(branching: str, backend: str | None = None, schedule: str | None = None) -> str:
     """"auto" is "per-rank" on XLA:CPU (fake devices share the host's cores, so an idle cell's dummy work and the
     masked embedding and head on every rank cost step time; tensor collectives in pipe-divergent branches are
     measured correct there) and "uniform" on accelerators (no collective in a pipe-divergent branch, and no
-    device-to-host read of a per-rank predicate); the other two are returned as they are. A split schedule
-    (`SPLIT_SCHEDULES`) runs different kinds on different ranks in one tick: "auto" is "per-rank" for it everywhere."""
+    device-to-host read of a per-rank predicate); the other two are returned as they are. A schedule on unit ticks
+    (`ScheduleSpec.rows`) runs different kinds on different ranks in one tick: "auto" is "per-rank" for it."""
     if branching != "auto":
         return branching
-    if schedule in SPLIT_SCHEDULES:
+    if schedule is not None and schedule in SCHEDULE_SPECS and SCHEDULE_SPECS[schedule].rows == "unit":
         return "per-rank"
     if backend is None:
         import jax
@@ -62,19 +104,19 @@ def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_siz
 def check_pipeline_request(schedule: str, p: int, v: int, m: int, group: int | None = None) -> int:
     """The rules a pipeline schedule request must meet (schedule name, p, v, m and the interleaved group G);
     returns the effective G. `ParallelConfig` and the schedule builders both check them here."""
-    _check(schedule in PIPELINE_SCHEDULES, f"schedule={schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    spec = schedule_spec(schedule)
     _check(p >= 1 and v >= 1 and m >= 1, f"p={p}, v={v} and m={m} must be positive")
-    if schedule == "zb-v":
-        _check(v == 2, f"schedule='zb-v' runs two model chunks per rank (a V): needs v=2, got v={v}")
-        _check(p >= 2, f"schedule='zb-v' needs p >= 2 pipeline ranks (its V turns on rank p - 1), got p={p}")
+    _check(p >= spec.min_p, f"schedule={schedule!r} needs p >= {spec.min_p} pipeline ranks, got p={p}")
+    if spec.chunks is not None:
+        _check(v == spec.chunks, f"schedule={schedule!r} runs {spec.chunks} model chunk(s) per rank: needs "
+                                 f"v={spec.chunks}, got v={v}")
+    if not spec.grouped:
+        _check(group is None, f"microbatch_group_size={group} applies to grouped schedules (interleaved) only, "
+                              f"got schedule={schedule!r}")
         return 1
-    if schedule != "interleaved":
-        _check(v == 1, f"schedule={schedule!r} has no model chunks: v={v} needs schedule='interleaved' or 'zb-v'")
-        return 1
-    _check(p >= 2, f"interleaving needs p >= 2 pipeline ranks, got p={p}")
     g = p if group is None else group
-    _check(p <= g <= m, f"interleaved schedule needs p <= G <= m (Megatron's rule), got p={p}, G={g}, m={m}")
-    _check(not (m % g and m % g < p), f"interleaved schedule needs m % G == 0 or m % G >= p (Megatron's rule), "
+    _check(p <= g <= m, f"schedule={schedule!r} needs p <= G <= m (Megatron's rule), got p={p}, G={g}, m={m}")
+    _check(not (m % g and m % g < p), f"schedule={schedule!r} needs m % G == 0 or m % G >= p (Megatron's rule), "
                                       f"got m={m}, G={g}, m % G={m % g}, p={p}")
     return g
 
@@ -188,7 +230,7 @@ class ParallelConfig:
     virtual_pipeline_stages: int = 1
     """v: model chunks per pipeline rank (interleaved schedule)."""
     pipeline_schedule: str = "1f1b"
-    """gpipe, 1f1b or interleaved (v > 1)."""
+    """A name in `SCHEDULE_SPECS`: gpipe, 1f1b, interleaved (v > 1), zb-h1, zb-v (v = 2)."""
     micro_batch_size: int = 1
     """b: samples per microbatch per data-parallel rank."""
     global_batch_size: int = 8
@@ -211,8 +253,7 @@ class ParallelConfig:
                      "virtual_pipeline_stages", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive integer")
-        _check(self.pipeline_schedule in PIPELINE_SCHEDULES,
-               f"pipeline_schedule={self.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
+        spec = schedule_spec(self.pipeline_schedule)
         _check(self.pipeline_branching in PIPELINE_BRANCHINGS,
                f"pipeline_branching={self.pipeline_branching!r} is not one of {PIPELINE_BRANCHINGS}")
         per_step = self.micro_batch_size * self.data_parallel_size
@@ -222,19 +263,18 @@ class ParallelConfig:
             f"{self.micro_batch_size} x data_parallel_size={self.data_parallel_size}",
         )
         if self.virtual_pipeline_stages > 1:
-            _check(self.pipeline_schedule in ("interleaved", "zb-v"),
-                   f"virtual_pipeline_stages={self.virtual_pipeline_stages} needs pipeline_schedule='interleaved' "
-                   f"or 'zb-v', got {self.pipeline_schedule!r}")
-        _check(self.pipeline_schedule not in SPLIT_SCHEDULES or self.pipeline_branching != "uniform",
-               f"pipeline_schedule={self.pipeline_schedule!r} runs different kinds (F, B, W) on different ranks in "
+            _check(spec.chunks is None or spec.chunks == self.virtual_pipeline_stages,
+                   f"virtual_pipeline_stages={self.virtual_pipeline_stages} does not apply to pipeline_schedule="
+                   f"{self.pipeline_schedule!r} ({spec.chunks} chunk(s) per rank)")
+        _check(spec.rows == "lockstep" or self.pipeline_branching != "uniform",
+               f"pipeline_schedule={self.pipeline_schedule!r} runs different kinds (F, I, W) on different ranks in "
                f"one tick: it needs pipeline_branching='per-rank' (or 'auto'), got 'uniform'")
-        _check(self.microbatch_group_size is None or self.pipeline_schedule == "interleaved",
-               f"microbatch_group_size={self.microbatch_group_size} applies to pipeline_schedule='interleaved' "
+        _check(self.microbatch_group_size is None or spec.grouped,
+               f"microbatch_group_size={self.microbatch_group_size} applies to grouped schedules (interleaved) "
                f"only, got {self.pipeline_schedule!r}")
-        if self.pipeline_schedule in ("interleaved", "zb-v"):
-            _check(self.pipeline_model_parallel_size >= 2,
-                   f"the {self.pipeline_schedule} schedule needs pipeline_model_parallel_size >= 2, got "
-                   f"{self.pipeline_model_parallel_size}")
+        _check(self.pipeline_model_parallel_size >= spec.min_p,
+               f"the {self.pipeline_schedule} schedule needs pipeline_model_parallel_size >= {spec.min_p}, got "
+               f"{self.pipeline_model_parallel_size}")
         if self.pipeline_model_parallel_size > 1:
             check_pipeline_request(self.pipeline_schedule, self.pipeline_model_parallel_size,
                                    self.virtual_pipeline_stages, self.num_microbatches, self.microbatch_group_size)

@@ -25,16 +25,15 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, resolve_branching
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, resolve_branching, schedule_spec
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import learning_rate_schedule, new_state, schedule_count
 from ptd_jax.parallel import distributed_optimizer
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
-from ptd_jax.parallel.pipeline.executor import pipeline_accumulate, pipeline_loss
-from ptd_jax.parallel.pipeline.unit_executor import split_accumulate, split_loss
-from ptd_jax.parallel.pipeline.tables import build, build_forward_only, validate
+from ptd_jax.parallel.pipeline import executor
+from ptd_jax.parallel.pipeline.table import accumulation_table, build, build_forward_only, validate
 from ptd_jax.parallel.vma import mark_tree, mark_varying
 
 DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
@@ -59,8 +58,8 @@ def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: P
     def init(k):
         params = gpt.init_params(k, model_cfg, mesh.shape[TENSOR])
         if p > 1:
-            params["layers"] = sharding.stage_layers(params["layers"], p, v,
-                                                     parallel is not None and parallel.pipeline_schedule == "zb-v")
+            v_shape = parallel is not None and schedule_spec(parallel.pipeline_schedule).stage_map == "v"
+            params["layers"] = sharding.stage_layers(params["layers"], p, v, v_shape)
         state = new_state(params, optimizer)
         loss_scale = init_loss_scale(model_cfg, train_cfg or TrainConfig())
         return state if loss_scale is None else {**state, "loss_scale": loss_scale}
@@ -132,11 +131,11 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
         staged = not _pipeline_layout(param_specs)
         if staged:  # the p = 1 accumulation table: layers [L, ...] as the executor's one chunk [1, 1, L, ...]
             varying = {**varying, "layers": sharding.stage_layers(varying["layers"], 1, 1)}
-        accumulate = split_accumulate if sched.split else pipeline_accumulate
-        loss, grads = accumulate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
-                                          sequence_parallel=parallel.sequence_parallel,
-                                          scatter_gather=scatter_gather, recompute=recompute,
-                                          branching=parallel.pipeline_branching, key=key)
+        opts = executor.Options(model_cfg, sequence_parallel=parallel.sequence_parallel,
+                                scatter_gather=scatter_gather, recompute=recompute,
+                                branching=parallel.pipeline_branching, key=key)
+        loss, grads = executor.accumulate(varying, executor.StepInputs(tokens, labels, mask, total_tokens), sched,
+                                          opts)
         if staged:
             grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
         loss = jax.lax.psum(loss, DATA if staged else (DATA, PIPE))
@@ -172,7 +171,7 @@ def accumulation_schedule(parallel: ParallelConfig):
         return pipeline_schedule(parallel)
     if parallel.num_microbatches == 1:
         return None
-    sched = build("1f1b", 1, 1, parallel.num_microbatches)
+    sched = accumulation_table(parallel.num_microbatches)
     validate(sched)
     return sched
 
@@ -256,10 +255,9 @@ def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
         total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
         if sched is not None:
             varying = mark_tree(params, _replicated_axes(param_specs, parallel))
-            evaluate = split_loss if sched.split else pipeline_loss
-            loss = evaluate(varying, tokens, labels, mask, total_tokens, cfg=model_cfg, sched=sched,
-                                 sequence_parallel=parallel.sequence_parallel, scatter_gather=parallel.scatter_gather,
-                                 branching=parallel.pipeline_branching)
+            opts = executor.Options(model_cfg, sequence_parallel=parallel.sequence_parallel,
+                                    scatter_gather=parallel.scatter_gather, branching=parallel.pipeline_branching)
+            loss = executor.loss(varying, executor.StepInputs(tokens, labels, mask, total_tokens), sched, opts)
             return jax.lax.psum(loss, (DATA, PIPE))
 
         def body(total, xs):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
-from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, schedule_spec
 from ptd_jax.data import DataError, parse_split
 from ptd_jax.optimizer import at_schedule_step, schedule_count
 from ptd_jax.parallel import sharding
@@ -61,8 +61,8 @@ def all_steps(directory) -> list[int]:
 
 
 def _v_shape(parallel: ParallelConfig) -> bool:
-    """ZB-V stores chunk 1 of rank r as virtual stage 2p − 1 − r (`sharding.stage_layers`)."""
-    return parallel.pipeline_schedule == "zb-v" and parallel.pipeline_model_parallel_size > 1
+    """A V-shaped schedule (ZB-V) stores chunk 1 of rank r as virtual stage 2p − 1 − r (`sharding.stage_layers`)."""
+    return schedule_spec(parallel.pipeline_schedule).stage_map == "v" and parallel.pipeline_model_parallel_size > 1
 
 
 def _pipelined(parallel: ParallelConfig) -> bool:

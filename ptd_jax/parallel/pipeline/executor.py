@@ -1,37 +1,36 @@
-"""The lockstep pipeline executor (paper §2.2): one SPMD program runs a schedule table tick by tick.
+"""The pipeline executor (paper §2.2): one SPMD program runs any schedule's table, tick by tick.
 
-The table (`lockstep.Schedule`) becomes integer columns before tracing (`columns.py`). Every tick has one kind for
-all ranks, so the ticks are cut into runs of a static pattern (`tick_runs`: warm-up forwards, steady F/B pairs,
-cool-down backwards), each one `lax.scan` whose body calls, per tick of the pattern, the tick function of its kind
-(`TRAINING_TICKS`, or `EVALUATION_TICKS`) on the step's `TickContext`, the carry and the tick's row. In a tick each
-pipeline rank
+The table (`table.Table`) becomes integer columns before tracing (`lowering.columns`), and its ticks runs of a static
+pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directions they send in), each run one
+`lax.scan`. In a tick each pipeline rank
 
-1. reads its cell of the row (`read_cell`: chunk, microbatch, slots) and its input from the activation or gradient
-   slots, before any branch (a buffer read and written inside a `cond` is kept twice by XLA);
-2. F: embeds (where virtual stage 0 runs; a `lax.cond`), then runs its chunk's layers, each under `jax.vjp`,
-   writing layer j's residuals in place into the stash buffers at (its slot, j) (`stash.Residuals.forward`: the
-   weights among them are not stored but put back at B); on the last stage y goes to the slot too (the head's
-   input);
-   B: on the last stage the head's forward and backward on y (`head_backward`, in a cond: its loss is computed
-   here), then the chunk's layers' backwards in reverse from the residuals at (slot, j), each layer's input
-   gradient passed on and its parameter gradients added in place to the float32 accumulators
-   (`stash.Residuals.backward`), then, on stage 0, the embedding's transpose (`embed_backward`, in a cond: a
-   linear map of the word and position rows, nothing stashed); what a layer's residuals hold, and so what its
-   backward recomputes, is `--recompute-granularity`'s policy (`model.remat_layer`);
-3. sends: y to rank + 1 over "pipe" (rank p−1 -> 0 carries it into its next chunk: the ring that makes
-   interleaving work), dx to rank − 1. Every rank issues the ring on every tick, outside every branch
-   (docs/architecture.md, "Pipeline");
-4. writes what it received into the table's slot, after the branches.
+1. reads its cell (kind, chunk, microbatch, slots) and its inputs from the activation and gradient slots, before any
+   branch (a buffer read and written inside a conditional is kept twice by XLA);
+2. prepares the layers' input: an F's activation (on virtual stage 0 the embedding, in a `lax.cond`), or a B's or
+   I's output gradient (on the last stage from the head's forward and backward, in a `lax.cond`; its loss is added
+   here);
+3. runs the chunk's layers in one `lax.scan`, each layer's work one `lax.switch` on the cell's kind (`layer_step`):
+   - F: the layer under `jax.vjp`, its residuals to the record (`stash.Record`) at (slot, j);
+   - B: the layer's vjp from its record: the input gradient passed down, every parameter gradient added;
+   - I: the same with taps beside the matmuls: the input gradient and the small parameters' gradients, the taps
+     to the record for the W;
+   - W: the kernels' gradients from the taps;
+   the record is read before the switch and written after it by a scatter that drops an out-of-bounds row (no
+   write where the rank runs another kind), the gradients added the same way, in place, into float32
+   accumulators; F runs the layers forwards, B and I backwards;
+4. on stage 0 after a B or I, the embedding's transpose (a `lax.cond`); on the last stage after an F, its output
+   kept for the head;
+5. sends its output (an F's activation, a B's or I's input gradient) over "pipe" in each direction the tick's
+   pattern uses, issued by every rank outside every branch, and writes what arrived to the slot the table names.
 
-Where the embedding and the head run, and whether an idle cell computes, is the branching strategy's choice
-(`branching.py`: "uniform" or "per-rank"), made once per step. Split schedules (B and W, each rank its own kind in
-a tick) run through `unit_executor.py`, which reuses this module's cell functions.
+"per-rank" branching (`ParallelConfig.pipeline_branching`) switches on each cell's own kind: an idle cell runs no
+layer, only the rank that needs it embeds or runs the head; tensor collectives then sit in pipe-divergent branches,
+which XLA:CPU runs correctly (docs/architecture.md, "Pipeline"). "uniform" (lockstep tables only: one kind per row)
+runs every rank through its tick's kind, idle cells on whatever their slots hold, their writes dropped: no
+collective in a pipe-divergent branch.
 
-The parameters are cast to the compute dtype once per step, before the scans (with `--bf16` and float32 master
-weights, a bf16 copy of the rank's layers lives through the step: half their float32 size).
-
-Scatter/gather (§4.1): with t > 1 and no sequence parallelism, each tensor rank sends 1/t of the hidden dim; the
-receivers re-assemble it with an all-gather typed tensor-invariant (`all_gather(..., to="invarying")`).
+The parameters are cast to the compute dtype once per step, before the scans. Scatter/gather (§4.1): with t > 1 and
+no sequence parallelism each tensor rank sends 1/t of the hidden dim; the receivers all-gather it.
 """
 
 from __future__ import annotations
@@ -44,361 +43,425 @@ import jax
 import jax.numpy as jnp
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ModelConfig
+from ptd_jax.config import ModelConfig, resolve_branching
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
-from ptd_jax.parallel.pipeline.branching import Branching, strategy
-from ptd_jax.parallel.pipeline.columns import residual_slots, schedule_arrays, tick_runs, tick_work
-from ptd_jax.parallel.pipeline.lockstep import Schedule
-from ptd_jax.parallel.pipeline.stash import Residuals
+from ptd_jax.parallel.pipeline.lowering import KIND_CODES, SIDES, SLOT_POOLS, columns, tick_runs
+from ptd_jax.parallel.pipeline.stash import TAP_GROUPS, Record, Residuals, Taps, with_taps
+from ptd_jax.parallel.pipeline.table import Table
 from ptd_jax.parallel.vma import mark_like, mark_varying, varying_axes
 
 PIPE, TENSOR = Axis.PIPE.value, Axis.TENSOR.value
+F_, B_, I_, W_ = (KIND_CODES[k] for k in "FBIW")
 
-
-# --- what every tick reads ------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TickContext:
-    """What every tick of one step reads: built once per step (`make_context`), before the scans."""
+class StepInputs:
+    """One step's batch, as the shard_map body sees it."""
+
+    tokens: jax.Array  # [M, B, S]
+    labels: jax.Array  # [M, B, S]
+    mask: jax.Array  # [M, B, S]
+    total_tokens: jax.Array  # the loss's denominator: unmasked tokens of the global batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How the step runs the table."""
 
     cfg: ModelConfig
-    p: int
-    v: int
-    branching: Branching
-    ring_axes: tuple          # ("pipe",), or () when nothing varies over "pipe" (the p = 1 accumulation table)
-    rank: jax.Array           # this device's pipeline rank (0 without a ring)
-    chunks: dict              # this rank's chunks' parameters in the compute dtype, [v, k, ...]
-    shared: dict              # the embeddings and the final LayerNorm in the compute dtype
-    tokens: jax.Array         # [M, B, S]
-    labels: jax.Array         # [M, B, S]
-    mask: jax.Array           # [M, B, S]
-    total_tokens: jax.Array   # the loss's denominator: unmasked tokens of the global batch
-    sequence_parallel: bool
-    scatter: int              # t when the ring sends 1/t of the hidden dim per tensor rank (§4.1), else 0
-    recompute: str            # "none" | "selective" | "full" (`model.remat_layer`)
-    key: jax.Array | None     # dropout: microbatch i draws from fold_in(key, i)
-    act_like: jax.Array       # a zero activation [B, S or S/t, D], typed like the slots' contents
-    acc_dtype: jnp.dtype      # loss and gradient accumulation (float32, or float64 in the exactness tests)
-    residuals: Residuals | None = None  # training: the stash layout of one layer's vjp
-    taps: object = None       # split schedules: the types of a layer's matmul taps (`stash.Taps`)
-    v_shape: bool = False     # ZB-V: chunk 1 on rank r is virtual stage 2p − 1 − r (`schedule.stage_of`)
+    sequence_parallel: bool = False
+    scatter_gather: bool = True
+    recompute: str = "none"  # "none" | "selective" | "full" (`model.remat_layer`)
+    branching: str = "auto"  # "uniform" | "per-rank" | "auto" (`config.resolve_branching`)
+    key: jax.Array | None = None  # dropout: microbatch i draws from fold_in(key, i)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every tick of one step reads: built once per step (`_context`), before the scans."""
+
+    opts: Options
+    table: Table
+    uniform: bool
+    rank: jax.Array  # this device's pipeline rank (0 without a ring)
+    chunks: dict  # this rank's chunks' parameters in the compute dtype, [v, k, ...]
+    shared: dict  # the embeddings and the final LayerNorm in the compute dtype
+    batch: StepInputs
+    scatter: int  # t when the ring sends 1/t of the hidden dim per tensor rank (§4.1), else 0
+    act_like: jax.Array  # a zero activation [B, S or S/t, D], typed like the slots' contents
+    acc_dtype: jnp.dtype
+    residuals: Residuals | None = None
+    taps: Taps | None = None
+    record: Record | None = None
 
     @property
-    def act_dtype(self):
-        return jnp.dtype(self.cfg.dtype)
+    def cfg(self) -> ModelConfig:
+        return self.opts.cfg
 
     @property
     def layers_per_chunk(self) -> int:
         return jax.tree.leaves(self.chunks)[0].shape[1]
 
 
-class TracedCell(NamedTuple):
-    """This rank's cell of one tick (`lockstep.Cell`), as traced scalars."""
+class Cell(NamedTuple):
+    """This rank's cell of one tick, as traced scalars."""
 
-    active: jax.Array
+    kind: jax.Array
     chunk: jax.Array
     microbatch: jax.Array
-    in_slot: jax.Array
-    grad_slot: jax.Array
-    recv_slot: jax.Array
-    is_first: jax.Array  # runs virtual stage 0 (embeds)
-    is_last: jax.Array   # runs the last virtual stage (output layer and loss)
-    embed: jax.Array     # the embedding runs in this tick on this rank (`tick_work`)
-    head: jax.Array      # the head runs in this tick on this rank: likewise
+    slots: dict  # SLOT_POOLS' names -> slot
+    embed: jax.Array
+    head: jax.Array
+    active: jax.Array
 
 
 class Carry(NamedTuple):
-    act: jax.Array           # [activation slots + trash, B, S or S/t, D]: chunk inputs, and on the last stage
-                             # the chunk's output after its F (the head's input, read at the B)
-    grad: jax.Array          # [gradient slots + trash, B, S or S/t, D]: gradients received from the next stage
-    grads_chunks: dict       # float32 accumulators [v, k, ...] of this rank's chunks
-    grads_shared: dict       # float32 accumulators of the embeddings and final LayerNorm
-    loss: jax.Array          # sum of the last stage's token losses (accumulation dtype; / total tokens at the end)
-    res: list                # [activation slots + trash, k, ...] per stashed leaf of a layer's vjp
+    act: jax.Array  # [act slots, B, S or S/t, D]: chunk inputs from arrival to F; the last stage's outputs
+    grad: jax.Array  # [grad slots, B, S or S/t, D]: output gradients from arrival to B/I
+    record: list  # per buffer [slots of its pool, k, ...] (`stash.Record`); empty in evaluation
+    grads_chunks: dict | None  # float32 accumulators [v, k, ...] of this rank's chunks; None in evaluation
+    grads_shared: dict | None  # float32 accumulators of the embeddings and final LayerNorm
+    loss: jax.Array  # sum of the last stage's token losses (accumulation dtype)
 
 
-class EvalCarry(NamedTuple):
-    act: jax.Array           # [activation slots + trash, B, S or S/t, D]: chunk inputs
-    loss: jax.Array          # as `Carry.loss`
+# --- the cell -------------------------------------------------------------------------------------------------------
 
 
-def read_cell(ctx: TickContext, row: dict) -> TracedCell:
-    c, active = row["chunk"][ctx.rank], row["active"][ctx.rank] > 0
-    stage_id = c * ctx.p + ctx.rank
-    embed, head = ctx.branching.cell_work(row, ctx.rank)
-    return TracedCell(active=active, chunk=c, microbatch=row["microbatch"][ctx.rank], in_slot=row["in_slot"][ctx.rank],
-                      grad_slot=row["grad_slot"][ctx.rank], recv_slot=row["recv_slot"][ctx.rank],
-                      is_first=active & (stage_id == 0), is_last=active & (stage_id == ctx.p * ctx.v - 1),
-                      embed=embed > 0, head=head > 0)
+def read_cell(ctx: Context, row: dict, pattern_kinds: str) -> Cell:
+    r = ctx.rank
+    kind = row["kind"][r]
+    if ctx.uniform:  # every rank runs the tick's one kind; an idle cell's writes are dropped (its slots are OOB)
+        kind = jnp.full_like(kind, KIND_CODES[pattern_kinds])
+        embed, head = jnp.any(row["embed"] > 0), jnp.any(row["head"] > 0)
+    else:
+        embed, head = row["embed"][r] > 0, row["head"][r] > 0
+    return Cell(kind=kind, chunk=row["chunk"][r], microbatch=row["microbatch"][r],
+                slots={name: row[name][r] for name in SLOT_POOLS}, embed=embed, head=head,
+                active=row["kind"][r] > 0)
 
 
-def chunk_index(ctx: TickContext, cell: TracedCell):
-    return cell.chunk if ctx.v > 1 else 0  # with one chunk per rank the index is static: no dynamic slice
-
-
-def microbatch_keys(ctx: TickContext, cell: TracedCell):
-    """(embedding key, layer-stream key) of the cell's microbatch, or Nones without dropout."""
-    if ctx.key is None:
-        return None, None
-    return jax.random.split(jax.random.fold_in(ctx.key, cell.microbatch))
-
-
-def stage_id(ctx: TickContext, chunk):
+def stage_id(ctx: Context, chunk):
     """The virtual stage of this rank's `chunk` (`schedule.stage_of`)."""
-    if ctx.v_shape:
-        return jnp.where(chunk == 0, ctx.rank, 2 * ctx.p - 1 - ctx.rank)
-    return chunk * ctx.p + ctx.rank
+    p = ctx.table.p
+    if ctx.table.spec.stage_map == "v":
+        return jnp.where(chunk == 0, ctx.rank, 2 * p - 1 - ctx.rank)
+    return chunk * p + ctx.rank
 
 
-def first_layer(ctx: TickContext, cell: TracedCell):
-    """The index in the whole stack of the cell's chunk's first layer (its dropout stream)."""
-    return stage_id(ctx, cell.chunk) * ctx.layers_per_chunk
+def is_first(ctx: Context, cell: Cell):
+    return cell.active & (stage_id(ctx, cell.chunk) == 0)
 
 
-def embed(ctx: TickContext, cell: TracedCell, shared):
-    return tp.vocab_parallel_embed(shared, ctx.tokens[cell.microbatch], ctx.cfg, ctx.sequence_parallel,
+def is_last(ctx: Context, cell: Cell):
+    return cell.active & (stage_id(ctx, cell.chunk) == ctx.table.p * ctx.table.v - 1)
+
+
+def chunk_index(ctx: Context, cell: Cell):
+    return cell.chunk if ctx.table.v > 1 else 0  # with one chunk per rank the index is static
+
+
+def microbatch_keys(ctx: Context, cell: Cell):
+    """(embedding key, layer-stream key) of the cell's microbatch, or Nones without dropout."""
+    if ctx.opts.key is None:
+        return None, None
+    return jax.random.split(jax.random.fold_in(ctx.opts.key, cell.microbatch))
+
+
+def layer_function(ctx: Context, cell: Cell):
+    """Layer j of the cell's chunk as a function (its parameters, h, j) -> h under the recompute policy, drawing
+    dropout from the stream of layer (its stage's first layer + j) of the whole stack."""
+    opts = ctx.opts
+    first = stage_id(ctx, cell.chunk) * ctx.layers_per_chunk
+    stream = microbatch_keys(ctx, cell)[1]
+
+    def layer(params, h, key):
+        return tp.transformer_layer(params, h, opts.cfg, opts.sequence_parallel, key, opts.recompute)
+
+    remat = gpt.remat_layer(layer, opts.recompute)
+
+    def of_stack(params, h, j):
+        return remat(params, h, jax.random.fold_in(stream, first + j) if stream is not None else None)
+
+    return of_stack
+
+
+# --- embedding and head ---------------------------------------------------------------------------------------------
+
+
+def embed(ctx: Context, cell: Cell, shared):
+    return tp.vocab_parallel_embed(shared, ctx.batch.tokens[cell.microbatch], ctx.cfg, ctx.opts.sequence_parallel,
                                    microbatch_keys(ctx, cell)[0])
 
 
-def head_loss(ctx: TickContext, cell: TracedCell, shared, y):
+def head_loss(ctx: Context, cell: Cell, shared, y):
     """Output layer and loss: the sum of the microbatch's masked token losses."""
-    logits = tp.vocab_parallel_logits(shared, y, ctx.cfg, ctx.sequence_parallel)
-    losses = tp.vocab_parallel_cross_entropy(logits, ctx.labels[cell.microbatch], ctx.cfg.vocab_size,
+    logits = tp.vocab_parallel_logits(shared, y, ctx.cfg, ctx.opts.sequence_parallel)
+    losses = tp.vocab_parallel_cross_entropy(logits, ctx.batch.labels[cell.microbatch], ctx.cfg.vocab_size,
                                              ctx.cfg.fused_kernels)
-    return jnp.sum(jnp.where(ctx.mask[cell.microbatch] > 0, losses, 0.0))
+    return jnp.sum(jnp.where(ctx.batch.mask[cell.microbatch] > 0, losses, 0.0))
 
-
-def last_stage_loss(ctx: TickContext, cell: TracedCell, loss):
-    return jnp.where(cell.is_last, loss, 0.0).astype(ctx.acc_dtype)
-
-
-def _transformer_layer(ctx: TickContext, layer_params, h, key):
-    return tp.transformer_layer(layer_params, h, ctx.cfg, ctx.sequence_parallel, key, ctx.recompute)
-
-
-def _layer_of_stack(ctx: TickContext, remat_layer, stream, first, layer_params, h, j):
-    return remat_layer(layer_params, h, jax.random.fold_in(stream, first + j) if ctx.key is not None else None)
-
-
-def layer_function(ctx: TickContext, cell: TracedCell):
-    """Layer j of the cell's chunk as a function (its parameters, h, j) -> h, under the recompute policy, drawing
-    dropout from the stream of layer first_layer + j of the whole stack (as `chunk_function` does)."""
-    first = first_layer(ctx, cell)
-    stream = microbatch_keys(ctx, cell)[1]
-    remat_layer = gpt.remat_layer(partial(_transformer_layer, ctx), ctx.recompute)
-    return partial(_layer_of_stack, ctx, remat_layer, stream, first)
-
-
-def chunk_function(ctx: TickContext, cell: TracedCell, chunk_params, x):
-    """The cell's chunk on x, keeping nothing for a backward (evaluation)."""
-    first = first_layer(ctx, cell)
-    return tp.run_layers(chunk_params, x, ctx.cfg, ctx.sequence_parallel, key=microbatch_keys(ctx, cell)[1],
-                         first_layer=first)
-
-
-def _add(grads, d):
-    return jax.tree.map(lambda g, x: g + x.astype(g.dtype), grads, d)
-
-
-# A chunk's work and the head's, each one named call in the jaxpr (tests and experiments/ count them).
 
 def named(name: str, fn, *bound):
-    """`fn(*bound, *args)` as one call named `name` in the jaxpr."""
+    """`fn(*bound, *args)` as one call named `name` in the jaxpr (tests and experiments/ count them)."""
+
     def call(*args):
         return fn(*bound, *args)
+
     call.__name__ = call.__qualname__ = name
     return jax.jit(call)
 
 
-def _chunk_forward(ctx: TickContext, cell: TracedCell, chunks, x, bufs, slot):
-    """-> (y, buffers with each layer's residuals at (slot, j)); layer j's parameters are sliced inside the layer
-    loop: no copy of the chunk's first."""
-    y, bufs = ctx.residuals.forward(layer_function(ctx, cell), chunks, chunk_index(ctx, cell), x, bufs, slot)
-    return y.astype(ctx.act_dtype), bufs
+def _embed_input(ctx: Context, cell: Cell, x):
+    return jnp.where(is_first(ctx, cell), embed(ctx, cell, ctx.shared), x)
 
 
-def _skip_chunk_forward(chunks, x, bufs, slot):
-    return jnp.zeros_like(x), bufs
-
-
-def _eval_chunk_forward(ctx: TickContext, cell: TracedCell, chunk_params, x):
-    return chunk_function(ctx, cell, chunk_params, x).astype(ctx.act_dtype)
-
-
-def _skip_eval_chunk_forward(chunk_params, x):
-    return jnp.zeros_like(x)
-
-
-def _chunk_backward(ctx: TickContext, cell: TracedCell, chunks, bufs, slot, ct_y, grads):
-    """-> (dx, accumulators + the chunk's parameter gradients, added layer by layer)."""
-    dx, grads = ctx.residuals.backward(chunks, chunk_index(ctx, cell), bufs, slot, ct_y, grads,
-                                       keep=ctx.branching.keep(cell.active))
-    return dx.astype(ctx.act_dtype), grads
-
-
-def _skip_chunk_backward(chunks, bufs, slot, ct_y, grads):
-    return jnp.zeros_like(ct_y), grads
-
-
-def _head_backward(ctx: TickContext, cell: TracedCell, y, ct_y, grads_shared, loss):
+def _head_backward(ctx: Context, cell: Cell, y, ct, grads_shared, loss):
     """The head's forward and backward on y: adds its gradients and loss, and seeds the chunk's backward."""
-    y = ctx.branching.only_where(cell.is_last, y)  # another rank's head runs on zeros: its zero seed gives zeros
+    last = is_last(ctx, cell) & (cell.kind != F_)
+    y = jnp.where(last, y, jnp.zeros_like(y))  # under "uniform" another rank's head runs on zeros: zero gradients
     loss_sum, head_vjp = jax.vjp(partial(head_loss, ctx, cell), ctx.shared, y)
-    seed = mark_like(jnp.where(cell.is_last, 1.0 / ctx.total_tokens, 0.0).astype(loss_sum.dtype), loss_sum)
-    d_shared, dy_head = head_vjp(seed)
-    grads_shared = _add(grads_shared, d_shared)
-    return jnp.where(cell.is_last, dy_head.astype(ct_y.dtype), ct_y), grads_shared, loss + last_stage_loss(
-        ctx, cell, loss_sum)
+    seed = mark_like(jnp.where(last, 1.0 / ctx.batch.total_tokens, 0.0).astype(loss_sum.dtype), loss_sum)
+    d_shared, dy = head_vjp(seed)
+    grads_shared = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads_shared, d_shared)
+    loss = loss + jnp.where(last, loss_sum, 0.0).astype(ctx.acc_dtype)
+    return jnp.where(last, dy.astype(ct.dtype), ct), grads_shared, loss
 
 
-def _skip_head_backward(y, ct_y, grads_shared, loss):
-    return ct_y, grads_shared, loss
-
-
-def _embed_backward(ctx: TickContext, cell: TracedCell, grads_shared, dx):
+def _embed_backward(ctx: Context, cell: Cell, grads_shared, dx):
     """The embedding's transpose (a linear function of the word and position rows: nothing stashed)."""
-    (d_embed,) = jax.linear_transpose(partial(embed, ctx, cell), ctx.shared)(
-        jnp.where(cell.is_first, dx, jnp.zeros_like(dx)))
-    return _add(grads_shared, d_embed)
+    first = is_first(ctx, cell) & (cell.kind != F_)
+    (d_embed,) = jax.linear_transpose(partial(embed, ctx, cell), ctx.shared)(jnp.where(first, dx, jnp.zeros_like(dx)))
+    return jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads_shared, d_embed)
 
 
-def _skip_embed_backward(grads_shared, dx):
-    return grads_shared
+def _head_loss_add(ctx: Context, cell: Cell, y, loss):
+    last = is_last(ctx, cell)
+    return loss + jnp.where(last, head_loss(ctx, cell, ctx.shared, y), 0.0).astype(ctx.acc_dtype)
 
 
-def _ring(p: int, shift: int):
-    return [(i, (i + shift) % p) for i in range(p)]
+# --- one layer's work -----------------------------------------------------------------------------------------------
 
 
-def send(ctx: TickContext, out, shift: int):
-    """The ring, issued by every rank on every tick: F outputs go to rank + 1, B input-gradients to rank − 1. With
-    scatter/gather each tensor rank sends its 1/t of the hidden dim and the receivers all-gather it."""
-    if ctx.p == 1:
-        return out
+def _is_kernel(group: str, name: str) -> bool:
+    return any(group == g and name == f"{n}_kernel" for n, g in TAP_GROUPS.items())
+
+
+class LayerStep:
+    """One layer's work for each kind, as the branches of one `lax.switch` (module docstring, step 3). Every branch
+    takes (layer parameters, h, the record's values at this layer) and returns (h, the record's values, the layer's
+    parameter gradients in the accumulators' dtype)."""
+
+    def __init__(self, ctx: Context, cell: Cell, zero_grads: dict):
+        self.ctx, self.cell, self.zero = ctx, cell, zero_grads
+        self.layer = layer_function(ctx, cell)
+        self.record = ctx.record
+
+    def _grads(self, d_params, keep):
+        return {g: {n: (mark_like(d_params[g][n].astype(z.dtype), z) if keep(g, n) else z) for n, z in leaves.items()}
+                for g, leaves in self.zero.items()}
+
+    def idle(self, params_j, h, values, j):
+        return h, values, self.zero
+
+    def forward(self, params_j, h, values, j):
+        y, vjp = jax.vjp(lambda prm, h: self.layer(prm, h, j), params_j, h)
+        leaves = self.ctx.residuals.split(vjp, params_j)
+        return y.astype(h.dtype), self.record.with_residuals(values, leaves), self.zero
+
+    def backward(self, params_j, ct, values, j):
+        vjp = self.ctx.residuals.join(params_j, self.record.residual_values(values))
+        d_params, ct = vjp(ct)
+        return ct.astype(self.ctx.act_like.dtype), values, self._grads(d_params, lambda g, n: True)
+
+    def input_backward(self, params_j, ct, values, j):
+        vjp = self.ctx.residuals.join(params_j, self.record.residual_values(values))
+        d_params, ct = vjp(ct)
+        taps = self.ctx.taps.leaves({name: d_params[g][f"{name}_tap"] for name, g in TAP_GROUPS.items()})
+        return (ct.astype(self.ctx.act_like.dtype), self.record.with_taps(values, taps),
+                self._grads(d_params, lambda g, n: not _is_kernel(g, n)))
+
+    def weight_backward(self, params_j, h, values, j):
+        taps = self.ctx.taps.unflatten(self.record.tap_values(values))
+        d = {g: {} for g in TAP_GROUPS.values()}
+        for n, g in TAP_GROUPS.items():
+            d[g][f"{n}_kernel"] = tp.tap_weight_grad(n, taps[n], params_j[g][f"{n}_kernel"])
+        return h, values, self._grads(d, _is_kernel)
+
+    def branches(self, kinds: str):
+        """(the switch's branches, each kind's code -> its branch index) for the kinds a pattern runs."""
+        by_kind = {"F": self.forward, "B": self.backward, "I": self.input_backward, "W": self.weight_backward}
+        fns = [self.idle] + [by_kind[k] for k in kinds]
+        index = {KIND_CODES[k]: i + 1 for i, k in enumerate(kinds)}
+        return [named(f"layer_{fn.__name__}", fn) if fn != self.idle else fn for fn in fns], index
+
+
+def _branch_index(cell: Cell, index: dict):
+    out = jnp.zeros((), jnp.int32)
+    for code, i in index.items():
+        out = jnp.where(cell.kind == code, i, out)
+    return out
+
+
+def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads):
+    """The chunk's layers (module docstring, step 3): -> (h, record, grads)."""
+    k = ctx.layers_per_chunk
+    c = chunk_index(ctx, cell)
+    taps = ctx.taps.zeros() if ctx.taps is not None else None
+    zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0, 0]), grads)
+    step = LayerStep(ctx, cell, zero_grads)
+    branches, index = step.branches(kinds)
+    which = _branch_index(cell, index)
+    backwards = (cell.kind == B_) | (cell.kind == I_)
+    slots = [cell.slots[f"{pool}_slot"] for pool in ctx.record.pools]
+    writes = [("F" if b in ctx.record.residual_buffers else "") + ("I" if b in ctx.record.tap_buffers else "")
+              for b in range(len(record))]
+
+    def body(carry, j):
+        h, bufs, acc = carry
+        jl = jnp.where(backwards, k - 1 - j, j)
+        params_j = with_taps(jax.tree.map(lambda a: a[c, jl], ctx.chunks), taps)
+        values = [buf[slot, jl] for buf, slot in zip(bufs, slots)]
+        h, values, d = jax.lax.switch(which, branches, params_j, h, values, jl)
+        bufs = [buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop")
+                for buf, slot, val, w in zip(bufs, slots, values, writes)]
+        acc = {g: {n: a.at[jnp.where(_adds(cell, g, n), c, a.shape[0]), jl].add(d[g][n], mode="drop")
+                   for n, a in leaves.items()} for g, leaves in acc.items()}
+        return (h, bufs, acc), None
+
+    (h, record, grads), _ = jax.lax.scan(body, (h, record, grads), jnp.arange(k))
+    return h, record, grads
+
+
+def _writes(cell: Cell, kinds: str):
+    out = jnp.zeros((), bool)
+    for kind in kinds:
+        out = out | (cell.kind == KIND_CODES[kind])
+    return out & cell.active
+
+
+def _adds(cell: Cell, group: str, name: str):
+    return _writes(cell, "BW" if _is_kernel(group, name) else "BI")
+
+
+# --- the ring -------------------------------------------------------------------------------------------------------
+
+
+def send(ctx: Context, out, shift: int):
+    """The ring, issued by every rank: `out` goes to rank + shift. With scatter/gather each tensor rank sends its 1/t
+    of the hidden dim and the receivers all-gather it."""
+    p = ctx.table.p
     if ctx.scatter:
         width = out.shape[-1] // ctx.scatter
         out = jax.lax.dynamic_slice_in_dim(out, jax.lax.axis_index(TENSOR) * width, width, axis=-1)
-    recv = jax.lax.ppermute(out, PIPE, _ring(ctx.p, shift))
+    recv = jax.lax.ppermute(out, PIPE, [(i, (i + shift) % p) for i in range(p)])
     return jax.lax.all_gather(recv, TENSOR, axis=-1, tiled=True, to="invarying") if ctx.scatter else recv
 
 
-def _embed_input(ctx: TickContext, cell: TracedCell, x_in):
-    return jnp.where(cell.is_first, embed(ctx, cell, ctx.shared), x_in)
+# --- a tick ---------------------------------------------------------------------------------------------------------
 
 
-def chunk_input(ctx: TickContext, cell: TracedCell, act):
-    """The chunk's input: its slot, or on virtual stage 0 the embedding (a cond on the table's "embed")."""
-    return jax.lax.cond(cell.embed, partial(_embed_input, ctx, cell), lambda x_in: x_in, act[cell.in_slot])
+def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict) -> Carry:
+    """One tick of a static pattern (kinds, directions): module docstring, steps 1-5."""
+    kinds, directions = pattern
+    cell = read_cell(ctx, row, kinds)
+    training = carry.grads_chunks is not None
+    x_in = carry.act[cell.slots["in_slot"]]  # F: its input; B/I on the last stage: the head's input
+    grads_shared, loss = carry.grads_shared, carry.loss
+    h = ctx.act_like
+    if "F" in kinds:
+        x = jax.lax.cond(cell.embed & (cell.kind == F_), named("embed", _embed_input, ctx, cell), lambda x: x, x_in)
+        h = jnp.where(cell.kind == F_, x, h) if kinds != "F" else x
+    if "B" in kinds or "I" in kinds:
+        ct = mark_like(carry.grad[cell.slots["grad_slot"]], h)
+        ct, grads_shared, loss = jax.lax.cond(
+            cell.head & (cell.kind != F_), named("head_backward", _head_backward, ctx, cell),
+            lambda y, ct, g, loss: (ct, g, loss), x_in, ct, grads_shared, loss)
+        h = jnp.where(cell.kind == F_, h, ct) if "F" in kinds else ct
+    record, grads_chunks = carry.record, carry.grads_chunks
+    if training:
+        out, record, grads_chunks = run_layers(ctx, cell, kinds, h, record, grads_chunks)
+    else:
+        out = _evaluate_chunk(ctx, cell, h)
+        loss = jax.lax.cond(cell.head, partial(_head_loss_add, ctx, cell), lambda y, loss: loss, out, loss)
+    act, grad = carry.act, carry.grad
+    if ("B" in kinds or "I" in kinds) and training:
+        grads_shared = jax.lax.cond(cell.embed & (cell.kind != F_), named("embed_backward", _embed_backward, ctx, cell),
+                                    lambda g, dx: g, grads_shared, out)
+    if "F" in kinds and training:  # the last stage's output waits for the head (its out_slot; else dropped)
+        out_slot = jnp.where(cell.kind == F_, cell.slots["out_slot"], act.shape[0])
+        act = act.at[out_slot].set(out, mode="drop")
+    for d in (*directions, *((0,) if ctx.table.spec.stage_map == "v" else ())):
+        arrived = out if d == 0 else send(ctx, out, d)
+        side = SIDES[d]
+        act = act.at[row[f"recv_act_{side}"][ctx.rank]].set(arrived, mode="drop")
+        grad = grad.at[row[f"recv_grad_{side}"][ctx.rank]].set(arrived, mode="drop")
+    return carry._replace(act=act, grad=grad, record=record, grads_chunks=grads_chunks, grads_shared=grads_shared,
+                          loss=loss)
 
 
-def forward_tick(ctx: TickContext, carry: Carry, row) -> Carry:
-    """F: the chunk's forward, stashing each layer's residuals at the input's slot (trash for an idle cell); on
-    the last stage y, the head's input, goes to that slot too."""
-    cell = read_cell(ctx, row)
-    trash = carry.act.shape[0] - 1
-    x = chunk_input(ctx, cell, carry.act)
-    y, stash = ctx.branching.chunk_work(cell.active, named("chunk_forward", _chunk_forward, ctx, cell),
-                                        _skip_chunk_forward, ctx.chunks, x, carry.res, cell.in_slot)
-    recv = send(ctx, y, 1)
-    act = carry.act.at[jnp.where(cell.is_last, cell.in_slot, trash)].set(y)
-    return carry._replace(act=act.at[cell.recv_slot].set(recv), res=stash)
+def _evaluate_chunk(ctx: Context, cell: Cell, x):
+    """An F of evaluation: the chunk's layers keeping nothing (an idle cell skips them)."""
+    chunk = jax.tree.map(lambda a: a[chunk_index(ctx, cell)], ctx.chunks)
+    first = stage_id(ctx, cell.chunk) * ctx.layers_per_chunk
+    opts = ctx.opts
+
+    def run(chunk, x):
+        return tp.run_layers(chunk, x, opts.cfg, opts.sequence_parallel, key=None, first_layer=first).astype(x.dtype)
+
+    if ctx.uniform:
+        return run(chunk, x)
+    return jax.lax.cond(cell.active, named("chunk_forward", run), lambda chunk, x: x, chunk, x)
 
 
-def backward_tick(ctx: TickContext, carry: Carry, row) -> Carry:
-    """B: the head's backward (last stage), the chunk's backward from its stash, the embedding's transpose (stage
-    0); the input gradient goes to rank − 1. Per layer the chunk's backward is two steps: the vjp from the stash
-    (`Residuals.layer_backward`: input and parameter gradients), then the in-place accumulation of the parameter
-    gradients (`stash.add_layer_grads`), the part a zero-bubble W cell would run later. As in every tick, the slots
-    are read before the branches and written after them."""
-    cell = read_cell(ctx, row)
-    y = carry.act[cell.in_slot]  # the chunk's output on the last stage: the head's input
-    dy = carry.grad[cell.grad_slot]
-    ct_y = mark_like(jnp.where(cell.active & ~cell.is_last, dy, jnp.zeros_like(dy)), y)
-    ct_y, grads_shared, loss = jax.lax.cond(cell.head, named("head_backward", _head_backward, ctx, cell),
-                                            _skip_head_backward, y, ct_y, carry.grads_shared, carry.loss)
-    dx, grads_chunks = ctx.branching.chunk_work(cell.active, named("chunk_backward", _chunk_backward, ctx, cell),
-                                                _skip_chunk_backward, ctx.chunks, carry.res, cell.in_slot, ct_y,
-                                                carry.grads_chunks)
-    dx = ctx.branching.only_where(cell.active, dx)
-    grads_shared = jax.lax.cond(cell.embed, named("embed_backward", _embed_backward, ctx, cell),
-                                _skip_embed_backward, grads_shared, dx)
-    recv = send(ctx, dx, -1)
-    return carry._replace(grad=carry.grad.at[cell.recv_slot].set(recv), grads_shared=grads_shared, loss=loss,
-                          grads_chunks=grads_chunks)
+def run_table(ctx: Context, carry: Carry) -> Carry:
+    """The table's ticks in order, one `lax.scan` per run of `lowering.tick_runs`."""
+    cols = columns(ctx.table)
+    for pattern, first, n in tick_runs(ctx.table):
+        width = len(pattern)
+        rows = {k: jnp.asarray(a[first:first + n * width].reshape(n, width, *a.shape[1:])) for k, a in cols.items()}
 
+        def body(carry, rows, pattern=pattern):
+            for i, pat in enumerate(pattern):
+                carry = tick(ctx, pat, carry, jax.tree.map(lambda a, i=i: a[i], rows))
+            return carry, None
 
-def _head_loss_add(ctx: TickContext, cell: TracedCell, y, loss):
-    return loss + last_stage_loss(ctx, cell, head_loss(ctx, cell, ctx.shared, y))
-
-
-def evaluation_tick(ctx: TickContext, carry: EvalCarry, row) -> EvalCarry:
-    """F of evaluation: the chunk's forward keeping nothing, then on the last stage the head's loss."""
-    cell = read_cell(ctx, row)
-    x = chunk_input(ctx, cell, carry.act)
-    chunk_params = jax.tree.map(lambda a: a[chunk_index(ctx, cell)], ctx.chunks)
-    y = ctx.branching.chunk_work(cell.active, named("chunk_forward", _eval_chunk_forward, ctx, cell),
-                                 _skip_eval_chunk_forward, chunk_params, x)
-    loss = jax.lax.cond(cell.head, partial(_head_loss_add, ctx, cell), lambda y, loss: loss, y, carry.loss)
-    recv = send(ctx, y, 1)
-    return carry._replace(act=carry.act.at[cell.recv_slot].set(recv), loss=loss)
-
-
-TRAINING_TICKS = {"F": forward_tick, "B": backward_tick}
-EVALUATION_TICKS = {"F": evaluation_tick}
-
-
-def _run_pattern(ctx: TickContext, ticks: list, carry, rows):
-    """One scan step: the pattern's ticks in order ("FB": the F first, so that the B's stash reads are ordered
-    after the F's in-place writes; `tick_runs`)."""
-    for i, tick in enumerate(ticks):
-        carry = tick(ctx, carry, jax.tree.map(lambda a, i=i: a[i], rows))
-    return carry, None
-
-
-def run_table(ctx: TickContext, carry, columns: dict, kinds, ticks: dict):
-    """The table's ticks in order, one `lax.scan` per run of `tick_runs`; `ticks` maps a kind to its tick."""
-    for pattern, first, n in tick_runs(kinds):
-        rows = {k: jnp.asarray(a[first:first + n * len(pattern)].reshape(n, len(pattern), *a.shape[1:]))
-                for k, a in columns.items()}
-        carry, _ = jax.lax.scan(partial(_run_pattern, ctx, [ticks[kind] for kind in pattern]), carry, rows)
+        carry, _ = jax.lax.scan(body, carry, rows)
     return carry
 
 
-def make_context(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
-                 sched: Schedule, sequence_parallel: bool, scatter_gather: bool, recompute: str, branching: str,
-                 key) -> tuple[TickContext, dict, tuple]:
-    """(the step's context, the table's columns, this rank's (chunks, shared) parameters as given: the types of the
-    gradients). The parameters are cast to the compute dtype once, here."""
+# --- the step's entry points ----------------------------------------------------------------------------------------
+
+
+def _context(params, batch: StepInputs, table: Table, opts: Options) -> tuple[Context, tuple]:
     t = jax.lax.psum(1, TENSOR)
-    columns = {**schedule_arrays(sched), **tick_work(sched, branching)}
     chunks = sharding.local_chunks(params["layers"])  # [v, k, ...]
-    # At p = 1 the ring is the identity (no ppermute), and with the layers unsplit over "pipe" (the step's
-    # accumulation table, `parallel.step.accumulation_schedule`) nothing varies over "pipe".
-    ring_axes = (PIPE,) if sched.p > 1 or PIPE in varying_axes(jax.tree.leaves(chunks)[0]) else ()
+    # At p = 1 nothing varies over "pipe" where the layers are unsplit (the step's accumulation table).
+    ring_axes = (PIPE,) if table.p > 1 or PIPE in varying_axes(jax.tree.leaves(chunks)[0]) else ()
     rank = jax.lax.axis_index(PIPE) if ring_axes else jnp.zeros((), jnp.int32)
     shared = {k: val for k, val in params.items() if k != "layers"}
-    b, S = tokens_MxBxS.shape[1], tokens_MxBxS.shape[2]
-    act_like = mark_varying(jnp.zeros((b, S // t if sequence_parallel else S, cfg.hidden_size), jnp.dtype(cfg.dtype)),
-                            ring_axes + tuple(sorted(varying_axes(tokens_MxBxS))))
-    ctx = TickContext(
-        cfg=cfg, p=sched.p, v=sched.v, branching=strategy(branching), ring_axes=ring_axes, rank=rank,
-        chunks=gpt.cast_params(chunks, cfg), shared=gpt.cast_params(shared, cfg), tokens=tokens_MxBxS,
-        labels=labels_MxBxS, mask=mask_MxBxS, total_tokens=total_tokens, sequence_parallel=sequence_parallel,
-        scatter=t if scatter_gather and not sequence_parallel and t > 1 else 0, recompute=recompute, key=key,
-        act_like=mark_varying(act_like, (TENSOR,)) if sequence_parallel else act_like,
-        acc_dtype=gpt.acc_dtype(jax.tree.leaves(params)[0].dtype))
-    return ctx, columns, (chunks, shared)
+    b, S = batch.tokens.shape[1], batch.tokens.shape[2]
+    sp = opts.sequence_parallel
+    act_like = mark_varying(jnp.zeros((b, S // t if sp else S, opts.cfg.hidden_size), jnp.dtype(opts.cfg.dtype)),
+                            ring_axes + tuple(sorted(varying_axes(batch.tokens))))
+    uniform = resolve_branching(opts.branching, schedule=table.name) == "uniform"
+    ctx = Context(opts=opts, table=table, uniform=uniform, rank=rank, chunks=gpt.cast_params(chunks, opts.cfg),
+                  shared=gpt.cast_params(shared, opts.cfg), batch=batch,
+                  scatter=t if opts.scatter_gather and not sp and t > 1 else 0,
+                  act_like=mark_varying(act_like, (TENSOR,)) if sp else act_like,
+                  acc_dtype=gpt.acc_dtype(jax.tree.leaves(params)[0].dtype))
+    return ctx, (chunks, shared)
 
 
-def _slots(ctx: TickContext, n: int):
-    """n slots and the trash slot (the last), typed like the activations they hold."""
-    return jnp.zeros((n + 1, *ctx.act_like.shape), ctx.act_dtype) + ctx.act_like[None]
+def _slots(ctx: Context, n: int):
+    """n slots typed like the activations they hold."""
+    return jnp.zeros((max(n, 1), *ctx.act_like.shape), ctx.act_like.dtype) + ctx.act_like[None]
 
 
-def _loss_start(ctx: TickContext):
-    return mark_varying(jnp.zeros((), ctx.acc_dtype), tuple(sorted(varying_axes(ctx.tokens) | set(ctx.ring_axes))))
+def _loss_start(ctx: Context):
+    axes = varying_axes(ctx.batch.tokens) | varying_axes(ctx.act_like) - {TENSOR}
+    return mark_varying(jnp.zeros((), ctx.acc_dtype), tuple(sorted(axes)))
 
 
 def _accumulators(tree):
@@ -406,42 +469,38 @@ def _accumulators(tree):
     return jax.tree.map(lambda x: mark_like(jnp.zeros(x.shape, gpt.acc_dtype(x.dtype)), x), tree)
 
 
-def pipeline_accumulate(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
-                        sched: Schedule, sequence_parallel: bool, scatter_gather: bool = True,
-                        recompute: str = "none", branching: str = "auto", key=None):
-    """shard_map body: this device's (loss sum / total_tokens, float32 gradients) over the whole table — loss only
-    on the last virtual stage's rank, embedding/output gradients only where those stages run (the caller sums
-    them over "pipe" and "data"). `params["layers"]` is the local shard (`sharding.local_chunks`). `key` enables
-    dropout with per-microbatch, per-layer masks that do not depend on the layout: microbatch i draws from
-    fold_in(key, i), split into embedding and layer streams, and layer j of the whole stack from
-    fold_in(layer stream, j) — the streams of the scan over microbatches at p = 1; a backward's recomputed forward
-    draws its forward's masks."""
-    ctx, columns, (chunks, shared) = make_context(
-        params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, cfg=cfg, sched=sched,
-        sequence_parallel=sequence_parallel, scatter_gather=scatter_gather, recompute=recompute,
-        branching=branching, key=key)
-    # The stash layout: one layer's vjp residuals, traced (shapes only) on the table's first cell.
-    example = read_cell(ctx, jax.tree.map(lambda a: jnp.asarray(a[0]), columns))
-    residuals = Residuals.trace(layer_function(ctx, example), jax.tree.map(lambda x: x[0, 0], ctx.chunks),
-                                ctx.act_like, jnp.zeros((), jnp.int32))
-    ctx = dataclasses.replace(ctx, residuals=residuals)
-    carry = Carry(act=_slots(ctx, sched.num_act_slots), grad=_slots(ctx, sched.num_grad_slots),
-                  grads_chunks=_accumulators(chunks), grads_shared=_accumulators(shared), loss=_loss_start(ctx),
-                  res=residuals.buffers(residual_slots(sched, ctx.branching.idle_cells_run), ctx.layers_per_chunk))
-    carry = run_table(ctx, carry, columns, sched.kinds, TRAINING_TICKS)
-    grads = dict(carry.grads_shared)
-    grads["layers"] = sharding.from_local_chunks(carry.grads_chunks)
-    return carry.loss / total_tokens, grads
+def _trace_record(ctx: Context) -> Context:
+    """The record's layout: one layer's residuals (with taps where the backward splits), traced for shapes only."""
+    cols = columns(ctx.table)
+    example = read_cell(ctx, {k: jnp.asarray(a[0]) for k, a in cols.items()}, ctx.table.kinds[0])
+    layer = layer_function(ctx, example)
+    params_0 = jax.tree.map(lambda x: x[0, 0], ctx.chunks)
+    j = jnp.zeros((), jnp.int32)
+    taps = Taps.trace(layer, params_0, ctx.act_like, j) if ctx.table.split else None
+    residuals = Residuals.trace(layer, with_taps(params_0, taps.zeros() if taps else None), ctx.act_like, j)
+    return dataclasses.replace(ctx, residuals=residuals, taps=taps, record=Record.layout(residuals, taps))
 
 
-def pipeline_loss(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, *, cfg: ModelConfig,
-                  sched: Schedule, sequence_parallel: bool, scatter_gather: bool = True, branching: str = "auto"):
-    """shard_map body of evaluation: this device's loss sum / total_tokens over a table of forwards only
-    (`lockstep.build_forward_only`), the head in the last stage's forwards; no stash, no gradients, no dropout."""
-    ctx, columns, _ = make_context(
-        params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, total_tokens, cfg=cfg, sched=sched,
-        sequence_parallel=sequence_parallel, scatter_gather=scatter_gather, recompute="none", branching=branching,
-        key=None)
-    carry = run_table(ctx, EvalCarry(act=_slots(ctx, sched.num_act_slots), loss=_loss_start(ctx)), columns,
-                      sched.kinds, EVALUATION_TICKS)
-    return carry.loss / total_tokens
+def accumulate(params, batch: StepInputs, table: Table, opts: Options):
+    """shard_map body: this device's (loss sum / total tokens, float32 gradients) over the whole table — the loss
+    only on the last virtual stage's rank, embedding and output gradients only where those stages run (the caller
+    sums them over "pipe" and "data"). `params["layers"]` is the local shard (`sharding.local_chunks`). With
+    `opts.key`, dropout masks that do not depend on the layout: microbatch i draws from fold_in(key, i), split into
+    embedding and layer streams, and layer j of the whole stack from fold_in(layer stream, j)."""
+    ctx, (chunks, shared) = _context(params, batch, table, opts)
+    ctx = _trace_record(ctx)
+    carry = Carry(act=_slots(ctx, table.slots["act"]), grad=_slots(ctx, table.slots["grad"]),
+                  record=ctx.record.buffers(table.slots, ctx.layers_per_chunk), grads_chunks=_accumulators(chunks),
+                  grads_shared=_accumulators(shared), loss=_loss_start(ctx))
+    carry = run_table(ctx, carry)
+    grads = {**carry.grads_shared, "layers": sharding.from_local_chunks(carry.grads_chunks)}
+    return carry.loss / batch.total_tokens, grads
+
+
+def loss(params, batch: StepInputs, table: Table, opts: Options):
+    """shard_map body of evaluation: this device's loss sum / total tokens over a table of forwards only
+    (`table.build_forward_only`), the head in the last stage's forwards; no stash, no gradients, no dropout."""
+    ctx, _ = _context(params, batch, table, dataclasses.replace(opts, recompute="none", key=None))
+    carry = Carry(act=_slots(ctx, table.slots["act"]), grad=_slots(ctx, table.slots["grad"]), record=[],
+                  grads_chunks=None, grads_shared=None, loss=_loss_start(ctx))
+    return run_table(ctx, carry).loss / batch.total_tokens

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from ptd_jax.parallel.pipeline.lockstep import Schedule
+from ptd_jax.parallel.pipeline.table import Table
 
 
-def draw(ax, sched: Schedule, times: tuple[float, float, float], title: str | None = None) -> None:
+def draw(ax, sched: Table, times: tuple[float, float, float], title: str | None = None) -> None:
     """The timeline on `ax`: ranks as rows, one bar per cell, a tick as wide as its longest cell
-    (`Schedule.cell_time`); microbatches coloured, forwards light with the number, backwards dark, weight
+    (`Table.cell_time`); microbatches coloured, forwards light with the number, backwards dark, weight
     gradients (W) the colour at 0.75 with a "x" hatch; odd chunks hatched "//"."""
     import matplotlib.pyplot as plt
 
@@ -22,7 +22,7 @@ def draw(ax, sched: Schedule, times: tuple[float, float, float], title: str | No
                 continue
             w = sched.cell_time(a, times)
             color = cmap(a.microbatch % cmap.N)
-            alpha = {"F": 0.45, "B": 1.0, "W": 0.75}[a.kind]
+            alpha = {"F": 0.45, "B": 1.0, "I": 1.0, "W": 0.75}[a.kind]
             hatch = "xx" if a.kind == "W" else ("//" if a.chunk % 2 else None)
             ax.barh(r, w, left=x, color=color, alpha=alpha, edgecolor="black", linewidth=0.4, hatch=hatch)
             label = str(a.microbatch) if a.kind != "W" else f"W{a.microbatch}"
@@ -39,7 +39,7 @@ def draw(ax, sched: Schedule, times: tuple[float, float, float], title: str | No
                           f"bubble {sim['bubble_fraction']:.3f} ({formula_text}); {legend}", fontsize=9)
 
 
-def plot(sched: Schedule, path: str, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None
+def plot(sched: Table, path: str, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None
          ) -> None:
     """PNG (or PDF/SVG) timeline of `sched` (`draw`) at `times` = (f, b, w) per whole stage, by default
     (1, k/2, k/2) for backward = `backward_ratio` k × forward; a fused backward lasts b + w."""

@@ -1,17 +1,26 @@
-"""Backward without recomputation: each layer's `jax.vjp` residuals, kept in slot buffers from its F tick to its B tick.
+"""What a layer saves between its actions, and where: F's `jax.vjp` residuals, I's matmul taps, in slot buffers.
 
 `jax.vjp` returns a closure that is a pytree whose leaves are the residuals the backward needs; their shapes and the
-tree structure are fixed at trace time. So an F tick's scan over its chunk's layers can write layer j's leaves
-straight into scan-carried buffers [slots (+ a trash slot where idle cells write), k, ...] at (slot, j), in place,
-and a later B tick's reverse scan can read them at (slot, j) and unflatten them into the same closure
-(docs/architecture.md, "Recomputation: Megatron's semantics"): the same traffic as autodiff's own stacked residuals,
-with no copy into or out of a slot. Two refinements over storing every leaf:
+tree structure are fixed at trace time. So an F tick can write layer j's leaves straight into scan-carried buffers
+[slots, k, ...] at (slot, j), in place, and a later B or I tick can read them at (slot, j) and unflatten them into
+the same closure (docs/architecture.md, "Recomputation: Megatron's semantics"). Two refinements over storing every
+leaf (`Residuals`):
 - leaves that *are* the chunk's parameters (a matmul's weight, passed through unchanged) are not stashed: the B
   tick puts its own copy of the same parameters back in their place, so no slot holds a weight;
 - PRNG keys (selective recomputation re-draws attention dropout from its key) are stored as their raw key data.
 
-The residual structure is learned once per step with `jax.eval_shape` (nothing is computed), including each leaf's
-varying mesh axes, so that the buffers carry the types the branches return.
+A split backward (zero-bubble I and W) gives each matmul a *tap* (`tensor.dot`): a zero input whose cotangent is the
+matmul's input and output gradient, so I computes the input gradient only and W turns the taps into the kernel's
+gradient later (`Taps`); no matmul runs twice.
+
+`Record` lays both out in buffers: a tap leaf shaped like a residual leaf takes that leaf's buffer (the residual is
+dead once I has read it), and lives in the "hold" slots (F to W); residuals no tap reuses live in the "rec" slots
+(F to I), taps without a partner in the "w" slots (I to W): `table.py` places the three. Sharing is never worse
+than separate buffers (a microbatch held from F to W is at most one held F to I plus one held I to W), and with
+recomputation none most taps find a partner, so a microbatch between I and W costs about what it cost before I.
+
+The structures are learned once per step with `jax.eval_shape` (nothing is computed), including each leaf's varying
+mesh axes, so that the buffers carry the types the branches return.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.vma import mark_varying, varying_axes
 
 
@@ -90,61 +100,123 @@ class Residuals:
         leaves = [param_leaves[i] if where == "param" else stashed[i] for where, i in self.sources]
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def buffers(self, slots: int, layers: int) -> list:
-        """Zero buffers [slots, layers, ...] typed like the leaves they hold."""
-        return [mark_varying(jnp.zeros((slots, layers, *s.shape), s.dtype), a)
-                for s, a in zip(self.structs, self.axes)]
-
-    def forward(self, layer: Callable, chunks, chunk, x, buffers: list, slot):
-        """Run `layer(params_j, h, j)` over the layers of `chunks[chunk]` ([v, k, ...]: layer j's parameters are
-        sliced inside the loop, once) from x, writing layer j's residuals to the buffers at (slot, j). Returns
-        (y, buffers)."""
-        def body(carry, j):
-            h, bufs = carry
-            params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
-            h, vjp = jax.vjp(lambda prm, h: layer(prm, h, j), params_j, h)
-            bufs = [buf.at[slot, j].set(r) for buf, r in zip(bufs, self.split(vjp, params_j), strict=True)]
-            return (h, bufs), None
-
-        (y, buffers), _ = jax.lax.scan(body, (x, buffers), jnp.arange(_num_layers(chunks)))
-        return y, buffers
-
-    def layer_backward(self, chunks, chunk, buffers: list, slot, j, ct):
-        """Layer j's backward from its residuals at (slot, j): (its input gradient, its parameter gradients), from
-        one vjp (the split schedules' B and W: `split.py`)."""
-        params_j = jax.tree.map(lambda a: a[chunk, j], chunks)
-        d_params, ct = self.join(params_j, [buf[slot, j] for buf in buffers])(ct)
-        return ct, d_params
-
-    def backward(self, chunks, chunk, buffers: list, slot, ct_y, grads, keep=None):
-        """The layers' backwards in reverse from the residuals at (slot, j): returns (dx, grads), each layer's input
-        gradient passed down and its parameter gradients added to `grads[chunk, j]` (`add_layer_grads`)."""
-        def body(carry, j):
-            ct, acc = carry
-            ct, d_params = self.layer_backward(chunks, chunk, buffers, slot, j, ct)
-            return (ct, add_layer_grads(acc, chunk, j, d_params, keep)), None
-
-        (dx, grads), _ = jax.lax.scan(body, (ct_y, grads), jnp.arange(_num_layers(chunks)), reverse=True)
-        return dx, grads
 
 
-def add_layer_grads(grads, chunk, j, d_params, keep=None, only=None):
-    """`grads[chunk, j] += d_params` in place (in the accumulators' dtype), zeros where `keep` is false (an idle
-    cell's, under "uniform" branching). `only(leaf name)`: add just those leaves (a split backward's B adds the
-    small parameters', its W the kernels'); `d_params` may then hold other entries (taps) or miss the rest."""
-    if only is None:
-        if keep is not None:
-            d_params = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros_like(d)), d_params)
-        return jax.tree.map(lambda g, d: g.at[chunk, j].add(d.astype(g.dtype)), grads, d_params)
-    out = {}
-    for group, leaves in grads.items():
-        if isinstance(leaves, dict):
-            out[group] = {n: g.at[chunk, j].add(d_params[group][n].astype(g.dtype)) if only(n) else g
-                          for n, g in leaves.items()}
-        else:
-            out[group] = leaves.at[chunk, j].add(d_params[group].astype(leaves.dtype)) if only(group) else leaves
+TAP_GROUPS = {"qkv": "attn", "out": "attn", "fc1": "mlp", "fc2": "mlp"}
+"""Each tapped matmul (`parallel.tensor.DOTS`) and the parameter group holding its kernel."""
+
+
+def with_taps(params_j, taps):
+    """Layer j's parameters with the taps beside the kernels (`<name>_tap`), or as they are without taps."""
+    if taps is None:
+        return params_j
+    out = dict(params_j)
+    for name, group in TAP_GROUPS.items():
+        out[group] = {**out[group], f"{name}_tap": taps[name]}
     return out
 
 
-def _num_layers(chunks) -> int:
-    return jax.tree.leaves(chunks)[0].shape[1]
+@dataclass(frozen=True)
+class Taps:
+    """The types of a layer's matmul taps: per matmul its input x and output gradient g (`tensor.dot`)."""
+
+    structs: dict  # name -> {"x": (ShapeDtypeStruct, axes), "g": (ShapeDtypeStruct, axes)}
+
+    @classmethod
+    def trace(cls, layer: Callable, params_j, h, j) -> Taps:
+        found = {}
+
+        def probe(params_j, h):
+            tp.TAP_SHAPES = {}
+            try:
+                layer(params_j, h, j)
+            finally:
+                found.update(tp.TAP_SHAPES)
+                tp.TAP_SHAPES = None
+
+        jax.eval_shape(probe, params_j, h)
+        if set(found) != set(TAP_GROUPS):  # jax.checkpoint caches its trace: a layer traced before runs no `dot`
+            raise RuntimeError(f"tracing the layer recorded the matmuls {sorted(found)}, not {sorted(TAP_GROUPS)}: "
+                               f"trace the taps of a layer function before anything else traces it")
+        return cls({name: {"x": found[name][0], "g": found[name][1]} for name in TAP_GROUPS})
+
+    def zeros(self) -> dict:
+        """Zero taps {name: {"g", "x"}}, typed like the values they stand for."""
+        return {name: {k: mark_varying(jnp.zeros(s.shape, s.dtype), axes) for k, (s, axes) in pair.items()}
+                for name, pair in self.structs.items()}
+
+    def entries(self) -> list[tuple[jax.ShapeDtypeStruct, tuple]]:
+        """(struct, axes) per tap leaf in `leaves`' order."""
+        return [self.structs[name][k] for name in TAP_GROUPS for k in ("g", "x")]
+
+    def leaves(self, taps: dict) -> list:
+        """A taps tree's leaves: by matmul (`TAP_GROUPS`), then g, x."""
+        return [taps[name][k] for name in TAP_GROUPS for k in ("g", "x")]
+
+    def unflatten(self, leaves: list) -> dict:
+        it = iter(leaves)
+        return {name: {k: next(it) for k in ("g", "x")} for name in TAP_GROUPS}
+
+
+@dataclass(frozen=True)
+class Record:
+    """A layer's saved values laid out in buffers (module docstring): per buffer its type and slot pool ("rec",
+    "hold" or "w"), and for each residual leaf (F writes, B/I read) and each tap leaf (I writes, W reads) its
+    buffer."""
+
+    structs: tuple  # per buffer: ShapeDtypeStruct
+    axes: tuple     # per buffer: the mesh axes it varies over
+    pools: tuple    # per buffer: "rec" | "hold" | "w"
+    residual_buffers: tuple  # per residual stash entry: its buffer
+    tap_buffers: tuple       # per tap leaf: its buffer (empty without taps)
+    tap_structs: tuple       # per tap leaf: its own ShapeDtypeStruct (a shared buffer has the residual's shape)
+
+    @classmethod
+    def layout(cls, residuals: Residuals, taps: Taps | None) -> Record:
+        structs, axes = list(residuals.structs), list(residuals.axes)
+        pools = ["rec"] * len(structs)
+        tap_buffers, tap_structs = [], []
+        for s, a in taps.entries() if taps is not None else []:
+            match = next((b for b, (t, x, pool) in enumerate(zip(structs, axes, pools)) if pool == "rec"
+                          and t.size == s.size and t.dtype == s.dtype and x == a), None)
+            if match is None:
+                structs.append(s)
+                axes.append(a)
+                pools.append("w")
+                match = len(structs) - 1
+            else:
+                pools[match] = "hold"
+            tap_buffers.append(match)
+            tap_structs.append(s)
+        return cls(tuple(structs), tuple(axes), tuple(pools), tuple(range(len(residuals.structs))),
+                   tuple(tap_buffers), tuple(tap_structs))
+
+    def buffers(self, slots: dict, layers: int) -> list:
+        """Zero buffers [slots of its pool, layers, ...], typed like the leaves they hold."""
+        return [mark_varying(jnp.zeros((max(slots[pool], 1), layers, *s.shape), s.dtype), a)
+                for s, a, pool in zip(self.structs, self.axes, self.pools)]
+
+    def bytes_per_slot(self) -> dict:
+        """Bytes of one layer's record in each pool."""
+        out = {"rec": 0, "hold": 0, "w": 0}
+        for s, pool in zip(self.structs, self.pools):
+            out[pool] += s.size * jnp.dtype(s.dtype).itemsize
+        return out
+
+    def residual_values(self, values: list) -> list:
+        return [values[b] for b in self.residual_buffers]
+
+    def tap_values(self, values: list) -> list:
+        return [values[b].reshape(s.shape) for b, s in zip(self.tap_buffers, self.tap_structs)]
+
+    def with_residuals(self, values: list, leaves: list) -> list:
+        out = list(values)
+        for b, leaf in zip(self.residual_buffers, leaves, strict=True):
+            out[b] = leaf
+        return out
+
+    def with_taps(self, values: list, leaves: list) -> list:
+        out = list(values)
+        for b, leaf in zip(self.tap_buffers, leaves, strict=True):
+            out[b] = leaf.reshape(self.structs[b].shape)
+        return out

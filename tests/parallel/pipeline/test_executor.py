@@ -17,7 +17,7 @@ from ptd_jax.analysis.collectives import jaxpr_collectives, summarize
 from ptd_jax.analysis.jaxpr import equations, is_call, named_calls
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.pipeline import build, build_forward_only
-from ptd_jax.parallel.pipeline.columns import tick_runs, tick_work
+from ptd_jax.parallel.pipeline.lowering import tick_runs
 from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_grad_step,
                                    make_parallel_train_step, pipeline_schedule)
 from ptd_jax.train.reference import accumulate_gradients, make_eval_step
