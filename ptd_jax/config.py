@@ -15,6 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A pipeline schedule's properties, as data (`SCHEDULE_SPECS`): nothing else in the project names a schedule.
@@ -40,16 +41,22 @@ class ScheduleSpec:
     """The closed-form bubble, None where the paper gives none."""
 
 
-SCHEDULE_SPECS = {spec.name: spec for spec in (
-    ScheduleSpec("gpipe", orders="gpipe", split=False, rows="lockstep", chunks=1),
-    ScheduleSpec("1f1b", orders="1f1b", split=True, rows="unit", chunks=1),
-    ScheduleSpec("interleaved", orders="interleaved", split=False, rows="lockstep", chunks=None, min_p=2,
-                 grouped=True),
-    ScheduleSpec("zb-h1", orders="zb-h1", split=True, rows="unit", chunks=1,
-                 bubble_formula="(p-1)(f+b-w)/(m(f+b+w))"),
-    ScheduleSpec("zb-v", orders="zero-bubble", split=True, rows="unit", chunks=2, stage_map="v", min_p=2,
-                 bubble_formula=None),
-)}
+SCHEDULE_SPECS = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", orders="gpipe", split=False, rows="lockstep", chunks=1),
+        ScheduleSpec("1f1b", orders="1f1b", split=True, rows="unit", chunks=1),
+        ScheduleSpec(
+            "interleaved", orders="interleaved", split=False, rows="lockstep", chunks=None, min_p=2, grouped=True
+        ),
+        ScheduleSpec(
+            "zb-h1", orders="zb-h1", split=True, rows="unit", chunks=1, bubble_formula="(p-1)(f+b-w)/(m(f+b+w))"
+        ),
+        ScheduleSpec(
+            "zb-v", orders="zero-bubble", split=True, rows="unit", chunks=2, stage_map="v", min_p=2, bubble_formula=None
+        ),
+    )
+}
 PIPELINE_SCHEDULES = tuple(SCHEDULE_SPECS)
 RETIRED_SCHEDULES = {"1f1b-split": "'1f1b' now splits its backwards and holds Megatron's stash p - s"}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
@@ -65,7 +72,7 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 def resolve_branching(branching: str, backend: str | None = None, schedule: str | None = None) -> str:
-    """"auto" is "per-rank" on XLA:CPU (fake devices share the host's cores, so an idle cell's dummy work and the
+    """ "auto" is "per-rank" on XLA:CPU (fake devices share the host's cores, so an idle cell's dummy work and the
     masked embedding and head on every rank cost step time; tensor collectives in pipe-divergent branches are
     measured correct there) and "uniform" on accelerators (no collective in a pipe-divergent branch, and no
     device-to-host read of a per-rank predicate); the other two are returned as they are. A schedule on unit ticks
@@ -108,16 +115,23 @@ def check_pipeline_request(schedule: str, p: int, v: int, m: int, group: int | N
     _check(p >= 1 and v >= 1 and m >= 1, f"p={p}, v={v} and m={m} must be positive")
     _check(p >= spec.min_p, f"schedule={schedule!r} needs p >= {spec.min_p} pipeline ranks, got p={p}")
     if spec.chunks is not None:
-        _check(v == spec.chunks, f"schedule={schedule!r} runs {spec.chunks} model chunk(s) per rank: needs "
-                                 f"v={spec.chunks}, got v={v}")
+        _check(
+            v == spec.chunks,
+            f"schedule={schedule!r} runs {spec.chunks} model chunk(s) per rank: needs v={spec.chunks}, got v={v}",
+        )
     if not spec.grouped:
-        _check(group is None, f"microbatch_group_size={group} applies to grouped schedules (interleaved) only, "
-                              f"got schedule={schedule!r}")
+        _check(
+            group is None,
+            f"microbatch_group_size={group} applies to grouped schedules (interleaved) only, got schedule={schedule!r}",
+        )
         return 1
     g = p if group is None else group
     _check(p <= g <= m, f"schedule={schedule!r} needs p <= G <= m (Megatron's rule), got p={p}, G={g}, m={m}")
-    _check(not (m % g and m % g < p), f"schedule={schedule!r} needs m % G == 0 or m % G >= p (Megatron's rule), "
-                                      f"got m={m}, G={g}, m % G={m % g}, p={p}")
+    _check(
+        not (m % g and m % g < p),
+        f"schedule={schedule!r} needs m % G == 0 or m % G >= p (Megatron's rule), "
+        f"got m={m}, G={g}, m % G={m % g}, p={p}",
+    )
     return g
 
 
@@ -178,25 +192,33 @@ class ModelConfig:
             self.ffn_hidden_size is None or self.ffn_hidden_size > 0,
             f"ffn_hidden_size={self.ffn_hidden_size} must be positive",
         )
-        _check(self.make_vocab_size_divisible_by > 0,
-               f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be positive")
+        _check(
+            self.make_vocab_size_divisible_by > 0,
+            f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be positive",
+        )
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, f"{name}={value} must be in [0, 1)")
         for name in ("init_method_std", "layernorm_epsilon"):
             value = getattr(self, name)
             _check(math.isfinite(value) and value > 0, f"{name}={value} must be a positive finite number")
-        _check(self.attention_backend in ATTENTION_BACKENDS,
-               f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
-        _check(self.attention_backend == "xla" or self.attention_dropout == 0.0,
-               f"attention_dropout={self.attention_dropout} needs attention_backend='xla', got "
-               f"{self.attention_backend!r} (the fused kernels have no dropout)")
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}",
+        )
+        _check(
+            self.attention_backend == "xla" or self.attention_dropout == 0.0,
+            f"attention_dropout={self.attention_dropout} needs attention_backend='xla', got "
+            f"{self.attention_backend!r} (the fused kernels have no dropout)",
+        )
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             _check(value in DTYPES, f"{name}={value!r} is not one of {DTYPES}")
-        _check(self.dtype != "float64" or (self.attention_backend == "xla" and not self.fused_kernels),
-               f"dtype='float64' needs attention_backend='xla' and fused_kernels=False, got attention_backend="
-               f"{self.attention_backend!r}, fused_kernels={self.fused_kernels} (the kernels accumulate in float32)")
+        _check(
+            self.dtype != "float64" or (self.attention_backend == "xla" and not self.fused_kernels),
+            f"dtype='float64' needs attention_backend='xla' and fused_kernels=False, got attention_backend="
+            f"{self.attention_backend!r}, fused_kernels={self.fused_kernels} (the kernels accumulate in float32)",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -249,13 +271,21 @@ class ParallelConfig:
     "per-rank" puts tensor collectives in pipe-divergent branches, measured correct on XLA:CPU only."""
 
     def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-                     "virtual_pipeline_stages", "micro_batch_size", "global_batch_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "data_parallel_size",
+            "virtual_pipeline_stages",
+            "micro_batch_size",
+            "global_batch_size",
+        ):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive integer")
         spec = schedule_spec(self.pipeline_schedule)
-        _check(self.pipeline_branching in PIPELINE_BRANCHINGS,
-               f"pipeline_branching={self.pipeline_branching!r} is not one of {PIPELINE_BRANCHINGS}")
+        _check(
+            self.pipeline_branching in PIPELINE_BRANCHINGS,
+            f"pipeline_branching={self.pipeline_branching!r} is not one of {PIPELINE_BRANCHINGS}",
+        )
         per_step = self.micro_batch_size * self.data_parallel_size
         _check(
             self.global_batch_size % per_step == 0,
@@ -263,35 +293,51 @@ class ParallelConfig:
             f"{self.micro_batch_size} x data_parallel_size={self.data_parallel_size}",
         )
         if self.virtual_pipeline_stages > 1:
-            _check(spec.chunks is None or spec.chunks == self.virtual_pipeline_stages,
-                   f"virtual_pipeline_stages={self.virtual_pipeline_stages} does not apply to pipeline_schedule="
-                   f"{self.pipeline_schedule!r} ({spec.chunks} chunk(s) per rank)")
-        _check(spec.rows == "lockstep" or self.pipeline_branching != "uniform",
-               f"pipeline_schedule={self.pipeline_schedule!r} runs different kinds (F, I, W) on different ranks in "
-               f"one tick: it needs pipeline_branching='per-rank' (or 'auto'), got 'uniform'")
-        _check(self.microbatch_group_size is None or spec.grouped,
-               f"microbatch_group_size={self.microbatch_group_size} applies to grouped schedules (interleaved) "
-               f"only, got {self.pipeline_schedule!r}")
-        _check(self.pipeline_model_parallel_size >= spec.min_p,
-               f"the {self.pipeline_schedule} schedule needs pipeline_model_parallel_size >= {spec.min_p}, got "
-               f"{self.pipeline_model_parallel_size}")
+            _check(
+                spec.chunks is None or spec.chunks == self.virtual_pipeline_stages,
+                f"virtual_pipeline_stages={self.virtual_pipeline_stages} does not apply to pipeline_schedule="
+                f"{self.pipeline_schedule!r} ({spec.chunks} chunk(s) per rank)",
+            )
+        _check(
+            spec.rows == "lockstep" or self.pipeline_branching != "uniform",
+            f"pipeline_schedule={self.pipeline_schedule!r} runs different kinds (F, I, W) on different ranks in "
+            f"one tick: it needs pipeline_branching='per-rank' (or 'auto'), got 'uniform'",
+        )
+        _check(
+            self.microbatch_group_size is None or spec.grouped,
+            f"microbatch_group_size={self.microbatch_group_size} applies to grouped schedules (interleaved) "
+            f"only, got {self.pipeline_schedule!r}",
+        )
+        _check(
+            self.pipeline_model_parallel_size >= spec.min_p,
+            f"the {self.pipeline_schedule} schedule needs pipeline_model_parallel_size >= {spec.min_p}, got "
+            f"{self.pipeline_model_parallel_size}",
+        )
         if self.pipeline_model_parallel_size > 1:
-            check_pipeline_request(self.pipeline_schedule, self.pipeline_model_parallel_size,
-                                   self.virtual_pipeline_stages, self.num_microbatches, self.microbatch_group_size)
+            check_pipeline_request(
+                self.pipeline_schedule,
+                self.pipeline_model_parallel_size,
+                self.virtual_pipeline_stages,
+                self.num_microbatches,
+                self.microbatch_group_size,
+            )
 
     @classmethod
     def for_devices(cls, num_devices: int, **kwargs) -> ParallelConfig:
         """Megatron's rule: data-parallel size = devices / (t · p)."""
         t = kwargs.get("tensor_model_parallel_size", 1)
         p = kwargs.get("pipeline_model_parallel_size", 1)
-        _check(t > 0 and p > 0, f"tensor_model_parallel_size={t} and pipeline_model_parallel_size={p} must be "
-                                f"positive")
-        _check(t * p <= num_devices,
-               f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} needs {t * p} devices but "
-               f"only num_devices={num_devices} exist (on CPU, simulate more with --fake-devices)")
-        _check(num_devices % (t * p) == 0,
-               f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} does not divide "
-               f"num_devices={num_devices}")
+        _check(t > 0 and p > 0, f"tensor_model_parallel_size={t} and pipeline_model_parallel_size={p} must be positive")
+        _check(
+            t * p <= num_devices,
+            f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} needs {t * p} devices but "
+            f"only num_devices={num_devices} exist (on CPU, simulate more with --fake-devices)",
+        )
+        _check(
+            num_devices % (t * p) == 0,
+            f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} does not divide "
+            f"num_devices={num_devices}",
+        )
         return cls(data_parallel_size=num_devices // (t * p), **kwargs)
 
     @property
@@ -306,18 +352,25 @@ class ParallelConfig:
     def check_model(self, model: ModelConfig) -> None:
         """Cross-checks between the layout and the architecture (one-line errors naming the values)."""
         t, p, v = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.virtual_pipeline_stages
-        _check(model.num_layers % (p * v) == 0,
-               f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size={p} x "
-               f"virtual_pipeline_stages={v}")
-        _check(model.num_attention_heads % t == 0,
-               f"num_attention_heads={model.num_attention_heads} is not divisible by "
-               f"tensor_model_parallel_size={t}")
-        _check(model.ffn_size % t == 0,
-               f"ffn_hidden_size={model.ffn_size} is not divisible by tensor_model_parallel_size={t}")
+        _check(
+            model.num_layers % (p * v) == 0,
+            f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size={p} x "
+            f"virtual_pipeline_stages={v}",
+        )
+        _check(
+            model.num_attention_heads % t == 0,
+            f"num_attention_heads={model.num_attention_heads} is not divisible by tensor_model_parallel_size={t}",
+        )
+        _check(
+            model.ffn_size % t == 0,
+            f"ffn_hidden_size={model.ffn_size} is not divisible by tensor_model_parallel_size={t}",
+        )
         if self.sequence_parallel:
-            _check(model.seq_length % t == 0,
-                   f"seq_length={model.seq_length} is not divisible by tensor_model_parallel_size={t} "
-                   f"(needed by sequence parallelism)")
+            _check(
+                model.seq_length % t == 0,
+                f"seq_length={model.seq_length} is not divisible by tensor_model_parallel_size={t} "
+                f"(needed by sequence parallelism)",
+            )
 
     def replace(self, **changes) -> ParallelConfig:
         return dataclasses.replace(self, **changes)
@@ -369,10 +422,14 @@ class TrainConfig:
         _check(self.lr >= 0 and self.min_lr >= 0, f"lr={self.lr} and min_lr={self.min_lr} must be >= 0")
         _check(self.min_lr <= self.lr, f"min_lr={self.min_lr} is larger than lr={self.lr}")
         _check(self.lr_warmup_iters >= 0, f"lr_warmup_iters={self.lr_warmup_iters} must be >= 0")
-        _check(self.lr_decay_style in LR_DECAY_STYLES,
-               f"lr_decay_style={self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
-        _check(self.decay_iters >= self.lr_warmup_iters,
-               f"lr_decay_iters={self.decay_iters} is smaller than lr_warmup_iters={self.lr_warmup_iters}")
+        _check(
+            self.lr_decay_style in LR_DECAY_STYLES,
+            f"lr_decay_style={self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}",
+        )
+        _check(
+            self.decay_iters >= self.lr_warmup_iters,
+            f"lr_decay_iters={self.decay_iters} is smaller than lr_warmup_iters={self.lr_warmup_iters}",
+        )
         for name in ("lr", "min_lr", "clip_grad", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"):
             _check(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)} must be finite")
         _check(isinstance(self.seed, int) and 0 <= self.seed < 2**32, f"seed={self.seed} must be in [0, 2**32)")
@@ -381,21 +438,26 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             _check(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
         _check(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
-        _check(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
-               f"recompute_granularity={self.recompute_granularity!r} is not one of {RECOMPUTE_GRANULARITIES}")
+        _check(
+            self.recompute_granularity in RECOMPUTE_GRANULARITIES,
+            f"recompute_granularity={self.recompute_granularity!r} is not one of {RECOMPUTE_GRANULARITIES}",
+        )
         for name in ("log_interval", "eval_interval"):
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
         _check(self.eval_iters >= 0, f"eval_iters={self.eval_iters} must be >= 0")
         for name in ("initial_loss_scale", "min_loss_scale", "loss_scale"):
             value = getattr(self, name)
             _check(value is None or (math.isfinite(value) and value > 0), f"{name}={value} must be positive")
-        _check(self.min_loss_scale <= self.initial_loss_scale, f"min_loss_scale={self.min_loss_scale} is larger "
-                                                               f"than initial_loss_scale={self.initial_loss_scale}")
+        _check(
+            self.min_loss_scale <= self.initial_loss_scale,
+            f"min_loss_scale={self.min_loss_scale} is larger than initial_loss_scale={self.initial_loss_scale}",
+        )
         for name in ("loss_scale_window", "hysteresis", "max_skipped_iters"):
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
         for name in ("save_interval", "exit_interval"):
-            _check(getattr(self, name) is None or getattr(self, name) > 0,
-                   f"{name}={getattr(self, name)} must be positive")
+            _check(
+                getattr(self, name) is None or getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive"
+            )
 
     @property
     def decay_iters(self) -> int:
@@ -408,6 +470,7 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------------------------
 # Presets
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PaperRow:
@@ -449,18 +512,24 @@ PAPER_SEQ_LENGTH = 2048
 def _paper_preset(row: PaperRow) -> ModelConfig:
     """The row's model: GPT-2's 50,257, padded as Megatron pads it (a multiple of 128 · t: 50,304 at t = 1, the
     paper's 51,200 at t = 8). Table 1's formulas use the paper's V, `PAPER_VOCAB_SIZE`."""
-    return ModelConfig(num_layers=row.num_layers, hidden_size=row.hidden_size,
-                       num_attention_heads=row.num_attention_heads, seq_length=PAPER_SEQ_LENGTH,
-                       vocab_size=GPT2_VOCAB_SIZE)
+    return ModelConfig(
+        num_layers=row.num_layers,
+        hidden_size=row.hidden_size,
+        num_attention_heads=row.num_attention_heads,
+        seq_length=PAPER_SEQ_LENGTH,
+        vocab_size=GPT2_VOCAB_SIZE,
+    )
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Small enough to train to a visibly falling loss on a 2-core CPU in a few minutes.
     "tiny": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257),
-    "gpt2-small": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
-                              vocab_size=GPT2_VOCAB_SIZE),
-    "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
-                        vocab_size=GPT2_VOCAB_SIZE),
+    "gpt2-small": ModelConfig(
+        num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, vocab_size=GPT2_VOCAB_SIZE
+    ),
+    "1.3b": ModelConfig(
+        num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=GPT2_VOCAB_SIZE
+    ),
     **{f"paper-{row.name.lower()}": _paper_preset(row) for row in PAPER_TABLE_1},
 }
 
@@ -483,7 +552,16 @@ def paper_parallel_config(row: PaperRow, micro_batch_size: int = 1) -> ParallelC
 
 
 __all__ = [
-    "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PaperRow", "PAPER_TABLE_1",
-    "MODEL_PRESETS", "GPT2_VOCAB_SIZE", "PAPER_VOCAB_SIZE", "model_preset", "paper_parallel_config",
+    "ConfigError",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "PaperRow",
+    "PAPER_TABLE_1",
+    "MODEL_PRESETS",
+    "GPT2_VOCAB_SIZE",
+    "PAPER_VOCAB_SIZE",
+    "model_preset",
+    "paper_parallel_config",
     "pad_vocab_size",
 ]

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from ptd_jax.cli.args import OneLineParser, positive_float, positive_int
-from ptd_jax.parallel.pipeline import SCHEDULES, SPLIT_SCHEDULES, ScheduleError, build, plot, validate
+from ptd_jax.config import PIPELINE_SCHEDULES, SCHEDULE_SPECS
+from ptd_jax.parallel.pipeline import ScheduleError, build, plot, validate
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 MAX_ACTIONS = 200_000
@@ -70,13 +71,13 @@ def summary(sched, times: tuple[float, float, float]) -> str:
     """The line under the table: ticks, simulated bubble and makespan, the formula's bubble, the peak stash."""
     sim = sched.simulate(times=times)
     formula = sched.formula_bubble(times)
-    law = "(p-1)(f+b-w)/(m(f+b+w))" if sched.name == "zb-h1" else "(p-1)/(v*m)"
+    law = sched.spec.bubble_formula
     formula_text = "no closed form" if formula is None else f"formula {law} = {formula:.4f}"
     line = (f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} G={sched.group}: {sched.ticks} ticks, makespan "
             f"{sim['makespan']:.4g} at f={times[0]:g} b={times[1]:g} w={times[2]:g}, bubble "
             f"{sim['bubble_fraction']:.4f} ({formula_text}), peak stash per rank {sched.peak_stash}")
     if sched.split:
-        line += f", peak W stash per rank {sched.peak_w_stash}"
+        line += f", in flight from F to W {sched.peak_in_flight}"
     return line
 
 
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
 
 def run(argv) -> int:
     parser = OneLineParser(prog="ptd-schedule", description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
+    parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="interleaved")
     parser.add_argument("--pipeline-model-parallel-size", "-p", type=positive_int, default=4)
     parser.add_argument("--virtual-stages", "-v", type=positive_int,
                         help="model chunks per rank (default: 2 for interleaved, else 1)")
@@ -108,12 +109,12 @@ def run(argv) -> int:
     parser.add_argument("--plot", help=f"write a timeline (paper Figure 4 style); {'/'.join(PLOT_FORMATS)}")
     args = parser.parse_args(argv)
     p, m = args.pipeline_model_parallel_size, args.num_microbatches
-    v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule in ("interleaved", "zb-v")
-                                                                      else 1)
+    spec = SCHEDULE_SPECS[args.schedule]
+    v = args.virtual_stages if args.virtual_stages is not None else (spec.chunks or 2)
     times = schedule_times(args)
-    actions = (3 if args.schedule in SPLIT_SCHEDULES else 2) * p * v * m
-    per = "3·p·v·m" if args.schedule in SPLIT_SCHEDULES else "2·p·v·m"
-    if args.microbatch_group_size is not None and args.schedule != "interleaved":
+    actions = (3 if spec.split else 2) * p * v * m
+    per = "3·p·v·m" if spec.split else "2·p·v·m"
+    if args.microbatch_group_size is not None and not spec.grouped:
         parser.error(f"argument --microbatch-group-size: G={args.microbatch_group_size} needs --schedule "
                      f"interleaved (schedule={args.schedule!r} has no groups)")
     if actions > MAX_ACTIONS:
@@ -140,7 +141,7 @@ def run(argv) -> int:
         if args.json:
             print(json.dumps(sched.to_json(times=times)))
         else:
-            print(sched.table())
+            print(sched.text())
             print(summary(sched, times))
         sys.stdout.flush()
     except BrokenPipeError:  # `ptd-schedule | head`: the reader has what it wanted

@@ -5,7 +5,7 @@ and give ZB-V its two chunks per rank (v = 2) when --num-layers-per-virtual-pipe
 from __future__ import annotations
 
 from ptd_jax.cli.args import positive_float
-from ptd_jax.config import SPLIT_SCHEDULES
+from ptd_jax.config import SCHEDULE_SPECS
 from ptd_jax.parallel.pipeline.choose import CANDIDATES, choose_schedule, format_choice
 from ptd_jax.parallel.pipeline.schedule import ScheduleError
 from ptd_jax.runtime import multiprocess
@@ -42,10 +42,11 @@ def microbatches(args, num_devices: int) -> int | None:
 
 def choices(args, num_layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(v_options, names) allowed by the layers and --num-layers-per-virtual-pipeline-stage: chunked schedules
-    (interleaved, ZB-V at v = 2) only where the layers split into v·p equal chunks; no split schedule under
+    (interleaved, ZB-V at v = 2) only where the layers split into v·p equal chunks; no schedule on unit ticks under
     --pipeline-branching uniform (they run per-rank only)."""
     p, k = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
-    names = tuple(n for n in CANDIDATES if not (args.pipeline_branching == "uniform" and n in SPLIT_SCHEDULES))
+    uniform = args.pipeline_branching == "uniform"
+    names = tuple(n for n in CANDIDATES if not (uniform and SCHEDULE_SPECS[n].rows == "unit"))
     if k is None:
         return ((2,) if num_layers % (2 * p) == 0 else ()), names
     if k < 1 or num_layers % (k * p):
@@ -53,7 +54,7 @@ def choices(args, num_layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     v = num_layers // (k * p)
     if v == 1:
         return (), names
-    return (v,), tuple(n for n in ("interleaved", "zb-v") if n in names and (n == "interleaved" or v == 2))
+    return (v,), tuple(n for n in names if SCHEDULE_SPECS[n].chunks in (None, v))
 
 
 def memory_check(args, model_cfg, num_devices: int, recompute: str, device, num_local_devices: int, build_parallel):
@@ -102,7 +103,8 @@ def resolve(args, model_cfg, num_devices: int, primary_only: bool = False, memor
             text = format_choice(name, rows, times)
             if not primary_only or multiprocess.is_primary():
                 print(text, flush=True)
-    if args.pipeline_schedule == "zb-v" and args.num_layers_per_virtual_pipeline_stage is None and p >= 1 and \
-            num_layers % (2 * p) == 0:
-        args.num_layers_per_virtual_pipeline_stage = num_layers // (2 * p)
+    chunks = SCHEDULE_SPECS[args.pipeline_schedule].chunks if args.pipeline_schedule in SCHEDULE_SPECS else None
+    if chunks and chunks > 1 and args.num_layers_per_virtual_pipeline_stage is None and p >= 1 and \
+            num_layers % (chunks * p) == 0:
+        args.num_layers_per_virtual_pipeline_stage = num_layers // (chunks * p)
     return text

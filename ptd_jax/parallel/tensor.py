@@ -75,7 +75,7 @@ def leave_tensor_region(x, sequence_parallel: bool):
 # input and output gradient, from which `tap_weight_grad` makes the kernel's gradient later (a zero-bubble W).
 DOTS = {"qkv": "bsd,dthk->bsthk", "out": "bshk,hkd->bsd", "fc1": "bsd,df->bsf", "fc2": "bsf,fd->bsd"}
 TAP_SHAPES: dict | None = None
-"""Set to {} by `pipeline.split.Taps.trace` while it traces a layer: each `dot` records its operands' types."""
+"""Set to {} by `pipeline.stash.Taps.trace` while it traces a layer: each `dot` records its operands' types."""
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

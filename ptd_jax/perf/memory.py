@@ -26,21 +26,20 @@ a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's co
   everything a layer stashes is split over t (`experiments/bench/sp_stash.py`: exactly 1/t of t = 1's stash at
   t = 2, 4, 8). With the XLA attention backend the float32 scores 4 a s²b/t replace the attention output. Under
   "full", one layer's activations without recomputation are added (rebuilt during its backward).
-Stashed activations: the lockstep executor keeps one buffer of `num_act_slots` slots (and a trash slot under uniform
-branching) on every pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk
-of l/(p v) layers.
-Split schedules (1F1B-split, ZB-H1, ZB-V) free a slot at the B and keep a W stash (`w_stash_bytes`) until the W.
-`stash_slots` gives the table's count in closed forms (`ptd_jax.parallel.pipeline.build`'s `num_act_slots`,
-checked against it in tests/test_perf.py: building the table takes seconds at the planner's sizes). The last
-stage adds the fp32 logits of the loss, 4 s b V/t. The model leaves out the CUDA context, NCCL buffers, XLA's
-temporaries and fragmentation (`Hardware.usable_memory`), so a run it admits may still not fit.
+Stashed activations: the executor keeps each layer's record (`parallel.pipeline.stash.Record`) in slot buffers on
+every pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v)
+layers; the slot counts are the table's (`stash_slots`). A fused backward frees its slot at the B. A split one keeps
+what W needs from F to W: its taps take the place of the residuals they match, so a microbatch waiting for its W
+costs about what it cost before its I (`record_bytes`). The last stage adds the fp32 logits of the loss, 4 s b V/t.
+The model leaves out the CUDA context, NCCL buffers, XLA's temporaries and fragmentation
+(`Hardware.usable_memory`), so a run it admits may still not fit.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from ptd_jax.config import SPLIT_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
+from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import GIB
 
 
@@ -102,43 +101,30 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
     return sbh * (stream + split)
 
 
-def stash_buffer_slots(parallel: ParallelConfig) -> int:
-    """Slots the executor allocates: the table's, and a trash slot where idle cells write theirs (p > 1 under
-    uniform branching, which "auto" is on GPUs; per-rank idle cells run nothing, p = 1 has no idle cells)."""
-    trash = (parallel.pipeline_model_parallel_size > 1 and parallel.pipeline_branching in ("auto", "uniform")
-             and parallel.pipeline_schedule not in SPLIT_SCHEDULES)  # split schedules run per-rank
-    return stash_slots(parallel) + (1 if trash else 0)
-
-
-def stash_slots(parallel: ParallelConfig) -> int:
-    """Slots of the executor's activation stash on each pipeline rank, the lockstep table's `num_act_slots`:
-    GPipe m; 1F1B min(m, 2p − 1) (the lockstep warm-up sends one forward a tick, so rank 0 holds 2p − 1 before
-    its first backward); interleaved with groups of p microbatches min(v m, (v + 1) p); another group size: the
-    table itself. One slot at p = 1 (microbatches one after another)."""
+def stash_slots(parallel: ParallelConfig) -> dict[str, int]:
+    """Slots of the executor's record buffers on each pipeline rank (`parallel.pipeline.Table.slots`): "rec" (F to
+    B or I), "hold" (F to W) and "w" (I to W). GPipe m; p = 1: one (microbatches one after another)."""
     p, v, m = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches
-    group = parallel.microbatch_group_size
     if p == 1:
-        return 1
-    if parallel.pipeline_schedule in SPLIT_SCHEDULES:
-        return _table_slots(parallel.pipeline_schedule, p, v, m, 1)
-    if parallel.pipeline_schedule == "gpipe":
-        return m
-    if parallel.pipeline_schedule == "1f1b":
-        return min(m, 2 * p - 1)
-    if group in (None, p):
-        return min(v * m, (v + 1) * p)
-    return _table_slots(parallel.pipeline_schedule, p, v, m, group)
+        return {"rec": 1, "hold": 0, "w": 0}
+    if (
+        SCHEDULE_SPECS[parallel.pipeline_schedule].orders == "gpipe"
+        and not SCHEDULE_SPECS[parallel.pipeline_schedule].split
+    ):
+        return {"rec": m, "hold": 0, "w": 0}
+    return _table_slots(parallel.pipeline_schedule, p, v, m, parallel.microbatch_group_size)
 
 
 @lru_cache(maxsize=64)
-def _table_slots(schedule: str, p: int, v: int, m: int, group: int, what: str = "num_act_slots") -> int:
+def _table_slots(schedule: str, p: int, v: int, m: int, group: int | None) -> dict[str, int]:
     from ptd_jax.parallel.pipeline import build  # pure Python, no JAX
 
-    return getattr(build(schedule, p, v, m, group), what)
+    slots = build(schedule, p, v, m, group).slots
+    return {pool: slots[pool] for pool in ("rec", "hold", "w")}
 
 
 def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Bytes one layer's W stash holds per microbatch (split schedules): each matmul's input and output gradient
+    """Bytes one layer's taps hold per microbatch (split backwards): each matmul's input and output gradient
     (`parallel.tensor.dot`'s tap), at 2 bytes: QKV h + 3h/t, the projection h/t + h (its output before the
     all-reduce or reduce-scatter), fc1 h + F/t, fc2 F/t + h, per token of the whole sequence (the inputs of QKV
     and fc1 are the gathered LayerNorm outputs under sequence parallelism): 2 s b (4h + 4h/t + 2F/t), with the
@@ -147,20 +133,24 @@ def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     return 2 * cfg.seq_length * parallel.micro_batch_size * (4 * h + 4 * h / t + 2 * cfg.ffn_size / t)
 
 
-def w_stash_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """The W stash of a split schedule on a pipeline rank: the table's W slots, each a chunk's layers' taps."""
-    p, v, m = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches
-    if parallel.pipeline_schedule not in SPLIT_SCHEDULES or p == 1:
-        return 0.0
-    slots = _table_slots(parallel.pipeline_schedule, p, v, m, 1, "num_w_slots")
-    return slots * cfg.num_layers / (p * v) * tap_bytes_per_layer(cfg, parallel)
+def record_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
+    """The record buffers of a pipeline rank: per layer of a chunk, the "rec" slots hold what only the backward
+    reads, the "hold" slots what the taps share with the residuals, the "w" slots the taps without a partner
+    (`stash.Record`: a tap takes a residual's place where their sizes match; modelled as min(A, T) shared)."""
+    slots = stash_slots(parallel)
+    layers = cfg.num_layers / (parallel.pipeline_model_parallel_size * parallel.virtual_pipeline_stages)
+    a = activation_bytes_per_layer(cfg, parallel, recompute)
+    if not slots["hold"]:
+        return slots["rec"] * layers * a
+    tap = tap_bytes_per_layer(cfg, parallel)
+    shared = min(a, tap)
+    return layers * (slots["hold"] * shared + slots["rec"] * (a - shared) + slots["w"] * (tap - shared))
 
 
-def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Layers' worth of one microbatch's activations a pipeline rank stashes: `stash_buffer_slots` chunks of
-    l/(p v) layers."""
-    chunk = cfg.num_layers / (parallel.pipeline_model_parallel_size * parallel.virtual_pipeline_stages)
-    return stash_buffer_slots(parallel) * chunk
+def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = "none") -> float:
+    """Layers' worth of one microbatch's activations a pipeline rank stashes (`record_bytes` in units of one layer's
+    activations)."""
+    return record_bytes(cfg, parallel, recompute) / activation_bytes_per_layer(cfg, parallel, recompute)
 
 
 def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = "full") -> dict[str, float]:
@@ -169,15 +159,14 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     t, b, s = parallel.tensor_model_parallel_size, parallel.micro_batch_size, cfg.seq_length
     params = params_per_gpu(cfg, parallel)
     per_param = state_bytes_per_param(parallel, cfg)
-    stash = stashed_layers(cfg, parallel) * activation_bytes_per_layer(cfg, parallel, recompute)
+    stash = record_bytes(cfg, parallel, recompute)
     # the layer being recomputed under "full" holds its full activations meanwhile
     stash += activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
-    stash += w_stash_bytes(cfg, parallel)
     logits = 4 * s * b * cfg.padded_vocab_size(t) / t
     stages = {"first": (params["first"], stash), "last": (params["last"], stash + logits)}
     if parallel.pipeline_model_parallel_size == 1:
         stages = {"first": (params["first"], stash + logits)}
-    elif parallel.pipeline_schedule == "zb-v":  # the V: rank 0 holds the first and the last virtual stage
+    elif SCHEDULE_SPECS[parallel.pipeline_schedule].stage_map == "v":  # rank 0 holds the first and the last stage
         stages = {"first": (params["first"] + 2 * cfg.hidden_size, stash + logits)}
     name, (n, a) = max(stages.items(), key=lambda kv: kv[1][0] * per_param + kv[1][1])
     return {"stage": name, "params": n, "state": n * per_param, "activations": a, "total": n * per_param + a}
@@ -228,7 +217,9 @@ def check_fits(cfg: ModelConfig, parallel: ParallelConfig, recompute: str, devic
     need = run_memory_bytes(cfg, parallel, recompute)
     have, source = device_memory_bytes(device, num_local_devices)
     if have is not None and need["total"] > have:
-        raise ConfigError(f"the run needs about {need['total'] / GIB:,.1f} GiB per device (state "
-                          f"{need['state'] / GIB:,.1f} GiB, activations {need['activations'] / GIB:,.1f} GiB) but a "
-                          f"device has {have / GIB:,.1f} GiB ({source}); use more devices, a larger t or p, a smaller "
-                          f"micro batch or sequence, or --recompute-granularity full")
+        raise ConfigError(
+            f"the run needs about {need['total'] / GIB:,.1f} GiB per device (state "
+            f"{need['state'] / GIB:,.1f} GiB, activations {need['activations'] / GIB:,.1f} GiB) but a "
+            f"device has {have / GIB:,.1f} GiB ({source}); use more devices, a larger t or p, a smaller "
+            f"micro batch or sequence, or --recompute-granularity full"
+        )

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ptd_jax.config import SPLIT_SCHEDULES, ModelConfig, ParallelConfig
+from ptd_jax.config import SCHEDULE_SPECS, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import Hardware
 from ptd_jax.perf.memory import grad_bytes_per_param, memory_per_gpu, state_bytes_per_param
 from ptd_jax.train.flops import flops_per_iteration, hardware_flops_per_iteration, model_flops_per_iteration
@@ -177,7 +177,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
         "grad_accumulation": hw.memory_seconds((HALF + 2 * grad_bytes) * params_last),
     }
     slot = sum(per_mb.values())
-    bubble_slots = split_bubble_slots(parallel, recompute) if parallel.pipeline_schedule in SPLIT_SCHEDULES else (
+    bubble_slots = split_bubble_slots(parallel, recompute) if SCHEDULE_SPECS[parallel.pipeline_schedule].split else (
         (p - 1) / v)
     state_bytes = state_bytes_per_param(parallel, cfg)
     terms = {name: m * x for name, x in per_mb.items()}

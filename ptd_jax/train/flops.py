@@ -153,7 +153,7 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
                                  recompute: str = "none", sched=None, branching: str = "auto") -> float:
     """FLOPs executed by all devices in one iteration, with the attention core as `cfg.attention_backend` runs it
     (`layer_executed_flops`). Without a pipeline schedule (p = 1): each layer's forward and backward (with what
-    `recompute` recomputes) and the output layer's (3× its forward). With one (a `parallel.pipeline.Schedule`):
+    `recompute` recomputes) and the output layer's (3× its forward). With one (a `parallel.pipeline.Table`):
     summed over its ticks as the lockstep executor runs them — a forward cell runs its chunk's forwards; a backward
     cell its layers' backwards, each layer checkpointed as in the reference, plus the output layer (forward and
     backward) on the last virtual stage (a split schedule's B all but the kernels' gradients, its W those);
@@ -169,13 +169,13 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
     layers = cfg.num_layers / (sched.p * sched.v)
     chunk_f, chunk_b = (layers * x for x in layer_executed_flops(cfg, tokens, recompute))
     chunk_w = layers * layer_matmul_flops(cfg, tokens)  # a split backward's W: the kernels' gradients
-    cost = {"F": chunk_f, "B": chunk_b - chunk_w if sched.split else chunk_b, "W": chunk_w}
+    cost = {"F": chunk_f, "B": chunk_b, "I": chunk_b - chunk_w, "W": chunk_w}
     head_b = 3 * head_forward_flops(cfg, tokens, V)
     last = sched.p * sched.v - 1
     total = 0.0
     for row in sched.cells:
         busy = [(r, c.action) for r, c in enumerate(row) if c.action is not None]
-        heads = sum(1 for r, a in busy if a.kind == "B" and sched.stage(a, r) == last)
+        heads = sum(1 for r, a in busy if a.kind in ("B", "I") and sched.stage(a, r) == last)
         if branching == "uniform":  # one kind a tick: every rank runs it (split tables run per-rank only)
             total += sched.p * (cost[busy[0][1].kind] + (head_b if heads else 0.0))
         else:

@@ -295,7 +295,7 @@ def _announce(run: _Run) -> None:
         f"({run.peak_source}), data {run.data_path}")
     if sched is not None:
         sim = sched.simulate()
-        formula, w = sched.formula_bubble(), f", W stash {sched.peak_w_stash}" if sched.split else ""
+        formula, w = sched.formula_bubble(), f", in flight F to W {sched.peak_in_flight}" if sched.split else ""
         formula = "no closed form" if formula is None else f"formula {formula:.3f}"
         run.logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} ticks, "
                            f"simulated bubble {sim['bubble_fraction']:.3f} ({formula}), "

@@ -18,5 +18,14 @@ from ptd_jax.parallel.pipeline.plot import plot
 from ptd_jax.parallel.pipeline.schedule import Action, ScheduleError, build_orders
 from ptd_jax.parallel.pipeline.table import Cell, Table, build, build_forward_only, validate
 
-__all__ = ["Action", "Cell", "ScheduleError", "Table", "build", "build_forward_only", "build_orders", "plot",
-           "validate"]
+__all__ = [
+    "Action",
+    "Cell",
+    "ScheduleError",
+    "Table",
+    "build",
+    "build_forward_only",
+    "build_orders",
+    "plot",
+    "validate",
+]

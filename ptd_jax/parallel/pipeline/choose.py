@@ -1,79 +1,104 @@
-"""Pick a pipeline schedule for (p, m) and the measured F/B/W times: build every schedule the request allows,
-simulate each (`Schedule.simulate`) and take the shortest makespan among those whose memory fits. Pure Python, no
-JAX (`ptd-train --pipeline-schedule auto`).
+"""Pick a pipeline schedule for (p, m) and the F/B/W times (`ptd-train --pipeline-schedule auto`). Pure Python.
 
-With f = b = w (the zero-bubble paper's assumption) and m ≥ p, ZB-V has the shortest makespan; ZB-H1 follows at
-1F1B's stash, then interleaved 1F1B. A `memory_ok` that rejects the split schedules' extra W stash leaves the
-fused ones.
+Every schedule the request allows is built and simulated (`Table.simulate`). Among those whose memory fits, the
+shortest simulated step wins, unless one that holds less is within `MARGIN` of it: the simulation knows the
+actions' times only as well as the F:B:W ratios it is given and ignores the ring's latency, and a schedule that holds
+fewer microbatches leaves memory for a larger micro-batch or less recomputation. Memory is compared by the most
+layer-microbatches a rank keeps in flight (`Table.peak_in_flight` / v: whole stages' worth).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ptd_jax.config import PIPELINE_SCHEDULES
-from ptd_jax.parallel.pipeline.lockstep import Schedule
+from ptd_jax.config import PIPELINE_SCHEDULES, SCHEDULE_SPECS
 from ptd_jax.parallel.pipeline.schedule import ScheduleError
-from ptd_jax.parallel.pipeline.tables import build
+from ptd_jax.parallel.pipeline.table import Table, build
 
 CANDIDATES = PIPELINE_SCHEDULES
+MARGIN = 0.03
+"""A schedule must simulate more than 3% faster to beat one holding less memory."""
 
 
 def candidates(p: int, v_options: Sequence[int] = (2,)) -> list[tuple[str, int]]:
-    """(schedule, v) pairs to try: interleaved once per v in `v_options` (v > 1), ZB-V at v = 2 when 2 is allowed;
-    with one rank (p = 1) the pipelined schedules are all the same, 1F1B stands for them."""
-    if p == 1:
-        return [("1f1b", 1)]
-    out = [("gpipe", 1), ("1f1b", 1)]
-    out += [("interleaved", v) for v in v_options if v > 1]
-    out += [("1f1b-split", 1), ("zb-h1", 1)]
-    if 2 in v_options:
-        out.append(("zb-v", 2))
-    return out
+    """(schedule, v) pairs to try: schedules with a fixed chunk count at it (where v_options allows more than one
+    chunk), chunked ones once per v in `v_options` (v > 1); at p = 1 only the first unchunked one (all the same)."""
+    out = []
+    for name, spec in SCHEDULE_SPECS.items():
+        if p < spec.min_p:
+            continue
+        if spec.chunks is None:
+            out += [(name, v) for v in v_options if v > 1]
+        elif spec.chunks == 1 or spec.chunks in v_options:
+            out.append((name, spec.chunks))
+    return out[:1] if p == 1 else out
 
 
-def choose_schedule(p: int, v_hint: int | None, m: int, times: tuple[float, float, float] = (1.0, 1.0, 1.0),
-                    memory_ok: Callable[[str, int, Schedule], bool] | None = None,
-                    v_options: Sequence[int] = (2,), names: Sequence[str] = CANDIDATES
-                    ) -> tuple[str, int, list[dict]]:
-    """(name, v, rows): the schedule with the smallest simulated makespan at `times` = (f, b, w) among those
-    valid for (p, m) and accepted by `memory_ok(name, v, sched)` (None: all fit). `v_hint`, when given and > 1,
-    is tried for interleaved too; `names` limits the schedules tried. `rows`: one dict per schedule built, in
-    `CANDIDATES` order: schedule, v, bubble_fraction, makespan, peak_stash (most microbatches a rank holds, in
-    whole stages: peak / v), peak_w_stash (most B's waiting for their W), fits. Raises ScheduleError if none is
-    valid and fits."""
+def choose_schedule(
+    p: int,
+    v_hint: int | None,
+    m: int,
+    times: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    memory_ok: Callable[[str, int, Table], bool] | None = None,
+    v_options: Sequence[int] = (2,),
+    names: Sequence[str] = CANDIDATES,
+) -> tuple[str, int, list[dict]]:
+    """(name, v, rows): the choice (module docstring) among the schedules valid for (p, m) and accepted by
+    `memory_ok(name, v, table)` (None: all fit). `v_hint`, when given and > 1, is tried for chunked schedules too;
+    `names` limits the schedules tried. `rows`: one dict per schedule built: schedule, v, bubble_fraction,
+    makespan, in_flight (most layer-microbatches a rank holds, in whole stages), fits, and the chosen row's `why`.
+    Raises ScheduleError if none is valid and fits."""
     options = tuple(v_options) + ((v_hint,) if v_hint and v_hint > 1 and v_hint not in v_options else ())
     rows = []
     for name, v in candidates(p, options):
         if name not in names:
             continue
         try:
-            sched = build(name, p, v, m)
+            table = build(name, p, v, m)
         except ScheduleError:
             continue
-        sim = sched.simulate(times=tuple(times))
-        fits = True if memory_ok is None else bool(memory_ok(name, v, sched))
-        rows.append({"schedule": name, "v": v, "bubble_fraction": sim["bubble_fraction"],
-                     "makespan": sim["makespan"], "peak_stash": max(sched.peak_stash) / v,
-                     "peak_w_stash": max(sched.peak_w_stash or [0]), "fits": fits})
+        sim = table.simulate(times=tuple(times))
+        fits = True if memory_ok is None else bool(memory_ok(name, v, table))
+        rows.append(
+            {
+                "schedule": name,
+                "v": v,
+                "bubble_fraction": sim["bubble_fraction"],
+                "makespan": sim["makespan"],
+                "in_flight": max(table.peak_in_flight) / v,
+                "fits": fits,
+            }
+        )
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         tried = ", ".join(f"{r['schedule']} v={r['v']}" for r in rows) or "none valid"
         raise ScheduleError(f"no pipeline schedule fits at p={p}, m={m} (tried: {tried})")
-    best = min(fitting, key=lambda r: (r["makespan"], r["peak_stash"], CANDIDATES.index(r["schedule"])))
+    fastest = min(fitting, key=lambda r: (r["makespan"], r["in_flight"]))
+    close = [r for r in fitting if r["makespan"] <= fastest["makespan"] * (1 + MARGIN)]
+    best = min(close, key=lambda r: (r["in_flight"], r["makespan"]))
+    if best is fastest:
+        best["why"] = "the shortest simulated step"
+    else:
+        best["why"] = (
+            f"within {MARGIN:.0%} of the shortest simulated step ({fastest['schedule']}, "
+            f"{fastest['makespan']:.2f}) holding less ({best['in_flight']:g} stages against "
+            f"{fastest['in_flight']:g})"
+        )
     return best["schedule"], best["v"], rows
 
 
 def format_choice(name: str, rows: list[dict], times: tuple[float, float, float] | None = None) -> str:
-    """Several lines: the choice, then every schedule tried with its predicted bubble, makespan and stash."""
+    """Several lines: the choice and why, then every schedule tried with its bubble, makespan and memory."""
     chosen = next(r for r in rows if r["schedule"] == name)
-    head = f"pipeline schedule: {name} (v={chosen['v']}), the shortest simulated step"
+    head = f"pipeline schedule: {name} (v={chosen['v']}), {chosen.get('why', 'chosen')}"
     if times is not None:
         head += f" at F:B:W = {times[0]:g}:{times[1]:g}:{times[2]:g}"
     lines = [head + "; alternatives:"]
     for r in rows:
         mark = "*" if r["schedule"] == name and r["v"] == chosen["v"] else " "
-        lines.append(f" {mark} {r['schedule']:<11} v={r['v']}  bubble {r['bubble_fraction']:.3f}  makespan "
-                     f"{r['makespan']:.2f}  stash {r['peak_stash']:g} stages + {r['peak_w_stash']} W"
-                     + ("" if r["fits"] else "  (does not fit in memory)"))
+        lines.append(
+            f" {mark} {r['schedule']:<11} v={r['v']}  bubble {r['bubble_fraction']:.3f}  makespan "
+            f"{r['makespan']:.2f}  in flight {r['in_flight']:g} stages"
+            + ("" if r["fits"] else "  (does not fit in memory)")
+        )
     return "\n".join(lines)

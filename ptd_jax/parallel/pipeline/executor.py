@@ -137,9 +137,15 @@ def read_cell(ctx: Context, row: dict, pattern_kinds: str) -> Cell:
         embed, head = jnp.any(row["embed"] > 0), jnp.any(row["head"] > 0)
     else:
         embed, head = row["embed"][r] > 0, row["head"][r] > 0
-    return Cell(kind=kind, chunk=row["chunk"][r], microbatch=row["microbatch"][r],
-                slots={name: row[name][r] for name in SLOT_POOLS}, embed=embed, head=head,
-                active=row["kind"][r] > 0)
+    return Cell(
+        kind=kind,
+        chunk=row["chunk"][r],
+        microbatch=row["microbatch"][r],
+        slots={name: row[name][r] for name in SLOT_POOLS},
+        embed=embed,
+        head=head,
+        active=row["kind"][r] > 0,
+    )
 
 
 def stage_id(ctx: Context, chunk):
@@ -191,15 +197,17 @@ def layer_function(ctx: Context, cell: Cell):
 
 
 def embed(ctx: Context, cell: Cell, shared):
-    return tp.vocab_parallel_embed(shared, ctx.batch.tokens[cell.microbatch], ctx.cfg, ctx.opts.sequence_parallel,
-                                   microbatch_keys(ctx, cell)[0])
+    return tp.vocab_parallel_embed(
+        shared, ctx.batch.tokens[cell.microbatch], ctx.cfg, ctx.opts.sequence_parallel, microbatch_keys(ctx, cell)[0]
+    )
 
 
 def head_loss(ctx: Context, cell: Cell, shared, y):
     """Output layer and loss: the sum of the microbatch's masked token losses."""
     logits = tp.vocab_parallel_logits(shared, y, ctx.cfg, ctx.opts.sequence_parallel)
-    losses = tp.vocab_parallel_cross_entropy(logits, ctx.batch.labels[cell.microbatch], ctx.cfg.vocab_size,
-                                             ctx.cfg.fused_kernels)
+    losses = tp.vocab_parallel_cross_entropy(
+        logits, ctx.batch.labels[cell.microbatch], ctx.cfg.vocab_size, ctx.cfg.fused_kernels
+    )
     return jnp.sum(jnp.where(ctx.batch.mask[cell.microbatch] > 0, losses, 0.0))
 
 
@@ -259,8 +267,10 @@ class LayerStep:
         self.record = ctx.record
 
     def _grads(self, d_params, keep):
-        return {g: {n: (mark_like(d_params[g][n].astype(z.dtype), z) if keep(g, n) else z) for n, z in leaves.items()}
-                for g, leaves in self.zero.items()}
+        return {
+            g: {n: (mark_like(d_params[g][n].astype(z.dtype), z) if keep(g, n) else z) for n, z in leaves.items()}
+            for g, leaves in self.zero.items()
+        }
 
     def idle(self, params_j, h, values, j):
         return h, values, self.zero
@@ -279,8 +289,11 @@ class LayerStep:
         vjp = self.ctx.residuals.join(params_j, self.record.residual_values(values))
         d_params, ct = vjp(ct)
         taps = self.ctx.taps.leaves({name: d_params[g][f"{name}_tap"] for name, g in TAP_GROUPS.items()})
-        return (ct.astype(self.ctx.act_like.dtype), self.record.with_taps(values, taps),
-                self._grads(d_params, lambda g, n: not _is_kernel(g, n)))
+        return (
+            ct.astype(self.ctx.act_like.dtype),
+            self.record.with_taps(values, taps),
+            self._grads(d_params, lambda g, n: not _is_kernel(g, n)),
+        )
 
     def weight_backward(self, params_j, h, values, j):
         taps = self.ctx.taps.unflatten(self.record.tap_values(values))
@@ -315,8 +328,10 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads):
     which = _branch_index(cell, index)
     backwards = (cell.kind == B_) | (cell.kind == I_)
     slots = [cell.slots[f"{pool}_slot"] for pool in ctx.record.pools]
-    writes = [("F" if b in ctx.record.residual_buffers else "") + ("I" if b in ctx.record.tap_buffers else "")
-              for b in range(len(record))]
+    writes = [
+        ("F" if b in ctx.record.residual_buffers else "") + ("I" if b in ctx.record.tap_buffers else "")
+        for b in range(len(record))
+    ]
 
     def body(carry, j):
         h, bufs, acc = carry
@@ -324,10 +339,17 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads):
         params_j = with_taps(jax.tree.map(lambda a: a[c, jl], ctx.chunks), taps)
         values = [buf[slot, jl] for buf, slot in zip(bufs, slots)]
         h, values, d = jax.lax.switch(which, branches, params_j, h, values, jl)
-        bufs = [buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop")
-                for buf, slot, val, w in zip(bufs, slots, values, writes)]
-        acc = {g: {n: a.at[jnp.where(_adds(cell, g, n), c, a.shape[0]), jl].add(d[g][n], mode="drop")
-                   for n, a in leaves.items()} for g, leaves in acc.items()}
+        bufs = [
+            buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop")
+            for buf, slot, val, w in zip(bufs, slots, values, writes)
+        ]
+        acc = {
+            g: {
+                n: a.at[jnp.where(_adds(cell, g, n), c, a.shape[0]), jl].add(d[g][n], mode="drop")
+                for n, a in leaves.items()
+            }
+            for g, leaves in acc.items()
+        }
         return (h, bufs, acc), None
 
     (h, record, grads), _ = jax.lax.scan(body, (h, record, grads), jnp.arange(k))
@@ -376,8 +398,14 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict) -> Carry:
     if "B" in kinds or "I" in kinds:
         ct = mark_like(carry.grad[cell.slots["grad_slot"]], h)
         ct, grads_shared, loss = jax.lax.cond(
-            cell.head & (cell.kind != F_), named("head_backward", _head_backward, ctx, cell),
-            lambda y, ct, g, loss: (ct, g, loss), x_in, ct, grads_shared, loss)
+            cell.head & (cell.kind != F_),
+            named("head_backward", _head_backward, ctx, cell),
+            lambda y, ct, g, loss: (ct, g, loss),
+            x_in,
+            ct,
+            grads_shared,
+            loss,
+        )
         h = jnp.where(cell.kind == F_, h, ct) if "F" in kinds else ct
     record, grads_chunks = carry.record, carry.grads_chunks
     if training:
@@ -387,8 +415,13 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict) -> Carry:
         loss = jax.lax.cond(cell.head, partial(_head_loss_add, ctx, cell), lambda y, loss: loss, out, loss)
     act, grad = carry.act, carry.grad
     if ("B" in kinds or "I" in kinds) and training:
-        grads_shared = jax.lax.cond(cell.embed & (cell.kind != F_), named("embed_backward", _embed_backward, ctx, cell),
-                                    lambda g, dx: g, grads_shared, out)
+        grads_shared = jax.lax.cond(
+            cell.embed & (cell.kind != F_),
+            named("embed_backward", _embed_backward, ctx, cell),
+            lambda g, dx: g,
+            grads_shared,
+            out,
+        )
     if "F" in kinds and training:  # the last stage's output waits for the head (its out_slot; else dropped)
         out_slot = jnp.where(cell.kind == F_, cell.slots["out_slot"], act.shape[0])
         act = act.at[out_slot].set(out, mode="drop")
@@ -397,8 +430,9 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict) -> Carry:
         side = SIDES[d]
         act = act.at[row[f"recv_act_{side}"][ctx.rank]].set(arrived, mode="drop")
         grad = grad.at[row[f"recv_grad_{side}"][ctx.rank]].set(arrived, mode="drop")
-    return carry._replace(act=act, grad=grad, record=record, grads_chunks=grads_chunks, grads_shared=grads_shared,
-                          loss=loss)
+    return carry._replace(
+        act=act, grad=grad, record=record, grads_chunks=grads_chunks, grads_shared=grads_shared, loss=loss
+    )
 
 
 def _evaluate_chunk(ctx: Context, cell: Cell, x):
@@ -420,7 +454,7 @@ def run_table(ctx: Context, carry: Carry) -> Carry:
     cols = columns(ctx.table)
     for pattern, first, n in tick_runs(ctx.table):
         width = len(pattern)
-        rows = {k: jnp.asarray(a[first:first + n * width].reshape(n, width, *a.shape[1:])) for k, a in cols.items()}
+        rows = {k: jnp.asarray(a[first : first + n * width].reshape(n, width, *a.shape[1:])) for k, a in cols.items()}
 
         def body(carry, rows, pattern=pattern):
             for i, pat in enumerate(pattern):
@@ -443,14 +477,23 @@ def _context(params, batch: StepInputs, table: Table, opts: Options) -> tuple[Co
     shared = {k: val for k, val in params.items() if k != "layers"}
     b, S = batch.tokens.shape[1], batch.tokens.shape[2]
     sp = opts.sequence_parallel
-    act_like = mark_varying(jnp.zeros((b, S // t if sp else S, opts.cfg.hidden_size), jnp.dtype(opts.cfg.dtype)),
-                            ring_axes + tuple(sorted(varying_axes(batch.tokens))))
+    act_like = mark_varying(
+        jnp.zeros((b, S // t if sp else S, opts.cfg.hidden_size), jnp.dtype(opts.cfg.dtype)),
+        ring_axes + tuple(sorted(varying_axes(batch.tokens))),
+    )
     uniform = resolve_branching(opts.branching, schedule=table.name) == "uniform"
-    ctx = Context(opts=opts, table=table, uniform=uniform, rank=rank, chunks=gpt.cast_params(chunks, opts.cfg),
-                  shared=gpt.cast_params(shared, opts.cfg), batch=batch,
-                  scatter=t if opts.scatter_gather and not sp and t > 1 else 0,
-                  act_like=mark_varying(act_like, (TENSOR,)) if sp else act_like,
-                  acc_dtype=gpt.acc_dtype(jax.tree.leaves(params)[0].dtype))
+    ctx = Context(
+        opts=opts,
+        table=table,
+        uniform=uniform,
+        rank=rank,
+        chunks=gpt.cast_params(chunks, opts.cfg),
+        shared=gpt.cast_params(shared, opts.cfg),
+        batch=batch,
+        scatter=t if opts.scatter_gather and not sp and t > 1 else 0,
+        act_like=mark_varying(act_like, (TENSOR,)) if sp else act_like,
+        acc_dtype=gpt.acc_dtype(jax.tree.leaves(params)[0].dtype),
+    )
     return ctx, (chunks, shared)
 
 
@@ -489,9 +532,14 @@ def accumulate(params, batch: StepInputs, table: Table, opts: Options):
     embedding and layer streams, and layer j of the whole stack from fold_in(layer stream, j)."""
     ctx, (chunks, shared) = _context(params, batch, table, opts)
     ctx = _trace_record(ctx)
-    carry = Carry(act=_slots(ctx, table.slots["act"]), grad=_slots(ctx, table.slots["grad"]),
-                  record=ctx.record.buffers(table.slots, ctx.layers_per_chunk), grads_chunks=_accumulators(chunks),
-                  grads_shared=_accumulators(shared), loss=_loss_start(ctx))
+    carry = Carry(
+        act=_slots(ctx, table.slots["act"]),
+        grad=_slots(ctx, table.slots["grad"]),
+        record=ctx.record.buffers(table.slots, ctx.layers_per_chunk),
+        grads_chunks=_accumulators(chunks),
+        grads_shared=_accumulators(shared),
+        loss=_loss_start(ctx),
+    )
     carry = run_table(ctx, carry)
     grads = {**carry.grads_shared, "layers": sharding.from_local_chunks(carry.grads_chunks)}
     return carry.loss / batch.total_tokens, grads
@@ -501,6 +549,12 @@ def loss(params, batch: StepInputs, table: Table, opts: Options):
     """shard_map body of evaluation: this device's loss sum / total tokens over a table of forwards only
     (`table.build_forward_only`), the head in the last stage's forwards; no stash, no gradients, no dropout."""
     ctx, _ = _context(params, batch, table, dataclasses.replace(opts, recompute="none", key=None))
-    carry = Carry(act=_slots(ctx, table.slots["act"]), grad=_slots(ctx, table.slots["grad"]), record=[],
-                  grads_chunks=None, grads_shared=None, loss=_loss_start(ctx))
+    carry = Carry(
+        act=_slots(ctx, table.slots["act"]),
+        grad=_slots(ctx, table.slots["grad"]),
+        record=[],
+        grads_chunks=None,
+        grads_shared=None,
+        loss=_loss_start(ctx),
+    )
     return run_table(ctx, carry).loss / batch.total_tokens

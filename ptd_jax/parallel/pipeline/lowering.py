@@ -16,8 +16,14 @@ from ptd_jax.parallel.pipeline.table import Table
 
 KIND_CODES = {None: 0, "F": 1, "B": 2, "I": 3, "W": 4}
 SIDES = {1: "left", -1: "right", 0: "self"}  # +1 arrives from rank − 1 (the left), −1 from rank + 1, 0 from itself
-SLOT_POOLS = {"in_slot": "act", "out_slot": "act", "grad_slot": "grad", "rec_slot": "rec", "hold_slot": "hold",
-              "w_slot": "w"}
+SLOT_POOLS = {
+    "in_slot": "act",
+    "out_slot": "act",
+    "grad_slot": "grad",
+    "rec_slot": "rec",
+    "hold_slot": "hold",
+    "w_slot": "w",
+}
 MAX_RUNS = 8
 """More runs than this (unit tables whose ticks change pattern often) become one run of the union pattern: each
 run is one scan body to compile."""
@@ -30,7 +36,8 @@ def columns(table: Table) -> dict[str, np.ndarray]:
     T, p, last = table.ticks, table.p, table.p * table.v - 1
     size = {pool: max(n, 1) for pool, n in table.slots.items()}
     names = ["kind", "chunk", "microbatch", "embed", "head", *SLOT_POOLS] + [
-        f"recv_{pool}_{side}" for side in SIDES.values() for pool in ("act", "grad")]
+        f"recv_{pool}_{side}" for side in SIDES.values() for pool in ("act", "grad")
+    ]
     out = {n: np.zeros((T, p), np.int32) for n in names}
     head_kinds = ("F",) if table.forward_only else BACKWARD
     for t, row in enumerate(table.cells):
@@ -78,7 +85,7 @@ def tick_runs(table: Table) -> list[tuple[tuple, int, int]]:
             j += 1
         if j - i == 1 and j < T and "F" in pats[i][0] and "F" not in pats[j][0]:  # an alternation starts here
             pair, n = (pats[i], pats[j]), 0
-            while tuple(pats[i + 2 * n:i + 2 * n + 2]) == pair:
+            while tuple(pats[i + 2 * n : i + 2 * n + 2]) == pair:
                 n += 1
             runs.append((pair, i, n))
             i += 2 * n

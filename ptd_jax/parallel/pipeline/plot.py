@@ -33,14 +33,20 @@ def draw(ax, sched: Table, times: tuple[float, float, float], title: str | None 
     sim = sched.simulate(times=times)
     formula = sched.formula_bubble(times)
     formula_text = "no closed form" if formula is None else f"formula {formula:.3f}"
-    legend = ("light = F, dark = B, xx = W, // = odd chunk" if sched.split
-              else "light = forward, dark = backward, hatched = odd chunk")
-    ax.set_title(title or f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} — makespan {sim['makespan']:.4g}, "
-                          f"bubble {sim['bubble_fraction']:.3f} ({formula_text}); {legend}", fontsize=9)
+    legend = (
+        "light = F, dark = B, xx = W, // = odd chunk"
+        if sched.split
+        else "light = forward, dark = backward, hatched = odd chunk"
+    )
+    ax.set_title(
+        title
+        or f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} — makespan {sim['makespan']:.4g}, "
+        f"bubble {sim['bubble_fraction']:.3f} ({formula_text}); {legend}",
+        fontsize=9,
+    )
 
 
-def plot(sched: Table, path: str, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None
-         ) -> None:
+def plot(sched: Table, path: str, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None) -> None:
     """PNG (or PDF/SVG) timeline of `sched` (`draw`) at `times` = (f, b, w) per whole stage, by default
     (1, k/2, k/2) for backward = `backward_ratio` k × forward; a fused backward lasts b + w."""
     import matplotlib

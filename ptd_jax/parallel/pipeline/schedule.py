@@ -180,7 +180,7 @@ def interleaved_orders(p: int, v: int, m: int, g: int, split: bool = False) -> l
         order = fwd[:n_warm]
         for i in range(total - n_warm):
             order += [fwd[n_warm + i], *bwd[i]]
-        order += [a for back in bwd[total - n_warm:] for a in back]
+        order += [a for back in bwd[total - n_warm :] for a in back]
         orders.append(order)
     return orders
 

@@ -45,10 +45,10 @@ class Residuals:
     """Where each residual leaf of `vjp(fn, params, x)` comes from: a parameter leaf (its index) or a stash entry."""
 
     treedef: Any
-    sources: tuple           # per residual leaf: ("param", i) or ("stash", j)
-    structs: tuple           # per stash entry: ShapeDtypeStruct as stored (keys as their uint32 data)
-    axes: tuple              # per stash entry: the mesh axes it varies over
-    key_impls: tuple         # per stash entry: the PRNG impl of a key leaf, else None
+    sources: tuple  # per residual leaf: ("param", i) or ("stash", j)
+    structs: tuple  # per stash entry: ShapeDtypeStruct as stored (keys as their uint32 data)
+    axes: tuple  # per stash entry: the mesh axes it varies over
+    key_impls: tuple  # per stash entry: the PRNG impl of a key leaf, else None
 
     @classmethod
     def trace(cls, fn: Callable, params, x, *extra) -> Residuals:
@@ -95,11 +95,12 @@ class Residuals:
     def join(self, params, stashed: list):
         """The vjp closure again, from this tick's parameters and the stashed leaves."""
         param_leaves = jax.tree.leaves(params)
-        stashed = [jax.random.wrap_key_data(s, impl=impl) if impl is not None else s
-                   for s, impl in zip(stashed, self.key_impls, strict=True)]
+        stashed = [
+            jax.random.wrap_key_data(s, impl=impl) if impl is not None else s
+            for s, impl in zip(stashed, self.key_impls, strict=True)
+        ]
         leaves = [param_leaves[i] if where == "param" else stashed[i] for where, i in self.sources]
         return jax.tree.unflatten(self.treedef, leaves)
-
 
 
 TAP_GROUPS = {"qkv": "attn", "out": "attn", "fc1": "mlp", "fc2": "mlp"}
@@ -136,14 +137,18 @@ class Taps:
 
         jax.eval_shape(probe, params_j, h)
         if set(found) != set(TAP_GROUPS):  # jax.checkpoint caches its trace: a layer traced before runs no `dot`
-            raise RuntimeError(f"tracing the layer recorded the matmuls {sorted(found)}, not {sorted(TAP_GROUPS)}: "
-                               f"trace the taps of a layer function before anything else traces it")
+            raise RuntimeError(
+                f"tracing the layer recorded the matmuls {sorted(found)}, not {sorted(TAP_GROUPS)}: "
+                f"trace the taps of a layer function before anything else traces it"
+            )
         return cls({name: {"x": found[name][0], "g": found[name][1]} for name in TAP_GROUPS})
 
     def zeros(self) -> dict:
         """Zero taps {name: {"g", "x"}}, typed like the values they stand for."""
-        return {name: {k: mark_varying(jnp.zeros(s.shape, s.dtype), axes) for k, (s, axes) in pair.items()}
-                for name, pair in self.structs.items()}
+        return {
+            name: {k: mark_varying(jnp.zeros(s.shape, s.dtype), axes) for k, (s, axes) in pair.items()}
+            for name, pair in self.structs.items()
+        }
 
     def entries(self) -> list[tuple[jax.ShapeDtypeStruct, tuple]]:
         """(struct, axes) per tap leaf in `leaves`' order."""
@@ -165,11 +170,11 @@ class Record:
     buffer."""
 
     structs: tuple  # per buffer: ShapeDtypeStruct
-    axes: tuple     # per buffer: the mesh axes it varies over
-    pools: tuple    # per buffer: "rec" | "hold" | "w"
+    axes: tuple  # per buffer: the mesh axes it varies over
+    pools: tuple  # per buffer: "rec" | "hold" | "w"
     residual_buffers: tuple  # per residual stash entry: its buffer
-    tap_buffers: tuple       # per tap leaf: its buffer (empty without taps)
-    tap_structs: tuple       # per tap leaf: its own ShapeDtypeStruct (a shared buffer has the residual's shape)
+    tap_buffers: tuple  # per tap leaf: its buffer (empty without taps)
+    tap_structs: tuple  # per tap leaf: its own ShapeDtypeStruct (a shared buffer has the residual's shape)
 
     @classmethod
     def layout(cls, residuals: Residuals, taps: Taps | None) -> Record:
@@ -177,8 +182,14 @@ class Record:
         pools = ["rec"] * len(structs)
         tap_buffers, tap_structs = [], []
         for s, a in taps.entries() if taps is not None else []:
-            match = next((b for b, (t, x, pool) in enumerate(zip(structs, axes, pools)) if pool == "rec"
-                          and t.size == s.size and t.dtype == s.dtype and x == a), None)
+            match = next(
+                (
+                    b
+                    for b, (t, x, pool) in enumerate(zip(structs, axes, pools))
+                    if pool == "rec" and t.size == s.size and t.dtype == s.dtype and x == a
+                ),
+                None,
+            )
             if match is None:
                 structs.append(s)
                 axes.append(a)
@@ -188,13 +199,21 @@ class Record:
                 pools[match] = "hold"
             tap_buffers.append(match)
             tap_structs.append(s)
-        return cls(tuple(structs), tuple(axes), tuple(pools), tuple(range(len(residuals.structs))),
-                   tuple(tap_buffers), tuple(tap_structs))
+        return cls(
+            tuple(structs),
+            tuple(axes),
+            tuple(pools),
+            tuple(range(len(residuals.structs))),
+            tuple(tap_buffers),
+            tuple(tap_structs),
+        )
 
     def buffers(self, slots: dict, layers: int) -> list:
         """Zero buffers [slots of its pool, layers, ...], typed like the leaves they hold."""
-        return [mark_varying(jnp.zeros((max(slots[pool], 1), layers, *s.shape), s.dtype), a)
-                for s, a, pool in zip(self.structs, self.axes, self.pools)]
+        return [
+            mark_varying(jnp.zeros((max(slots[pool], 1), layers, *s.shape), s.dtype), a)
+            for s, a, pool in zip(self.structs, self.axes, self.pools)
+        ]
 
     def bytes_per_slot(self) -> dict:
         """Bytes of one layer's record in each pool."""

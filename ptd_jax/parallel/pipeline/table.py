@@ -27,8 +27,18 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ptd_jax.config import ScheduleSpec
-from ptd_jax.parallel.pipeline.schedule import (BACKWARD, Action, F, ScheduleError, build_orders, check_request,
-                                                dependencies, place_of, spec_of, stage_of)
+from ptd_jax.parallel.pipeline.schedule import (
+    BACKWARD,
+    Action,
+    F,
+    ScheduleError,
+    build_orders,
+    check_request,
+    dependencies,
+    place_of,
+    spec_of,
+    stage_of,
+)
 
 ACCUMULATION = ScheduleSpec("accumulation", orders="1f1b", split=False, rows="lockstep", chunks=1)
 """Gradient accumulation at p = 1 (`accumulation_table`): each microbatch's F, then its fused B."""
@@ -39,12 +49,12 @@ class Cell:
     """What one rank does in one tick, with its buffer slots (-1: none)."""
 
     action: Action | None = None
-    in_slot: int = -1    # act: F's input (stage > 0); B/I on the last stage: the chunk's output, the head's input
-    out_slot: int = -1   # act: F on the last stage (training): where its output waits for the B/I
+    in_slot: int = -1  # act: F's input (stage > 0); B/I on the last stage: the chunk's output, the head's input
+    out_slot: int = -1  # act: F on the last stage (training): where its output waits for the B/I
     grad_slot: int = -1  # grad: B/I below the last stage: the output gradient
-    rec_slot: int = -1   # record kept from F to B/I
+    rec_slot: int = -1  # record kept from F to B/I
     hold_slot: int = -1  # record kept from F to W (split backwards)
-    w_slot: int = -1     # record kept from I to W (split backwards)
+    w_slot: int = -1  # record kept from I to W (split backwards)
     send: int | None = None  # where its output goes: +1 (rank + 1), -1 (rank − 1), 0 (this rank: the V's turn)
     recv: dict = field(default_factory=dict)  # arrivals {+1: from rank − 1, -1: from rank + 1, 0: own} -> (buf, slot)
 
@@ -85,8 +95,8 @@ class Table:
     orders: list[list[Action]]
     forward_only: bool = False
     cells: list[list[Cell]] = field(default_factory=list)  # [tick][rank]
-    slots: dict = field(default_factory=dict)              # pool name -> slots per rank (its peak over ranks)
-    peak_stash: list[int] = field(default_factory=list)    # per rank: most chunk-microbatches between F and B/I
+    slots: dict = field(default_factory=dict)  # pool name -> slots per rank (its peak over ranks)
+    peak_stash: list[int] = field(default_factory=list)  # per rank: most chunk-microbatches between F and B/I
     peak_in_flight: list[int] = field(default_factory=list)  # per rank: most between F and W (or a fused B)
     peak_w_stash: list[int] = field(default_factory=list)  # per rank: most between I and W
 
@@ -139,13 +149,24 @@ class Table:
     def to_json(self, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None) -> dict:
         times = times or (1.0, backward_ratio / 2, backward_ratio / 2)
         sim = self.simulate(times=times)
-        return {"schedule": self.name, "p": self.p, "v": self.v, "m": self.m, "G": self.group,
-                "ticks": self.ticks, "bubble_fraction": sim["bubble_fraction"], "makespan": sim["makespan"],
-                "formula_bubble": self.formula_bubble(times), "backward_ratio": (times[1] + times[2]) / times[0],
-                "times": {"f": times[0], "b": times[1], "w": times[2]},
-                "peak_stash": self.peak_stash, "peak_in_flight": self.peak_in_flight,
-                "peak_w_stash": self.peak_w_stash, "slots": self.slots,
-                "ranks": [[str(a) for a in order] for order in self.orders]}
+        return {
+            "schedule": self.name,
+            "p": self.p,
+            "v": self.v,
+            "m": self.m,
+            "G": self.group,
+            "ticks": self.ticks,
+            "bubble_fraction": sim["bubble_fraction"],
+            "makespan": sim["makespan"],
+            "formula_bubble": self.formula_bubble(times),
+            "backward_ratio": (times[1] + times[2]) / times[0],
+            "times": {"f": times[0], "b": times[1], "w": times[2]},
+            "peak_stash": self.peak_stash,
+            "peak_in_flight": self.peak_in_flight,
+            "peak_w_stash": self.peak_w_stash,
+            "slots": self.slots,
+            "ranks": [[str(a) for a in order] for order in self.orders],
+        }
 
     def text(self) -> str:
         """Text table: one row per tick, one column per rank."""
@@ -244,8 +265,9 @@ class _Placement:
                 self.pools["w"].release(r, cell.w_slot)
 
 
-def place(spec: ScheduleSpec, orders: list[list[Action]], p: int, v: int, m: int, group: int = 1,
-          forward_only: bool = False) -> Table:
+def place(
+    spec: ScheduleSpec, orders: list[list[Action]], p: int, v: int, m: int, group: int = 1, forward_only: bool = False
+) -> Table:
     """Place the per-rank orders on ticks by the spec's row rule (module docstring), assigning the slots.
     `forward_only`: the orders hold forwards alone (evaluation), and nothing is kept for a backward."""
     table = Table(spec, p, v, m, group, orders, forward_only=forward_only)
@@ -320,8 +342,10 @@ def check_actions(table: Table, seen: dict) -> None:
     for (r, a), t in seen.items():
         for dep in dependencies(table.spec, a, r, p, v):
             if dep in seen and seen[dep] >= t:
-                raise ScheduleError(f"{a} on rank {r} at tick {t} runs before its dependency {dep[1]} on rank "
-                                    f"{dep[0]} (tick {seen[dep]})")
+                raise ScheduleError(
+                    f"{a} on rank {r} at tick {t} runs before its dependency {dep[1]} on rank "
+                    f"{dep[0]} (tick {seen[dep]})"
+                )
 
 
 def validate(table: Table) -> None:
@@ -340,8 +364,9 @@ def _replay_slots(table: Table) -> None:
 
     def read(pool, r, slot, key, what, a, t, free=True):
         if held[pool][r].get(slot) != key:
-            raise ScheduleError(f"{a} on rank {r} at tick {t} reads {pool} slot {slot} ({what}) holding "
-                                f"{held[pool][r].get(slot)}")
+            raise ScheduleError(
+                f"{a} on rank {r} at tick {t} reads {pool} slot {slot} ({what}) holding {held[pool][r].get(slot)}"
+            )
         if free:
             held[pool][r].pop(slot)
 
@@ -380,6 +405,7 @@ def _replay_slots(table: Table) -> None:
                 to_stage = table.stage(sa, src) + (1 if sa.kind == "F" else -1)
                 rank, chunk = place_of(table.spec, p, to_stage)
                 if rank != r:
-                    raise ScheduleError(f"tick {t}: {sa} on rank {src} sends to rank {r}, but its stage {to_stage} "
-                                        f"is on rank {rank}")
+                    raise ScheduleError(
+                        f"tick {t}: {sa} on rank {src} sends to rank {r}, but its stage {to_stage} is on rank {rank}"
+                    )
                 held[pool][r][slot] = (chunk, sa.microbatch)
