@@ -458,7 +458,7 @@ def run_table(ctx: Context, carry: Carry) -> Carry:
 
         def body(carry, rows, pattern=pattern):
             for i, pat in enumerate(pattern):
-                carry = tick(ctx, pat, carry, jax.tree.map(lambda a, i=i: a[i], rows))
+                carry = tick(ctx, pat, carry, {k: col[i] for k, col in rows.items()})
             return carry, None
 
         carry, _ = jax.lax.scan(body, carry, rows)
