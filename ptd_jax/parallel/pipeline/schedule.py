@@ -16,7 +16,8 @@ Order builders (`ORDERS`), each rank's list of actions:
 - "zb-h1" (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order with stage s's W(j) moved after I(j + s):
   every stage holds p microbatches from F to W, 1F1B's peak, and the deferred W's fill the cool-down bubble.
 - "zero-bubble" (ZB-V's): a greedy unit-time replay (`greedy_orders`): per tick a ready I, else a ready F (the
-  deepest stage first) while fewer than 2p chunk-microbatches are in flight from F to W (ZB-V's chunks are half a stage: 1F1B's p stages' worth), else the oldest waiting W.
+  deepest stage first) while fewer than 2p chunk-microbatches are in flight from F to W (ZB-V's chunks are half
+  a stage: 1F1B's p stages' worth), else the oldest waiting W.
 """
 
 from __future__ import annotations
