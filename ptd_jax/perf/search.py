@@ -74,7 +74,7 @@ def layout_record(cfg: ModelConfig, parallel: ParallelConfig, pred: Prediction, 
         "data_parallel_size": parallel.data_parallel_size,
         "micro_batch_size": parallel.micro_batch_size,
         "num_layers_per_virtual_pipeline_stage": (cfg.num_layers // (parallel.pipeline_model_parallel_size * v)
-                                                  if parallel.pipeline_schedule == "interleaved" else None),
+                                                  if v > 1 else None),
         "virtual_pipeline_stages": v,
         "pipeline_schedule": parallel.pipeline_schedule,
         "num_microbatches": parallel.num_microbatches,
