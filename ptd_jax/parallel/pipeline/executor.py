@@ -521,7 +521,8 @@ def _trace_record(ctx: Context) -> Context:
     j = jnp.zeros((), jnp.int32)
     taps = Taps.trace(layer, params_0, ctx.act_like, j) if ctx.table.split else None
     residuals = Residuals.trace(layer, with_taps(params_0, taps.zeros() if taps else None), ctx.act_like, j)
-    return dataclasses.replace(ctx, residuals=residuals, taps=taps, record=Record.layout(residuals, taps))
+    record = Record.layout(residuals, taps, ctx.table.slots)
+    return dataclasses.replace(ctx, residuals=residuals, taps=taps, record=record)
 
 
 def accumulate(params, batch: StepInputs, table: Table, opts: Options):

@@ -13,11 +13,15 @@ A split backward (zero-bubble I and W) gives each matmul a *tap* (`tensor.dot`):
 matmul's input and output gradient, so I computes the input gradient only and W turns the taps into the kernel's
 gradient later (`Taps`); no matmul runs twice.
 
-`Record` lays both out in buffers: a tap leaf shaped like a residual leaf takes that leaf's buffer (the residual is
-dead once I has read it), and lives in the "hold" slots (F to W); residuals no tap reuses live in the "rec" slots
-(F to I), taps without a partner in the "w" slots (I to W): `table.py` places the three. Sharing is never worse
-than separate buffers (a microbatch held from F to W is at most one held F to I plus one held I to W), and with
-recomputation none most taps find a partner, so a microbatch between I and W costs about what it cost before I.
+`Record` lays both out in flat buffers, in one of two ways, whichever takes fewer bytes at the table's slot counts
+(`table.py` places three pools: "rec" from F to I, "hold" from F to W, "w" from I to W):
+- leaf by leaf: a tap leaf shaped like a residual leaf takes that leaf's buffer (the residual is dead once I has
+  read it), in the "hold" slots; residuals no tap reuses stay in "rec", taps without a partner go to "w". Best
+  where W's wait briefly (1F1B: one "w" slot);
+- packed: per dtype and varying axes one "hold" buffer as long as the longer of the two sets, so a microbatch costs
+  the same from F to W. Best where many W's wait (ZB-H1, ZB-V): with recomputation none a layer's taps (its four
+  matmuls' inputs and output gradients, 16 h per token at t = 1) outweigh its residuals (12 h), and under SPMD
+  each pool is as large as its fullest rank, so separate pools pay for the ranks' different mixes.
 
 The structures are learned once per step with `jax.eval_shape` (nothing is computed), including each leaf's varying
 mesh axes, so that the buffers carry the types the branches return.
@@ -164,78 +168,132 @@ class Taps:
 
 
 @dataclass(frozen=True)
-class Record:
-    """A layer's saved values laid out in buffers (module docstring): per buffer its type and slot pool ("rec",
-    "hold" or "w"), and for each residual leaf (F writes, B/I read) and each tap leaf (I writes, W reads) its
-    buffer."""
+class Entry:
+    """Where one leaf lives: buffer `buffer` of the record, elements [offset, offset + size) of its flat row."""
 
-    structs: tuple  # per buffer: ShapeDtypeStruct
-    axes: tuple  # per buffer: the mesh axes it varies over
-    pools: tuple  # per buffer: "rec" | "hold" | "w"
-    residual_buffers: tuple  # per residual stash entry: its buffer
-    tap_buffers: tuple  # per tap leaf: its buffer (empty without taps)
-    tap_structs: tuple  # per tap leaf: its own ShapeDtypeStruct (a shared buffer has the residual's shape)
+    buffer: int
+    offset: int
+    struct: jax.ShapeDtypeStruct
+
+
+@dataclass(frozen=True)
+class Record:
+    """A layer's saved values laid out in flat buffers [slots of its pool, layers, n] (module docstring): per buffer
+    its dtype, length, varying axes and slot pool ("rec", "hold" or "w"); for each residual leaf (F writes, B/I read)
+    and each tap leaf (I writes, W reads) its `Entry`. Two layouts (`layout` takes the smaller for the table's
+    slots):
+    - "leaves": one buffer per residual; a tap takes a residual's buffer where size, dtype and axes match ("hold"),
+      the others get their own ("w"), the residuals no tap takes stay "rec";
+    - "packed": per (dtype, axes) one "hold" buffer as long as the longer of the residuals and the taps of that
+      type, both packed from offset 0: a microbatch costs the same from F to W, whatever its state."""
+
+    dtypes: tuple
+    lengths: tuple
+    axes: tuple
+    pools: tuple
+    residual_entries: tuple
+    tap_entries: tuple
 
     @classmethod
-    def layout(cls, residuals: Residuals, taps: Taps | None) -> Record:
-        structs, axes = list(residuals.structs), list(residuals.axes)
-        pools = ["rec"] * len(structs)
-        tap_buffers, tap_structs = [], []
+    def layout(cls, residuals: Residuals, taps: Taps | None, slots: dict) -> Record:
+        """The layout of the two with fewer bytes at these pool sizes (`table.Table.slots`)."""
+        options = [cls.leaves(residuals, taps)] + ([cls.packed(residuals, taps)] if taps is not None else [])
+        return min(options, key=lambda r: r.bytes(slots))
+
+    @classmethod
+    def leaves(cls, residuals: Residuals, taps: Taps | None) -> Record:
+        dtypes = [s.dtype for s in residuals.structs]
+        lengths = [s.size for s in residuals.structs]
+        axes, pools = list(residuals.axes), ["rec"] * len(dtypes)
+        res = tuple(Entry(b, 0, s) for b, s in enumerate(residuals.structs))
+        tap_entries = []
         for s, a in taps.entries() if taps is not None else []:
             match = next(
                 (
                     b
-                    for b, (t, x, pool) in enumerate(zip(structs, axes, pools))
-                    if pool == "rec" and t.size == s.size and t.dtype == s.dtype and x == a
+                    for b in range(len(res))
+                    if pools[b] == "rec" and lengths[b] == s.size and dtypes[b] == s.dtype and axes[b] == a
                 ),
                 None,
             )
             if match is None:
-                structs.append(s)
+                dtypes.append(s.dtype)
+                lengths.append(s.size)
                 axes.append(a)
                 pools.append("w")
-                match = len(structs) - 1
+                match = len(dtypes) - 1
             else:
                 pools[match] = "hold"
-            tap_buffers.append(match)
-            tap_structs.append(s)
+            tap_entries.append(Entry(match, 0, s))
+        return cls(tuple(dtypes), tuple(lengths), tuple(axes), tuple(pools), res, tuple(tap_entries))
+
+    @classmethod
+    def packed(cls, residuals: Residuals, taps: Taps) -> Record:
+        groups: dict = {}
+        used: dict = {}
+
+        def place(struct, a, which):
+            key = (jnp.dtype(struct.dtype), a)
+            b = groups.setdefault(key, len(groups))
+            offset = used.get((b, which), 0)
+            used[(b, which)] = offset + struct.size
+            return Entry(b, offset, struct)
+
+        res = tuple(place(s, a, "res") for s, a in zip(residuals.structs, residuals.axes))
+        tap_entries = tuple(place(s, a, "tap") for s, a in taps.entries())
+        keys = sorted(groups, key=groups.get)
+        lengths = tuple(max(used.get((b, "res"), 0), used.get((b, "tap"), 0)) for b in range(len(keys)))
         return cls(
-            tuple(structs),
-            tuple(axes),
-            tuple(pools),
-            tuple(range(len(residuals.structs))),
-            tuple(tap_buffers),
-            tuple(tap_structs),
+            tuple(k[0] for k in keys), lengths, tuple(k[1] for k in keys), ("hold",) * len(keys), res, tap_entries
         )
 
+    def bytes(self, slots: dict) -> int:
+        """Bytes of one layer's record buffers at these pool sizes."""
+        return sum(slots[pool] * n * jnp.dtype(d).itemsize for d, n, pool in zip(self.dtypes, self.lengths, self.pools))
+
     def buffers(self, slots: dict, layers: int) -> list:
-        """Zero buffers [slots of its pool, layers, ...], typed like the leaves they hold."""
+        """Zero buffers [slots of its pool, layers, n], typed like the leaves they hold."""
         return [
-            mark_varying(jnp.zeros((max(slots[pool], 1), layers, *s.shape), s.dtype), a)
-            for s, a, pool in zip(self.structs, self.axes, self.pools)
+            mark_varying(jnp.zeros((max(slots[pool], 1), layers, n), d), a)
+            for d, n, a, pool in zip(self.dtypes, self.lengths, self.axes, self.pools)
         ]
 
-    def bytes_per_slot(self) -> dict:
-        """Bytes of one layer's record in each pool."""
-        out = {"rec": 0, "hold": 0, "w": 0}
-        for s, pool in zip(self.structs, self.pools):
-            out[pool] += s.size * jnp.dtype(s.dtype).itemsize
+    @property
+    def residual_buffers(self) -> set:
+        return {e.buffer for e in self.residual_entries}
+
+    @property
+    def tap_buffers(self) -> set:
+        return {e.buffer for e in self.tap_entries}
+
+    @staticmethod
+    def _read(values: list, entries) -> list:
+        return [values[e.buffer][e.offset : e.offset + e.struct.size].reshape(e.struct.shape) for e in entries]
+
+    def _write(self, values: list, entries, leaves: list) -> list:
+        """`values` with the buffers `entries` name rebuilt from `leaves` (each packed at its offset; the rest of a
+        row is padding)."""
+        out = list(values)
+        rows: dict = {}
+        for e, leaf in zip(entries, leaves, strict=True):
+            rows.setdefault(e.buffer, []).append((e.offset, leaf.reshape(-1)))
+        for b, parts in rows.items():
+            parts.sort(key=lambda x: x[0])
+            flat = [x for _, x in parts]
+            pad = self.lengths[b] - sum(x.size for x in flat)
+            if pad:
+                flat.append(jnp.zeros((pad,), self.dtypes[b]) + jnp.zeros_like(values[b][:pad]))
+            out[b] = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
         return out
 
     def residual_values(self, values: list) -> list:
-        return [values[b] for b in self.residual_buffers]
+        return self._read(values, self.residual_entries)
 
     def tap_values(self, values: list) -> list:
-        return [values[b].reshape(s.shape) for b, s in zip(self.tap_buffers, self.tap_structs)]
+        return self._read(values, self.tap_entries)
 
     def with_residuals(self, values: list, leaves: list) -> list:
-        out = list(values)
-        for b, leaf in zip(self.residual_buffers, leaves, strict=True):
-            out[b] = leaf
-        return out
+        return self._write(values, self.residual_entries, leaves)
 
     def with_taps(self, values: list, leaves: list) -> list:
-        out = list(values)
-        for b, leaf in zip(self.tap_buffers, leaves, strict=True):
-            out[b] = leaf.reshape(self.structs[b].shape)
-        return out
+        return self._write(values, self.tap_entries, leaves)
