@@ -521,7 +521,7 @@ def _trace_record(ctx: Context) -> Context:
     j = jnp.zeros((), jnp.int32)
     taps = Taps.trace(layer, params_0, ctx.act_like, j) if ctx.table.split else None
     residuals = Residuals.trace(layer, with_taps(params_0, taps.zeros() if taps else None), ctx.act_like, j)
-    record = Record.layout(residuals, taps, ctx.table.slots)
+    record = Record.layout(residuals, taps)
     return dataclasses.replace(ctx, residuals=residuals, taps=taps, record=record)
 
 

@@ -13,15 +13,13 @@ A split backward (zero-bubble I and W) gives each matmul a *tap* (`tensor.dot`):
 matmul's input and output gradient, so I computes the input gradient only and W turns the taps into the kernel's
 gradient later (`Taps`); no matmul runs twice.
 
-`Record` lays both out in flat buffers, in one of two ways, whichever takes fewer bytes at the table's slot counts
-(`table.py` places three pools: "rec" from F to I, "hold" from F to W, "w" from I to W):
-- leaf by leaf: a tap leaf shaped like a residual leaf takes that leaf's buffer (the residual is dead once I has
-  read it), in the "hold" slots; residuals no tap reuses stay in "rec", taps without a partner go to "w". Best
-  where W's wait briefly (1F1B: one "w" slot);
-- packed: per dtype and varying axes one "hold" buffer as long as the longer of the two sets, so a microbatch costs
-  the same from F to W. Best where many W's wait (ZB-H1, ZB-V): with recomputation none a layer's taps (its four
-  matmuls' inputs and output gradients, 16 h per token at t = 1) outweigh its residuals (12 h), and under SPMD
-  each pool is as large as its fullest rank, so separate pools pay for the ranks' different mixes.
+`Record` lays both out in flat buffers. A tap leaf of a residual leaf's size, dtype and axes takes that residual's
+buffer (dead once I has read it), in the "hold" slots (F to W); residuals no tap takes stay in "rec" (F to I), taps
+without a partner go to "w" (I to W): `table.py` places the three pools. Sharing never costs more than separate
+buffers (a microbatch held F to W is one held F to I plus one held I to W). What it cannot remove: with
+recomputation none a layer's taps (its four matmuls' inputs and output gradients, 16 h per token at t = 1) outweigh
+its residuals (10 h with flash attention), so a microbatch waiting for its W costs more than one waiting for its I
+(docs/architecture.md, "Pipeline").
 
 The structures are learned once per step with `jax.eval_shape` (nothing is computed), including each leaf's varying
 mesh axes, so that the buffers carry the types the branches return.
@@ -180,12 +178,8 @@ class Entry:
 class Record:
     """A layer's saved values laid out in flat buffers [slots of its pool, layers, n] (module docstring): per buffer
     its dtype, length, varying axes and slot pool ("rec", "hold" or "w"); for each residual leaf (F writes, B/I read)
-    and each tap leaf (I writes, W reads) its `Entry`. Two layouts (`layout` takes the smaller for the table's
-    slots):
-    - "leaves": one buffer per residual; a tap takes a residual's buffer where size, dtype and axes match ("hold"),
-      the others get their own ("w"), the residuals no tap takes stay "rec";
-    - "packed": per (dtype, axes) one "hold" buffer as long as the longer of the residuals and the taps of that
-      type, both packed from offset 0: a microbatch costs the same from F to W, whatever its state."""
+    and each tap leaf (I writes, W reads) its `Entry`. One buffer per residual; a tap takes a residual's buffer where
+    size, dtype and axes match ("hold"), the others get their own ("w"); the residuals no tap takes stay "rec"."""
 
     dtypes: tuple
     lengths: tuple
@@ -195,13 +189,7 @@ class Record:
     tap_entries: tuple
 
     @classmethod
-    def layout(cls, residuals: Residuals, taps: Taps | None, slots: dict) -> Record:
-        """The layout of the two with fewer bytes at these pool sizes (`table.Table.slots`)."""
-        options = [cls.leaves(residuals, taps)] + ([cls.packed(residuals, taps)] if taps is not None else [])
-        return min(options, key=lambda r: r.bytes(slots))
-
-    @classmethod
-    def leaves(cls, residuals: Residuals, taps: Taps | None) -> Record:
+    def layout(cls, residuals: Residuals, taps: Taps | None) -> Record:
         dtypes = [s.dtype for s in residuals.structs]
         lengths = [s.size for s in residuals.structs]
         axes, pools = list(residuals.axes), ["rec"] * len(dtypes)
@@ -226,26 +214,6 @@ class Record:
                 pools[match] = "hold"
             tap_entries.append(Entry(match, 0, s))
         return cls(tuple(dtypes), tuple(lengths), tuple(axes), tuple(pools), res, tuple(tap_entries))
-
-    @classmethod
-    def packed(cls, residuals: Residuals, taps: Taps) -> Record:
-        groups: dict = {}
-        used: dict = {}
-
-        def place(struct, a, which):
-            key = (jnp.dtype(struct.dtype), a)
-            b = groups.setdefault(key, len(groups))
-            offset = used.get((b, which), 0)
-            used[(b, which)] = offset + struct.size
-            return Entry(b, offset, struct)
-
-        res = tuple(place(s, a, "res") for s, a in zip(residuals.structs, residuals.axes))
-        tap_entries = tuple(place(s, a, "tap") for s, a in taps.entries())
-        keys = sorted(groups, key=groups.get)
-        lengths = tuple(max(used.get((b, "res"), 0), used.get((b, "tap"), 0)) for b in range(len(keys)))
-        return cls(
-            tuple(k[0] for k in keys), lengths, tuple(k[1] for k in keys), ("hold",) * len(keys), res, tap_entries
-        )
 
     def bytes(self, slots: dict) -> int:
         """Bytes of one layer's record buffers at these pool sizes."""
