@@ -5,7 +5,7 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
 `lax.scan`. In a tick each pipeline rank
 
 1. reads its cell (kind, chunk, microbatch, slots) and its inputs from the activation and gradient slots, before any
-   branch (a buffer read and written inside a conditional is kept twice by XLA);
+   branch;
 2. prepares the layers' input: an F's activation (on virtual stage 0 the embedding, in a `lax.cond`), or a B's or
    I's output gradient (on the last stage from the head's forward and backward, in a `lax.cond`; its loss is added
    here);
@@ -15,9 +15,10 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
    - I: the same with taps beside the matmuls: the input gradient and the small parameters' gradients, the taps
      to the record for the W;
    - W: the kernels' gradients from the taps;
-   the record is read before the switch and written after it by a scatter that drops an out-of-bounds row (no
-   write where the rank runs another kind), the gradients added the same way, in place, into float32
-   accumulators; F runs the layers forwards, B and I backwards;
+   each branch reads the record rows it needs (an F none), and the rows are written after the switch by a scatter
+   that drops an out-of-bounds row (no write where the rank runs another kind); the gradients are added the same
+   way, in place, into float32 accumulators; F runs the layers forwards, B and I backwards. No conditional writes a
+   buffer: XLA:GPU copied buffers written inside conditionals (measured: 1.3B at p = 4, several GiB);
 4. on stage 0 after a B or I, the embedding's transpose (a `lax.cond`); on the last stage after an F, its output
    kept for the head;
 5. sends its output (an F's activation, a B's or I's input gradient) over "pipe" in each direction the tick's
@@ -258,8 +259,9 @@ def _is_kernel(group: str, name: str) -> bool:
 
 class LayerStep:
     """One layer's work for each kind, as the branches of one `lax.switch` (module docstring, step 3). Every branch
-    takes (layer parameters, h, the record's values at this layer) and returns (h, the record's values, the layer's
-    parameter gradients in the accumulators' dtype)."""
+    takes (layer parameters, h, the record's buffers, their slots, the layer index) and returns (h, a new row for
+    every record buffer (zeros where it writes none: dropped after the switch), the layer's parameter gradients in
+    the accumulators' dtype). A branch reads only the rows it needs: an F reads none."""
 
     def __init__(self, ctx: Context, cell: Cell, zero_grads: dict):
         self.ctx, self.cell, self.zero = ctx, cell, zero_grads
@@ -272,35 +274,45 @@ class LayerStep:
             for g, leaves in self.zero.items()
         }
 
-    def idle(self, params_j, h, values, j):
-        return h, values, self.zero
+    @staticmethod
+    def _rows(bufs, slots, j):
+        return [buf[slot, j] for buf, slot in zip(bufs, slots)]
 
-    def forward(self, params_j, h, values, j):
+    @staticmethod
+    def _blank(bufs):
+        return [jnp.zeros_like(buf[0, 0]) for buf in bufs]
+
+    def idle(self, params_j, h, bufs, slots, j):
+        return h, self._blank(bufs), self.zero
+
+    def forward(self, params_j, h, bufs, slots, j):
         y, vjp = jax.vjp(lambda prm, h: self.layer(prm, h, j), params_j, h)
         leaves = self.ctx.residuals.split(vjp, params_j)
-        return y.astype(h.dtype), self.record.with_residuals(values, leaves), self.zero
+        return y.astype(h.dtype), self.record.with_residuals(self._blank(bufs), leaves), self.zero
 
-    def backward(self, params_j, ct, values, j):
-        vjp = self.ctx.residuals.join(params_j, self.record.residual_values(values))
+    def backward(self, params_j, ct, bufs, slots, j):
+        rows = self._rows(bufs, slots, j)
+        vjp = self.ctx.residuals.join(params_j, self.record.residual_values(rows))
         d_params, ct = vjp(ct)
-        return ct.astype(self.ctx.act_like.dtype), values, self._grads(d_params, lambda g, n: True)
+        return ct.astype(self.ctx.act_like.dtype), self._blank(bufs), self._grads(d_params, lambda g, n: True)
 
-    def input_backward(self, params_j, ct, values, j):
-        vjp = self.ctx.residuals.join(params_j, self.record.residual_values(values))
+    def input_backward(self, params_j, ct, bufs, slots, j):
+        rows = self._rows(bufs, slots, j)
+        vjp = self.ctx.residuals.join(params_j, self.record.residual_values(rows))
         d_params, ct = vjp(ct)
         taps = self.ctx.taps.leaves({name: d_params[g][f"{name}_tap"] for name, g in TAP_GROUPS.items()})
         return (
             ct.astype(self.ctx.act_like.dtype),
-            self.record.with_taps(values, taps),
+            self.record.with_taps(self._blank(bufs), taps),
             self._grads(d_params, lambda g, n: not _is_kernel(g, n)),
         )
 
-    def weight_backward(self, params_j, h, values, j):
-        taps = self.ctx.taps.unflatten(self.record.tap_values(values))
+    def weight_backward(self, params_j, h, bufs, slots, j):
+        taps = self.ctx.taps.unflatten(self.record.tap_values(self._rows(bufs, slots, j)))
         d = {g: {} for g in TAP_GROUPS.values()}
         for n, g in TAP_GROUPS.items():
             d[g][f"{n}_kernel"] = tp.tap_weight_grad(n, taps[n], params_j[g][f"{n}_kernel"])
-        return h, values, self._grads(d, _is_kernel)
+        return h, self._blank(bufs), self._grads(d, _is_kernel)
 
     def branches(self, kinds: str):
         """(the switch's branches, each kind's code -> its branch index) for the kinds a pattern runs."""
@@ -337,8 +349,7 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads):
         h, bufs, acc = carry
         jl = jnp.where(backwards, k - 1 - j, j)
         params_j = with_taps(jax.tree.map(lambda a: a[c, jl], ctx.chunks), taps)
-        values = [buf[slot, jl] for buf, slot in zip(bufs, slots)]
-        h, values, d = jax.lax.switch(which, branches, params_j, h, values, jl)
+        h, values, d = jax.lax.switch(which, branches, params_j, h, bufs, slots, jl)
         bufs = [
             buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop")
             for buf, slot, val, w in zip(bufs, slots, values, writes)
