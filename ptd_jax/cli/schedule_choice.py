@@ -12,10 +12,15 @@ from ptd_jax.runtime import multiprocess
 
 
 def add_args(g) -> None:
-    g.add_argument("--schedule-times", type=positive_float, nargs=3, metavar=("F", "B", "W"),
-                   help="--pipeline-schedule auto: a stage's forward, input-gradient and weight-gradient times, "
-                        "e.g. measured (default: the ratios of their FLOPs in this model; 1 1 1 is the zero-bubble "
-                        "paper's assumption)")
+    g.add_argument(
+        "--schedule-times",
+        type=positive_float,
+        nargs=3,
+        metavar=("F", "B", "W"),
+        help="--pipeline-schedule auto: a stage's forward, input-gradient and weight-gradient times, "
+        "e.g. measured (default: the ratios of their FLOPs in this model; 1 1 1 is the zero-bubble "
+        "paper's assumption)",
+    )
 
 
 def model_times(cfg, recompute: str) -> tuple[float, float, float]:
@@ -57,30 +62,58 @@ def choices(args, num_layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return (v,), tuple(n for n in names if SCHEDULE_SPECS[n].chunks in (None, v))
 
 
+def memory_estimate(args, model_cfg, num_devices: int, recompute: str, build_parallel):
+    """`memory` for `choose_schedule`: the bytes per GPU `perf.memory.memory_per_gpu` predicts for the run with that
+    schedule (inf where the layout is invalid)."""
+    from ptd_jax.config import ConfigError
+    from ptd_jax.perf.memory import memory_per_gpu
+
+    def estimate(name: str, v: int, sched) -> float:
+        try:
+            return memory_per_gpu(
+                model_cfg, build_parallel(_trial(args, model_cfg, name, v), model_cfg, num_devices), recompute
+            )["total"]
+        except ConfigError:
+            return float("inf")
+
+    return estimate
+
+
+def _trial(args, model_cfg, name: str, v: int):
+    """A copy of the flags with the schedule (and its chunks) set."""
+    import copy
+
+    trial = copy.copy(args)
+    trial.pipeline_schedule = name
+    if v > 1:
+        trial.num_layers_per_virtual_pipeline_stage = model_cfg.num_layers // (v * args.pipeline_model_parallel_size)
+    return trial
+
+
 def memory_check(args, model_cfg, num_devices: int, recompute: str, device, num_local_devices: int, build_parallel):
     """`memory_ok` for `choose_schedule`: whether the run with that schedule passes `perf.memory.check_fits` on
     `device` (the same estimate ptd-train refuses by); `build_parallel(args, model_cfg, num_devices)` makes the
     ParallelConfig from a copy of the flags with the schedule (and its chunks) set."""
-    import copy
-
     from ptd_jax.config import ConfigError
     from ptd_jax.perf.memory import check_fits
 
     def ok(name: str, v: int, sched) -> bool:
-        trial = copy.copy(args)
-        trial.pipeline_schedule = name
-        if v > 1:
-            p = args.pipeline_model_parallel_size
-            trial.num_layers_per_virtual_pipeline_stage = model_cfg.num_layers // (v * p)
         try:
-            check_fits(model_cfg, build_parallel(trial, model_cfg, num_devices), recompute, device, num_local_devices)
+            check_fits(
+                model_cfg,
+                build_parallel(_trial(args, model_cfg, name, v), model_cfg, num_devices),
+                recompute,
+                device,
+                num_local_devices,
+            )
         except ConfigError:
             return False
         return True
+
     return ok
 
 
-def resolve(args, model_cfg, num_devices: int, primary_only: bool = False, memory_ok=None) -> str | None:
+def resolve(args, model_cfg, num_devices: int, primary_only: bool = False, memory_ok=None, memory=None) -> str | None:
     """Replace "auto" in `args.pipeline_schedule` by the chosen schedule (and set the layers per chunk for a
     chunked one) among those `memory_ok` accepts (`memory_check`; None: all); for ZB-V without
     --num-layers-per-virtual-pipeline-stage set v = 2. Returns the printed block
@@ -93,7 +126,9 @@ def resolve(args, model_cfg, num_devices: int, primary_only: bool = False, memor
         name, v, rows = "1f1b", 1, []  # where nothing is valid: the ParallelConfig says why
         if m is not None:
             try:
-                name, v, rows = choose_schedule(p, None, m, times, memory_ok, v_options=v_options, names=names)
+                name, v, rows = choose_schedule(
+                    p, None, m, times, memory_ok, v_options=v_options, names=names, memory=memory
+                )
             except ScheduleError:
                 pass
         args.pipeline_schedule = name
@@ -104,7 +139,12 @@ def resolve(args, model_cfg, num_devices: int, primary_only: bool = False, memor
             if not primary_only or multiprocess.is_primary():
                 print(text, flush=True)
     chunks = SCHEDULE_SPECS[args.pipeline_schedule].chunks if args.pipeline_schedule in SCHEDULE_SPECS else None
-    if chunks and chunks > 1 and args.num_layers_per_virtual_pipeline_stage is None and p >= 1 and \
-            num_layers % (chunks * p) == 0:
+    if (
+        chunks
+        and chunks > 1
+        and args.num_layers_per_virtual_pipeline_stage is None
+        and p >= 1
+        and num_layers % (chunks * p) == 0
+    ):
         args.num_layers_per_virtual_pipeline_stage = num_layers // (chunks * p)
     return text

@@ -136,14 +136,21 @@ def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
 def record_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
     """The record buffers of a pipeline rank: per layer of a chunk, the "rec" slots hold what only the backward
     reads, the "hold" slots what the taps share with the residuals, the "w" slots the taps without a partner
-    (`stash.Record`: a tap takes a residual's place where their sizes match; modelled as min(A, T) shared)."""
+    (`stash.Record`: a tap takes the place of a residual of its size, dtype and varying axes). Modelled: the taps
+    share all of the residuals but the four kept the same on every tensor rank (the layer's input, its middle
+    residual stream and the two row-parallel outputs, 4 × 2 s b h bytes, 1/t of that under sequence parallelism;
+    the taps all vary over "tensor"). Checked on XLA:GPU's compiled record buffers (1.3B, p = 4, t = 1: 32 MiB of
+    residuals alone, 64 shared, 64 of taps alone per layer; `experiments/results/one_pipeline_memory.json`)."""
     slots = stash_slots(parallel)
     layers = cfg.num_layers / (parallel.pipeline_model_parallel_size * parallel.virtual_pipeline_stages)
     a = activation_bytes_per_layer(cfg, parallel, recompute)
     if not slots["hold"]:
         return slots["rec"] * layers * a
     tap = tap_bytes_per_layer(cfg, parallel)
-    shared = min(a, tap)
+    t = parallel.tensor_model_parallel_size
+    invariant = 8 * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
+    invariant /= t if parallel.sequence_parallel else 1
+    shared = max(min(a - invariant, tap), 0.0)
     return layers * (slots["hold"] * shared + slots["rec"] * (a - shared) + slots["w"] * (tap - shared))
 
 

@@ -3,8 +3,10 @@
 Every schedule the request allows is built and simulated (`Table.simulate`). Among those whose memory fits, the
 shortest simulated step wins, unless one that holds less is within `MARGIN` of it: the simulation knows the
 actions' times only as well as the F:B:W ratios it is given and ignores the ring's latency, and a schedule that holds
-fewer microbatches leaves memory for a larger micro-batch or less recomputation. Memory is compared by the most
-layer-microbatches a rank keeps in flight (`Table.peak_in_flight` / v: whole stages' worth).
+fewer microbatches leaves memory for a larger micro-batch or less recomputation. Memory is compared by the bytes a
+`memory(name, v, table)` function predicts (ptd-train gives `perf.memory`'s), else by the most layer-microbatches a
+rank keeps in flight (`Table.peak_in_flight` / v: whole stages' worth), which undercounts a split schedule's
+W-waiting microbatches (their taps outweigh their residuals).
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ def choose_schedule(
     memory_ok: Callable[[str, int, Table], bool] | None = None,
     v_options: Sequence[int] = (2,),
     names: Sequence[str] = CANDIDATES,
+    memory: Callable[[str, int, Table], float] | None = None,
 ) -> tuple[str, int, list[dict]]:
     """(name, v, rows): the choice (module docstring) among the schedules valid for (p, m) and accepted by
     `memory_ok(name, v, table)` (None: all fit). `v_hint`, when given and > 1, is tried for chunked schedules too;
     `names` limits the schedules tried. `rows`: one dict per schedule built: schedule, v, bubble_fraction,
-    makespan, in_flight (most layer-microbatches a rank holds, in whole stages), fits, and the chosen row's `why`.
+    makespan, in_flight (most layer-microbatches a rank holds, in whole stages), memory_gib (where `memory` is
+    given), fits, and the chosen row's `why`.
     Raises ScheduleError if none is valid and fits."""
     options = tuple(v_options) + ((v_hint,) if v_hint and v_hint > 1 and v_hint not in v_options else ())
     rows = []
@@ -59,30 +63,31 @@ def choose_schedule(
             continue
         sim = table.simulate(times=tuple(times))
         fits = True if memory_ok is None else bool(memory_ok(name, v, table))
-        rows.append(
-            {
-                "schedule": name,
-                "v": v,
-                "bubble_fraction": sim["bubble_fraction"],
-                "makespan": sim["makespan"],
-                "in_flight": max(table.peak_in_flight) / v,
-                "fits": fits,
-            }
-        )
+        row = {
+            "schedule": name,
+            "v": v,
+            "bubble_fraction": sim["bubble_fraction"],
+            "makespan": sim["makespan"],
+            "in_flight": max(table.peak_in_flight) / v,
+            "fits": fits,
+        }
+        if memory is not None:
+            row["memory_gib"] = memory(name, v, table) / 2**30
+        rows.append(row)
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         tried = ", ".join(f"{r['schedule']} v={r['v']}" for r in rows) or "none valid"
         raise ScheduleError(f"no pipeline schedule fits at p={p}, m={m} (tried: {tried})")
-    fastest = min(fitting, key=lambda r: (r["makespan"], r["in_flight"]))
+    held, unit = ("memory_gib", "GiB") if memory is not None else ("in_flight", "stages in flight")
+    fastest = min(fitting, key=lambda r: (r["makespan"], r[held]))
     close = [r for r in fitting if r["makespan"] <= fastest["makespan"] * (1 + MARGIN)]
-    best = min(close, key=lambda r: (r["in_flight"], r["makespan"]))
+    best = min(close, key=lambda r: (r[held], r["makespan"]))
     if best is fastest:
         best["why"] = "the shortest simulated step"
     else:
         best["why"] = (
             f"within {MARGIN:.0%} of the shortest simulated step ({fastest['schedule']}, "
-            f"{fastest['makespan']:.2f}) holding less ({best['in_flight']:g} stages against "
-            f"{fastest['in_flight']:g})"
+            f"{fastest['makespan']:.2f}) holding less ({best[held]:.3g} {unit} against {fastest[held]:.3g})"
         )
     return best["schedule"], best["v"], rows
 
@@ -99,6 +104,7 @@ def format_choice(name: str, rows: list[dict], times: tuple[float, float, float]
         lines.append(
             f" {mark} {r['schedule']:<11} v={r['v']}  bubble {r['bubble_fraction']:.3f}  makespan "
             f"{r['makespan']:.2f}  in flight {r['in_flight']:g} stages"
+            + (f"  {r['memory_gib']:.2f} GiB" if "memory_gib" in r else "")
             + ("" if r["fits"] else "  (does not fit in memory)")
         )
     return "\n".join(lines)
