@@ -59,11 +59,15 @@ def columns(table: Table) -> dict[str, np.ndarray]:
 
 
 def patterns(table: Table) -> list[tuple[str, tuple[int, ...]]]:
-    """Per tick: (the kinds its cells run, the ring directions its sends take (+1, −1; 0 needs no ring))."""
-    out = []
-    for kinds, row in zip(table.kinds, table.cells):
-        out.append((kinds, tuple(sorted({c.send for c in row if c.send is not None}))))
-    return out
+    """Per tick: (the kinds its cells run, the ring directions those kinds send in anywhere in the table: +1, −1;
+    0, the V's turn, needs no ring). Directions by kind, not by tick, so that a tick whose only F is the last
+    stage's (which sends nothing) does not cut a run."""
+    sends: dict[str, set] = {}
+    for row in table.cells:
+        for c in row:
+            if c.send is not None:
+                sends.setdefault(c.action.kind, set()).add(c.send)
+    return [(kinds, tuple(sorted(set().union(*(sends.get(k, set()) for k in kinds))))) for kinds in table.kinds]
 
 
 def union(pats) -> tuple[str, tuple[int, ...]]:
