@@ -46,6 +46,7 @@ SCHEDULE_SPECS = {
     for spec in (
         ScheduleSpec("gpipe", orders="gpipe", split=False, rows="lockstep", chunks=1),
         ScheduleSpec("1f1b", orders="1f1b", split=True, rows="unit", chunks=1),
+        ScheduleSpec("1f1b-lockstep", orders="1f1b-lockstep", split=False, rows="lockstep", chunks=1),
         ScheduleSpec(
             "interleaved", orders="interleaved", split=False, rows="lockstep", chunks=None, min_p=2, grouped=True
         ),

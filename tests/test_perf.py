@@ -14,7 +14,8 @@ from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, model_prese
 from ptd_jax.cli import plan as cli
 from ptd_jax.perf import HARDWARE, predict
 from ptd_jax.perf.hardware import ring_allreduce_seconds
-from ptd_jax.perf.memory import activation_bytes_per_layer, memory_per_gpu, stash_slots, stashed_layers
+from ptd_jax.perf.memory import (activation_bytes_per_layer, memory_per_gpu, stash_slots, stashed_layers,
+                                 tap_bytes_per_layer)
 from ptd_jax.perf.search import make_parallel, search
 from ptd_jax.perf.timing import data_parallel_seconds, tensor_allreduce_seconds
 
@@ -25,26 +26,27 @@ GPT3 = ModelConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, seq
 
 @pytest.mark.parametrize("p, k, m", [(4, None, 8), (8, None, 64), (4, 3, 16), (8, 1, 32)])
 def test_bubble_is_the_papers_closed_form(p, k, m):
-    """(p−1)/m for 1F1B and (p−1)/(v·m) interleaved; the bubble term is that many microbatch slots."""
+    """(p−1)/m for 1F1B on lockstep ticks (fused backwards) and (p−1)/(v·m) interleaved; the bubble term is that
+    many microbatch slots."""
     cfg = model_preset("paper-1.7b")  # 24 layers
-    parallel = make_parallel(cfg, p, 1, p, 1, m, k)
+    parallel = make_parallel(cfg, p, 1, p, 1, m, k, schedule=None if k else "1f1b-lockstep")
     v = 1 if k is None else cfg.num_layers // (p * k)
     pred = predict(cfg, parallel, A100)
     assert pred.bubble_fraction == pytest.approx((p - 1) / (v * m), rel=1e-12)
     assert pred.terms["bubble"] == pytest.approx((p - 1) / v * pred.details["microbatch_slot_s"], rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule, v", [("1f1b-split", 1), ("zb-h1", 1), ("zb-v", 2)])
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)])
 def test_split_schedules_bubble_is_their_simulated_table(schedule, v):
-    """No closed form for ZB-V: the predicted bubble is the unit table's at F = B = W (p = 4, m = 8: 0.25, 0.125,
-    0.0625), below 1F1B's (p−1)/m = 0.375."""
+    """No closed form for ZB-V: the predicted bubble is the unit table's at F = I = W (p = 4, m = 8: 0.25, 0.125,
+    0.0625), below the fused 1F1B's (p−1)/m = 0.375."""
     import dataclasses
 
     cfg = model_preset("paper-1.7b")
     parallel = dataclasses.replace(make_parallel(cfg, 4, 1, 4, 1, 8, None), pipeline_schedule=schedule,
                                    virtual_pipeline_stages=v, pipeline_branching="per-rank")
     pred = predict(cfg, parallel, A100, "none")
-    assert pred.bubble_fraction == pytest.approx({"1f1b-split": 0.25, "zb-h1": 0.125, "zb-v": 0.0625}[schedule])
+    assert pred.bubble_fraction == pytest.approx({"1f1b": 0.25, "zb-h1": 0.125, "zb-v": 0.0625}[schedule])
     assert pred.terms["bubble"] == pytest.approx(pred.bubble_fraction * 8 * pred.details["microbatch_slot_s"])
 
 
@@ -141,41 +143,49 @@ def test_activation_formula_by_hand():
 
 
 def test_stashed_layers_per_schedule():
-    """Every rank's stash holds the lockstep table's slots and, under uniform branching (the GPU default), a
-    trash slot, each one microbatch through l/(p v) layers: 1F1B min(m, 2p − 1) + 1 slots of l/p layers, interleaved
-    min(v m, (v + 1) p) + 1 of l/(p v), GPipe m + 1 of l/p; at p = 1 (no idle cells) the table's one slot."""
+    """Fused backwards keep the table's "rec" slots of l/(p v) layers each: the lockstep 1F1B min(m, 2p − 1),
+    interleaved min(v m, p v + p − 1), GPipe m, p = 1 one. 1F1B with split backwards keeps Megatron's p slots from F
+    to W and one for the taps no residual takes (`record_bytes`): p + (taps − shared)/activations, in layers."""
     cfg = model_preset("paper-1.7b")  # l = 24
-    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16)) == 8 * 24 / 4
-    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, 3)) == 13 * 24 / 8  # v = 2
-    gpipe = make_parallel(cfg, 4, 1, 4, 1, 16).replace(pipeline_schedule="gpipe")
-    assert stashed_layers(cfg, gpipe) == 17 * 24 / 4
-    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 1, 16)) == 24  # p = 1, m = 16: no idle cell, no trash
-    per_rank = make_parallel(cfg, 4, 1, 4, 1, 16).replace(pipeline_branching="per-rank")
-    assert stashed_layers(cfg, per_rank) == 7 * 24 / 4  # idle cells run nothing: no trash slot
+    lockstep = make_parallel(cfg, 4, 1, 4, 1, 16, schedule="1f1b-lockstep")
+    assert stashed_layers(cfg, lockstep) == 7 * 24 / 4
+    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, 3)) == 11 * 24 / 8  # v = 2
+    assert stashed_layers(cfg, make_parallel(cfg, 4, 1, 4, 1, 16, schedule="gpipe")) == 16 * 24 / 4
+    assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 1, 16)) == 24  # p = 1, m = 16: one slot
     assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 16, 16)) == 24  # p = 1, m = 1: no table
+    split = make_parallel(cfg, 4, 1, 4, 1, 16)
+    a = activation_bytes_per_layer(cfg, split, "none")
+    taps = tap_bytes_per_layer(cfg, split)
+    shared = min(a - 8 * cfg.seq_length * cfg.hidden_size, taps)
+    want = 24 / 4 * (4 * shared + 4 * (a - shared) + 1 * (taps - shared)) / a
+    assert stashed_layers(cfg, split, "none") == pytest.approx(want)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
-def test_stash_slots_are_the_lockstep_tables(schedule):
-    """The closed forms of `stash_slots` equal the executor's table (`num_act_slots`), and a non-default
-    interleaved group size reads the table itself."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-lockstep", "interleaved", "zb-h1", "zb-v"])
+def test_stash_slots_are_the_tables(schedule):
+    """`stash_slots` (closed forms where `table.RECORD_SLOTS` has one) equals the executor's table, and a
+    non-default interleaved group size reads the table itself."""
     from ptd_jax.parallel.pipeline import build
 
     for p in (1, 2, 3, 4, 6):
-        for v in ((2, 3, 4) if schedule == "interleaved" and p > 1 else (1,)):
+        for v in ((2, 3, 4) if schedule == "interleaved" and p > 1 else (2,) if schedule == "zb-v" else (1,)):
             for m in (1, 2, 3, 4, 6, 8, 9, 12, 16, 24):
                 layout = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": p, "micro_batch_size": 1,
-                          "global_batch_size": m, "virtual_pipeline_stages": v,
+                          "global_batch_size": m, "virtual_pipeline_stages": v if p > 1 else 1,
                           "pipeline_schedule": schedule if p > 1 else "1f1b"}
                 try:
                     parallel = ParallelConfig.for_devices(p, **layout)
                 except ConfigError:
                     continue  # m not allowed with this (p, v)
-                assert stash_slots(parallel) == build(parallel.pipeline_schedule, p, v, m).num_act_slots, layout
+                if p == 1:
+                    assert stash_slots(parallel) == {"rec": 1, "hold": 0, "w": 0}
+                    continue
+                slots = build(parallel.pipeline_schedule, p, v, m).slots
+                assert stash_slots(parallel) == {k: slots[k] for k in ("rec", "hold", "w")}, layout
     grouped = ParallelConfig.for_devices(2, pipeline_model_parallel_size=2, virtual_pipeline_stages=2,
                                          pipeline_schedule="interleaved", micro_batch_size=1, global_batch_size=12,
                                          microbatch_group_size=4)
-    assert stash_slots(grouped) == build("interleaved", 2, 2, 12, 4).num_act_slots == 10
+    assert stash_slots(grouped)["rec"] == build("interleaved", 2, 2, 12, 4).slots["rec"] == 7
 
 
 def test_ring_allreduce_and_tensor_parallelism_leaving_the_node():

@@ -38,6 +38,8 @@ def predict_row(row, micro_batch_size: int = 1, layers_per_virtual_stage: int | 
             "--num-gpus", str(row.num_gpus), "--fp16", "--json"]
     if layers_per_virtual_stage is not None:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_virtual_stage)]
+    else:  # the paper's plain 1F1B: (p - 1)/m whatever the backward costs (its runs recompute fully)
+        argv += ["--pipeline-schedule", "1f1b-lockstep"]
     with contextlib.redirect_stdout(io.StringIO()) as out:
         cli.run(argv)
     return json.loads(out.getvalue())

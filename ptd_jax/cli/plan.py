@@ -21,7 +21,8 @@ import json
 import sys
 
 from ptd_jax.cli.args import OneLineParser, positive_int
-from ptd_jax.config import MODEL_PRESETS, RECOMPUTE_GRANULARITIES, ConfigError, ModelConfig, model_preset
+from ptd_jax.config import (MODEL_PRESETS, PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, ConfigError, ModelConfig,
+                            model_preset)
 from ptd_jax.perf.hardware import GIB, HARDWARE
 from ptd_jax.perf.search import describe, layout_record, make_parallel, search
 from ptd_jax.perf.timing import predict
@@ -52,6 +53,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                                 "gradient all-reduce (ptd-train --fp16 keeps float32 gradients: plan it with --bf16)")
     precision.add_argument("--bf16", action="store_true",
                            help="bf16 params, fp32 grads: 18 bytes per parameter, fp32 gradient all-reduce (default)")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
+                   help="predict: ptd-train's schedule (default: interleaved with "
+                        "--num-layers-per-virtual-pipeline-stage, else 1f1b)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
@@ -112,7 +116,8 @@ def run_predict(args, cfg: ModelConfig) -> dict:
     hw = HARDWARE[args.hardware]
     parallel = make_parallel(cfg, args.num_gpus, args.tensor_model_parallel_size,
                              args.pipeline_model_parallel_size, args.micro_batch_size, args.global_batch_size,
-                             args.num_layers_per_virtual_pipeline_stage, **layout_flags(args))
+                             args.num_layers_per_virtual_pipeline_stage, schedule=args.pipeline_schedule,
+                             **layout_flags(args))
     pred = predict(cfg, parallel, hw, args.recompute_granularity)
     record = layout_record(cfg, parallel, pred, hw)
     record.update(hardware=hw.name, num_gpus=args.num_gpus, recompute_granularity=args.recompute_granularity,

@@ -15,18 +15,9 @@ from pathlib import Path
 
 from ptd_jax.cli.args import OneLineParser, finite_float
 from ptd_jax.cli.data_flags import add_data_flags, check_data_flags, data_options
-from ptd_jax.config import (
-    LR_DECAY_STYLES,
-    MODEL_PRESETS,
-    PIPELINE_BRANCHINGS,
-    PIPELINE_SCHEDULES,
-    RECOMPUTE_GRANULARITIES,
-    ConfigError,
-    ModelConfig,
-    ParallelConfig,
-    TrainConfig,
-    model_preset,
-)
+from ptd_jax.config import (LR_DECAY_STYLES, MODEL_PRESETS, PIPELINE_BRANCHINGS, PIPELINE_SCHEDULES,
+                            RECOMPUTE_GRANULARITIES,
+                            ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset)
 from ptd_jax.data import DataError
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import ByteTokenizer, training_tokenizer
@@ -42,18 +33,12 @@ MAX_FAKE_DEVICES = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="ptd-train",
-        description="Train a GPT with PTD-P parallelism on JAX.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = OneLineParser(prog="ptd-train", description="Train a GPT with PTD-P parallelism on JAX.",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_args(p.add_argument_group("model (unset flags come from --model-preset)"))
     add_parallel_args(p.add_argument_group("parallelism"))
-    add_process_args(
-        p.add_argument_group(
-            "several processes (jax.distributed; default: from ptd-launch, SLURM or Open MPI, else one process)"
-        )
-    )
+    add_process_args(p.add_argument_group("several processes (jax.distributed; default: from ptd-launch, SLURM or "
+                                          "Open MPI, else one process)"))
     add_training_args(p.add_argument_group("training"))
     add_data_args(p.add_argument_group("data, checkpoints, logging"))
     compile_only.add_args(p)
@@ -68,11 +53,8 @@ def add_model_args(g) -> None:
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument(
-        "--vocab-size",
-        type=int,
-        help="V of data made with another tokenizer (default: --tokenizer-type's vocabulary size)",
-    )
+    g.add_argument("--vocab-size", type=int, help="V of data made with another tokenizer (default: "
+                   "--tokenizer-type's vocabulary size)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=finite_float, default=0.0)
     g.add_argument("--attention-dropout", type=finite_float, default=0.0)
@@ -81,16 +63,10 @@ def add_model_args(g) -> None:
     g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="GeLU form: tanh approximation or exact")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
     add_precision_args(g)
-    g.add_argument(
-        "--attention-backend",
-        choices=["xla", "pallas", "cudnn"],
-        help="attention implementation (default: pallas on GPU, xla elsewhere)",
-    )
-    g.add_argument(
-        "--fused-kernels",
-        action=argparse.BooleanOptionalAction,
-        help="LayerNorm and cross-entropy by the Pallas kernels (default: on with a GPU, off elsewhere)",
-    )
+    g.add_argument("--attention-backend", choices=["xla", "pallas", "cudnn"],
+                   help="attention implementation (default: pallas on GPU, xla elsewhere)")
+    g.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction,
+                   help="LayerNorm and cross-entropy by the Pallas kernels (default: on with a GPU, off elsewhere)")
 
 
 def add_parallel_args(g) -> None:
@@ -98,47 +74,31 @@ def add_parallel_args(g) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, help="p (default 1; see the demo layout below)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
-    g.add_argument(
-        "--pipeline-schedule",
-        choices=PIPELINE_SCHEDULES + ("auto",),
-        default="1f1b",
-        help="auto: the shortest simulated step at --schedule-times, printed with the alternatives",
-    )
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES + ("auto",), default="1f1b",
+                   help="auto: the shortest simulated step at --schedule-times, printed with the alternatives")
     schedule_choice.add_args(g)
-    g.add_argument(
-        "--pipeline-branching",
-        choices=PIPELINE_BRANCHINGS,
-        default="auto",
-        help="uniform: every pipeline rank takes the same branch each tick (embedding and output layer "
-        "masked on all ranks, only on the ticks that need them); per-rank: each rank computes only "
-        "its own work (tensor collectives in pipe-divergent branches; measured correct on XLA:CPU, "
-        "not yet on GPUs); auto (default): per-rank on CPU, where fake devices share the cores and "
-        "idle work costs time, uniform on accelerators",
-    )
+    g.add_argument("--pipeline-branching", choices=PIPELINE_BRANCHINGS, default="auto",
+                   help="uniform: every pipeline rank takes the same branch each tick (embedding and output layer "
+                        "masked on all ranks, only on the ticks that need them); per-rank: each rank computes only "
+                        "its own work (tensor collectives in pipe-divergent branches; measured correct on XLA:CPU, "
+                        "not yet on GPUs); auto (default): per-rank on CPU, where fake devices share the cores and "
+                        "idle work costs time, uniform on accelerators")
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument(
-        "--no-scatter-gather-tensors-in-pipeline",
-        action="store_true",
-        help="send whole boundary activations between pipeline stages (paper §4.1 off)",
-    )
+    g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true",
+                   help="send whole boundary activations between pipeline stages (paper §4.1 off)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--micro-batch-size", type=int, help="b (default 4; 2 in the demo layout)")
     g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument(
-        "--fake-devices", type=int, help="simulate N CPU devices per process (sets XLA_FLAGS before JAX starts)"
-    )
+    g.add_argument("--fake-devices", type=int, help="simulate N CPU devices per process (sets XLA_FLAGS before JAX "
+                   "starts)")
 
 
 def add_process_args(g) -> None:
     g.add_argument("--coordinator-address", help="host:port of process 0's coordination service")
     g.add_argument("--num-processes", type=int)
     g.add_argument("--process-id", type=int)
-    g.add_argument(
-        "--heartbeat-timeout",
-        type=int,
-        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
-        help="seconds without a heartbeat after which a process is declared dead and the others stop",
-    )
+    g.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                   help="seconds without a heartbeat after which a process is declared dead and the others stop")
 
 
 def add_training_args(g) -> None:
@@ -146,11 +106,8 @@ def add_training_args(g) -> None:
     g.add_argument("--lr", type=finite_float, default=2e-3)
     g.add_argument("--min-lr", type=finite_float, default=2e-4)
     g.add_argument("--lr-warmup-iters", type=int, help="default: --lr-warmup-fraction of --lr-decay-iters")
-    g.add_argument(
-        "--lr-warmup-fraction",
-        type=finite_float,
-        help="warm-up as a fraction of the decay iterations (default 0.1 when --lr-warmup-iters is not given)",
-    )
+    g.add_argument("--lr-warmup-fraction", type=finite_float, help="warm-up as a fraction of the decay iterations "
+                   "(default 0.1 when --lr-warmup-iters is not given)")
     g.add_argument("--lr-decay-iters", type=int)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
     g.add_argument("--weight-decay", type=finite_float, default=0.01)
@@ -166,35 +123,19 @@ def add_data_args(g) -> None:
     """Data, checkpoints (Megatron's --save/--load family) and logging."""
     add_data_flags(g)  # cli/data_flags.py
     g.add_argument("--save", help="checkpoint folder (the canonical format: loads under any layout)")
-    g.add_argument(
-        "--load",
-        help="resume from the newest complete step of this folder; --save D --load D on an "
-        "empty D starts fresh (auto-resume)",
-    )
+    g.add_argument("--load", help="resume from the newest complete step of this folder; --save D --load D on an "
+                   "empty D starts fresh (auto-resume)")
     g.add_argument("--save-interval", type=int)
     g.add_argument("--keep-checkpoints", type=int, help="keep the newest K steps in --save (default: all)")
-    g.add_argument(
-        "--async-save",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="write checkpoints in the background (training waits only for the device-to-host copy)",
-    )
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
+                   help="write checkpoints in the background (training waits only for the device-to-host copy)")
     g.add_argument("--no-load-optim", action="store_true", help="load the parameters only; fresh optimizer state")
-    g.add_argument(
-        "--finetune",
-        action="store_true",
-        help="load the parameters only and start at iteration 0 (fresh optimizer, data stream and dropout key)",
-    )
-    g.add_argument(
-        "--override-data-config",
-        action="store_true",
-        help="resume even if seed, batch size, sequence length, split, blend weights or data changed",
-    )
-    g.add_argument(
-        "--exit-interval",
-        type=int,
-        help="stop when the iteration is a multiple of N, after saving a checkpoint if --save is given",
-    )
+    g.add_argument("--finetune", action="store_true", help="load the parameters only and start at iteration 0 "
+                   "(fresh optimizer, data stream and dropout key)")
+    g.add_argument("--override-data-config", action="store_true",
+                   help="resume even if seed, batch size, sequence length, split, blend weights or data changed")
+    g.add_argument("--exit-interval", type=int, help="stop when the iteration is a multiple of N, after saving "
+                   "a checkpoint if --save is given")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=100)
     g.add_argument("--eval-iters", type=int, default=4)
@@ -204,33 +145,20 @@ def add_data_args(g) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-DEMO_LAYOUT = {
-    "fake_devices": 8,
-    "tensor_model_parallel_size": 2,
-    "pipeline_model_parallel_size": 2,
-    "num_layers_per_virtual_pipeline_stage": 1,
-    "pipeline_schedule": "interleaved",
-    "micro_batch_size": 2,
-}
+DEMO_LAYOUT = {"fake_devices": 8, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+               "num_layers_per_virtual_pipeline_stage": 1, "pipeline_schedule": "interleaved", "micro_batch_size": 2}
 
 
 def apply_demo_layout(args) -> bool:
     """With no layout flags on a machine without accelerators, the demo runs the paper's 3-D layout on 8
     simulated CPU devices: d=2, p=2 (interleaved, v=2), t=2."""
-    layout_flags = (
-        "fake_devices",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "num_layers_per_virtual_pipeline_stage",
-    )
-    if (
-        any(getattr(args, name) is not None for name in layout_flags)
-        or args.compile_only
-        or platform.accelerator_present()
-    ):
+    layout_flags = ("fake_devices", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "num_layers_per_virtual_pipeline_stage")
+    if any(getattr(args, name) is not None for name in layout_flags) or args.compile_only or \
+            platform.accelerator_present():
         return False
     for name, value in DEMO_LAYOUT.items():
-        if name == "pipeline_schedule" and args.pipeline_schedule != "1f1b":
+        if name == "pipeline_schedule" and args.pipeline_schedule != ParallelConfig.pipeline_schedule:
             continue  # an explicit --pipeline-schedule wins
         if getattr(args, name) is None or name == "pipeline_schedule":
             setattr(args, name, value)
@@ -238,83 +166,55 @@ def apply_demo_layout(args) -> bool:
 
 
 def fill_defaults(args) -> None:
-    for name, value in (
-        ("tensor_model_parallel_size", 1),
-        ("pipeline_model_parallel_size", 1),
-        ("micro_batch_size", 4),
-    ):
+    for name, value in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+                        ("micro_batch_size", 4)):
         if getattr(args, name) is None:
             setattr(args, name, value)
 
 
 def model_config_from_args(args, tokenizer=None) -> ModelConfig:
     base = model_preset(args.model_preset)
-    overrides = {
-        name: getattr(args, name)
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "ffn_hidden_size",
-            "seq_length",
-            "max_position_embeddings",
-        )
-        if getattr(args, name) is not None
-    }
+    overrides = {name: getattr(args, name) for name in
+                 ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                  "max_position_embeddings") if getattr(args, name) is not None}
     return base.replace(
         **overrides,
         # the data's tokenizer decides V, as in Megatron
-        vocab_size=(
-            tokenizer.vocab_size
-            if tokenizer is not None
-            else ByteTokenizer.vocab_size
-            if args.vocab_size is None
-            else args.vocab_size
-        ),
+        vocab_size=(tokenizer.vocab_size if tokenizer is not None else ByteTokenizer.vocab_size
+                    if args.vocab_size is None else args.vocab_size),
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
-        gelu_approximate=args.gelu == "tanh",
-        dtype=compute_dtype(args),
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
+        gelu_approximate=args.gelu == "tanh", dtype=compute_dtype(args),
         # the kernels are the default on GPUs (`check_default_kernels` tests them first), XLA's elsewhere
         attention_backend=args.attention_backend or ("pallas" if platform.gpu_present() else "xla"),
         fused_kernels=args.fused_kernels if args.fused_kernels is not None else platform.gpu_present(),
     )
 
 
-def parallel_config_from_args(
-    args, model_cfg: ModelConfig, num_devices: int, memory_ok=None, memory=None
-) -> ParallelConfig:
+def parallel_config_from_args(args, model_cfg: ModelConfig, num_devices: int, memory_ok=None,
+                              memory=None) -> ParallelConfig:
     p = args.pipeline_model_parallel_size
     schedule_choice.resolve(args, model_cfg, num_devices, not args.compile_only, memory_ok, memory)
     virtual = 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
         k = args.num_layers_per_virtual_pipeline_stage
         if k < 1 or p < 1:
-            raise ConfigError(
-                f"num_layers_per_virtual_pipeline_stage={k} and pipeline_model_parallel_size={p} must be positive"
-            )
+            raise ConfigError(f"num_layers_per_virtual_pipeline_stage={k} and pipeline_model_parallel_size={p} "
+                              f"must be positive")
         if model_cfg.num_layers % (k * p):
-            raise ConfigError(
-                f"num_layers={model_cfg.num_layers} is not divisible by "
-                f"num_layers_per_virtual_pipeline_stage={k} x pipeline_model_parallel_size={p}"
-            )
+            raise ConfigError(f"num_layers={model_cfg.num_layers} is not divisible by "
+                              f"num_layers_per_virtual_pipeline_stage={k} x pipeline_model_parallel_size={p}")
         virtual = model_cfg.num_layers // (k * p)
     parallel = ParallelConfig.for_devices(
         num_devices,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p,
-        virtual_pipeline_stages=virtual,
-        pipeline_schedule=args.pipeline_schedule,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, pipeline_model_parallel_size=p,
+        virtual_pipeline_stages=virtual, pipeline_schedule=args.pipeline_schedule,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        scatter_gather=not args.no_scatter_gather_tensors_in_pipeline,
-        pipeline_branching=args.pipeline_branching,
+        scatter_gather=not args.no_scatter_gather_tensors_in_pipeline, pipeline_branching=args.pipeline_branching,
     )
     parallel.check_model(model_cfg)
     return parallel
@@ -322,10 +222,8 @@ def parallel_config_from_args(
 
 def train_config_from_args(args) -> TrainConfig:
     if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
-        raise ConfigError(
-            f"give one of lr_warmup_iters={args.lr_warmup_iters} and "
-            f"lr_warmup_fraction={args.lr_warmup_fraction}, not both"
-        )
+        raise ConfigError(f"give one of lr_warmup_iters={args.lr_warmup_iters} and "
+                          f"lr_warmup_fraction={args.lr_warmup_fraction}, not both")
     warmup = args.lr_warmup_iters
     if warmup is None:
         fraction = 0.1 if args.lr_warmup_fraction is None else args.lr_warmup_fraction
@@ -333,25 +231,12 @@ def train_config_from_args(args) -> TrainConfig:
             raise ConfigError(f"lr_warmup_fraction={fraction} must be in [0, 1]")
         warmup = int(fraction * (args.lr_decay_iters or args.train_iters))
     return TrainConfig(
-        train_iters=args.train_iters,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_iters=warmup,
-        lr_decay_iters=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
-        recompute_granularity=args.recompute_granularity,
-        log_interval=args.log_interval,
-        eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters,
-        save_interval=args.save_interval,
-        exit_interval=args.exit_interval,
-        **train_config_fields(args),
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=warmup,
+        lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        seed=args.seed, recompute_granularity=args.recompute_granularity, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save_interval=args.save_interval,
+        exit_interval=args.exit_interval, **train_config_fields(args),
     )
 
 
@@ -379,16 +264,10 @@ def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool,
         changes["fused_kernels"] = False
     for kernel, why in failures.items():
         if why and ((kernel == "flash_attention" and attention) or (kernel != "flash_attention" and fused)):
-            instead = (
-                f"attention by {changes['attention_backend']}"
-                if kernel == "flash_attention"
-                else "XLA for LayerNorm and the loss (--fused-kernels off)"
-            )
-            print(
-                f"ptd-train: warning: the Pallas {kernel} kernel failed its self-check on this GPU ({why}); "
-                f"using {instead} instead",
-                file=sys.stderr,
-            )
+            instead = (f"attention by {changes['attention_backend']}" if kernel == "flash_attention"
+                       else "XLA for LayerNorm and the loss (--fused-kernels off)")
+            print(f"ptd-train: warning: the Pallas {kernel} kernel failed its self-check on this GPU ({why}); "
+                  f"using {instead} instead", file=sys.stderr)
     return model_cfg.replace(**changes)
 
 
@@ -434,9 +313,8 @@ def check_backend(model_cfg: ModelConfig) -> None:
     import jax
 
     if model_cfg.attention_backend == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(
-            f"attention_backend='cudnn' needs a GPU; this JAX backend is {jax.default_backend()!r} (use xla or pallas)"
-        )
+        raise ConfigError(f"attention_backend='cudnn' needs a GPU; this JAX backend is "
+                          f"{jax.default_backend()!r} (use xla or pallas)")
 
 
 def run(argv=None) -> dict | int:
@@ -460,35 +338,22 @@ def run(argv=None) -> dict | int:
     tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
     model_cfg = check_default_kernels(model_config_from_args(args, tokenizer), args)
     train_cfg = train_config_from_args(args)
-    fits = schedule_choice.memory_check(
-        args,
-        model_cfg,
-        len(jax.devices()),
-        train_cfg.recompute_granularity,
-        jax.local_devices()[0],
-        jax.local_device_count(),
-        parallel_config_from_args,
-    )
-    memory = schedule_choice.memory_estimate(
-        args, model_cfg, len(jax.devices()), train_cfg.recompute_granularity, parallel_config_from_args
-    )
+    fits = schedule_choice.memory_check(args, model_cfg, len(jax.devices()), train_cfg.recompute_granularity,
+                                        jax.local_devices()[0], jax.local_device_count(), parallel_config_from_args)
+    memory = schedule_choice.memory_estimate(args, model_cfg, len(jax.devices()), train_cfg.recompute_granularity,
+                                             parallel_config_from_args)
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()), fits, memory)
     check_backend(model_cfg)
     check_outputs(args)
     check_fits(model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count())
     if args.sequence_parallel and not parallel.sequence_parallel:
-        print(
-            "ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
-            "running without it (as Megatron does)",
-            file=sys.stderr,
-        )
+        print("ptd-train: warning: --sequence-parallel has no effect with tensor_model_parallel_size=1; "
+              "running without it (as Megatron does)", file=sys.stderr)
 
     if demo:
-        print(
-            "ptd-train: no accelerator found and no layout given: running the 3-D demo layout d=2 p=2 t=2 "
-            "(interleaved 1F1B, v=2) on 8 simulated CPU devices (--fake-devices 1 for a single device)",
-            file=sys.stderr,
-        )
+        print("ptd-train: no accelerator found and no layout given: running the 3-D demo layout d=2 p=2 t=2 "
+              "(interleaved 1F1B, v=2) on 8 simulated CPU devices (--fake-devices 1 for a single device)",
+              file=sys.stderr)
     return train(model_cfg, parallel, train_cfg, run_options(args, tokenizer))
 
 
@@ -501,9 +366,8 @@ def compile_for_target(args) -> int:
     tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
     model_cfg = model_config_from_args(args, tokenizer).replace(**compile_only.gpu_defaults(args))
     num_gpus = args.num_gpus or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    return compile_only.run(
-        args, model_cfg, parallel_config_from_args(args, model_cfg, num_gpus), train_config_from_args(args)
-    )
+    return compile_only.run(args, model_cfg, parallel_config_from_args(args, model_cfg, num_gpus),
+                            train_config_from_args(args))
 
 
 def start_backend(args) -> None:
@@ -522,10 +386,8 @@ def start_backend(args) -> None:
 
     if args.fake_devices is not None:
         if not 1 <= args.fake_devices <= MAX_FAKE_DEVICES:
-            raise ConfigError(
-                f"fake_devices={args.fake_devices} must be in [1, {MAX_FAKE_DEVICES}] (simulated "
-                f"devices share this machine's CPU cores)"
-            )
+            raise ConfigError(f"fake_devices={args.fake_devices} must be in [1, {MAX_FAKE_DEVICES}] (simulated "
+                              f"devices share this machine's CPU cores)")
         from ptd_jax.parallel.mesh import set_fake_devices
 
         set_fake_devices(args.fake_devices, before_backend=join_processes)
@@ -537,21 +399,12 @@ def run_options(args, tokenizer):
     """The `RunOptions` of the data, checkpoint and logging flags."""
     from ptd_jax.train import RunOptions
 
-    return RunOptions(
-        **data_options(args),
-        save=args.save,
-        load=args.load,
-        metrics_file=args.metrics_file,
-        plot_dir=args.plot_dir,
-        peak_tflops=args.peak_tflops,
-        progress=not args.no_progress,
-        keep_checkpoints=args.keep_checkpoints,
-        load_optim=not args.no_load_optim,
-        finetune=args.finetune,
-        override_data_config=args.override_data_config,
-        async_save=args.async_save,
-        tokenizer=tokenizer.describe() if tokenizer else None,
-    )
+    return RunOptions(**data_options(args), save=args.save, load=args.load,
+                      metrics_file=args.metrics_file, plot_dir=args.plot_dir, peak_tflops=args.peak_tflops,
+                      progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
+                      load_optim=not args.no_load_optim, finetune=args.finetune,
+                      override_data_config=args.override_data_config,
+                      async_save=args.async_save, tokenizer=tokenizer.describe() if tokenizer else None)
 
 
 def main(argv=None) -> int:
@@ -575,11 +428,8 @@ def _main(argv) -> int:
         multiprocess.exit_if_peer_failed(err, "ptd-train")
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
-        print(
-            f"ptd-train: error: out of device memory ({str(err).splitlines()[0][:300]}); use more devices, a "
-            f"larger t or p, a smaller micro batch, or --recompute-granularity full",
-            file=sys.stderr,
-        )
+        print(f"ptd-train: error: out of device memory ({str(err).splitlines()[0][:300]}); use more devices, a "
+              f"larger t or p, a smaller micro batch, or --recompute-granularity full", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:  # the loop re-raises it saying where it stopped
         print(f"ptd-train: interrupted (Ctrl-C) {str(stop) or 'before training started'}", file=sys.stderr)

@@ -102,25 +102,19 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
 
 
 def stash_slots(parallel: ParallelConfig) -> dict[str, int]:
-    """Slots of the executor's record buffers on each pipeline rank (`parallel.pipeline.Table.slots`): "rec" (F to
-    B or I), "hold" (F to W) and "w" (I to W). GPipe m; p = 1: one (microbatches one after another)."""
+    """Slots of the executor's record buffers on each pipeline rank (`parallel.pipeline.table.record_slots`): "rec"
+    (F to B or I), "hold" (F to W) and "w" (I to W); p = 1: one (microbatches one after another)."""
     p, v, m = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches
     if p == 1:
         return {"rec": 1, "hold": 0, "w": 0}
-    if (
-        SCHEDULE_SPECS[parallel.pipeline_schedule].orders == "gpipe"
-        and not SCHEDULE_SPECS[parallel.pipeline_schedule].split
-    ):
-        return {"rec": m, "hold": 0, "w": 0}
-    return _table_slots(parallel.pipeline_schedule, p, v, m, parallel.microbatch_group_size)
+    return _record_slots(parallel.pipeline_schedule, p, v, m, parallel.microbatch_group_size or p)
 
 
-@lru_cache(maxsize=64)
-def _table_slots(schedule: str, p: int, v: int, m: int, group: int | None) -> dict[str, int]:
-    from ptd_jax.parallel.pipeline import build  # pure Python, no JAX
+@lru_cache(maxsize=256)
+def _record_slots(schedule: str, p: int, v: int, m: int, group: int) -> dict[str, int]:
+    from ptd_jax.parallel.pipeline.table import record_slots  # pure Python, no JAX
 
-    slots = build(schedule, p, v, m, group).slots
-    return {pool: slots[pool] for pool in ("rec", "hold", "w")}
+    return record_slots(SCHEDULE_SPECS[schedule], p, v, m, group)
 
 
 def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:

@@ -47,15 +47,18 @@ def divisors(n: int) -> list[int]:
 
 def make_parallel(cfg: ModelConfig, num_gpus: int, t: int, p: int, b: int, global_batch_size: int,
                   layers_per_virtual_stage: int | None = None, *, sequence_parallel: bool = False,
-                  use_distributed_optimizer: bool = False, scatter_gather: bool = True) -> ParallelConfig:
-    """A `ParallelConfig` the way ptd-train builds one from Megatron's flags (raises ConfigError naming values)."""
+                  use_distributed_optimizer: bool = False, scatter_gather: bool = True,
+                  schedule: str | None = None) -> ParallelConfig:
+    """A `ParallelConfig` the way ptd-train builds one from Megatron's flags (raises ConfigError naming values);
+    `schedule` None: ptd-train's, interleaved with layers per virtual stage, else 1F1B."""
     v = 1
     if layers_per_virtual_stage is not None:
         if layers_per_virtual_stage < 1 or cfg.num_layers % (layers_per_virtual_stage * p):
             raise ConfigError(f"num_layers={cfg.num_layers} is not divisible by num_layers_per_virtual_pipeline_"
                               f"stage={layers_per_virtual_stage} x pipeline_model_parallel_size={p}")
         v = cfg.num_layers // (layers_per_virtual_stage * p)
-    schedule = "interleaved" if layers_per_virtual_stage is not None else "1f1b"
+    if schedule is None:
+        schedule = INTERLEAVED if layers_per_virtual_stage is not None else ParallelConfig.pipeline_schedule
     parallel = ParallelConfig.for_devices(
         num_gpus, tensor_model_parallel_size=t, pipeline_model_parallel_size=p, virtual_pipeline_stages=v,
         pipeline_schedule=schedule, micro_batch_size=b, global_batch_size=global_batch_size,
@@ -114,15 +117,27 @@ def candidates(cfg: ModelConfig, num_gpus: int, global_batch_size: int):
                             yield t, p, b, k
 
 
+INTERLEAVED = "interleaved"
+PLAIN_SCHEDULES = ("1f1b", "1f1b-lockstep")
+"""The unchunked schedules the search weighs: Megatron's stash on unit ticks (I and W split; best when F ≈ I ≈ W), or
+fused backwards on lockstep ticks ((p − 1)/m whatever B/F is: best under full recomputation)."""
+
+
+def _with_schedules(layouts):
+    for t, p, b, k in layouts:
+        for schedule in (None,) if k is not None or p == 1 else PLAIN_SCHEDULES:
+            yield t, p, b, k, schedule
+
+
 def search(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw: Hardware, recompute: str = "full",
            *, sensitivity: bool = True, **flags) -> dict:
     """{"layouts": fitting layouts fastest first, "excluded": the ones that do not fit (with why), "why": lines,
     "sensitivity": how robust the choice of t is (`sensitivity`; None when `sensitivity` is False or nothing
     fits), its lines also at the end of "why"}."""
     fits, excluded = [], []
-    for t, p, b, k in candidates(cfg, num_gpus, global_batch_size):
+    for t, p, b, k, schedule in _with_schedules(candidates(cfg, num_gpus, global_batch_size)):
         try:
-            parallel = make_parallel(cfg, num_gpus, t, p, b, global_batch_size, k, **flags)
+            parallel = make_parallel(cfg, num_gpus, t, p, b, global_batch_size, k, schedule=schedule, **flags)
         except ConfigError:
             continue  # e.g. the interleaved schedule's rules on m
         record = layout_record(cfg, parallel, predict(cfg, parallel, hw, recompute), hw)

@@ -327,6 +327,41 @@ def accumulation_table(m: int) -> Table:
     return place(ACCUMULATION, orders, 1, 1, m)
 
 
+def _gpipe_slots(p: int, v: int, m: int, g: int, split: bool) -> dict | None:
+    return {"rec": m, "hold": m if split else 0, "w": m if split else 0}
+
+
+def _1f1b_slots(p: int, v: int, m: int, g: int, split: bool) -> dict | None:
+    held = min(p, m)  # stage 0: warm-up p − 1, then one more before its first backward
+    return {"rec": held, "hold": held if split else 0, "w": 1 if split else 0}
+
+
+def _lockstep_1f1b_slots(p: int, v: int, m: int, g: int, split: bool) -> dict | None:
+    return {"rec": min(2 * p - 1, m), "hold": 0, "w": 0}
+
+
+def _interleaved_slots(p: int, v: int, m: int, g: int, split: bool) -> dict | None:
+    if split or g != p:
+        return None
+    return {"rec": min(p * v + p - 1, m * v), "hold": 0, "w": 0}  # stage 0 (docs/architecture.md, "Pipeline")
+
+
+RECORD_SLOTS = {"gpipe": _gpipe_slots, "1f1b": _1f1b_slots, "1f1b-lockstep": _lockstep_1f1b_slots,
+                "interleaved": _interleaved_slots}
+"""Closed forms of a table's record slots by order builder (`ScheduleSpec.orders`), where one is known: the
+planner sizes thousands of layouts without building their tables. Checked against the tables in the tests."""
+
+
+def record_slots(spec: ScheduleSpec, p: int, v: int, m: int, g: int) -> dict[str, int]:
+    """{"rec", "hold", "w"}: the table's record pools, by a closed form where `RECORD_SLOTS` has one."""
+    formula = RECORD_SLOTS.get(spec.orders)
+    closed = formula(p, v, m, g, spec.split) if formula is not None and p > 1 else None
+    if closed is not None:
+        return closed
+    slots = place(spec, build_orders(spec.name, p, v, m, g if spec.grouped else None), p, v, m, g).slots
+    return {pool: slots[pool] for pool in ("rec", "hold", "w")}
+
+
 def check_actions(table: Table, seen: dict) -> None:
     """`seen` ((rank, action) -> tick) holds each action of the table's kinds exactly once per (virtual stage,
     microbatch), no cell runs one twice, and every dependency ran at an earlier tick."""

@@ -500,3 +500,50 @@ def test_float64_pipeline_with_recomputation_equals_the_reference(recompute):
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
         for ref, got in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads)):
             assert float(jnp.max(jnp.abs(got - ref))) <= 1e-12 * float(jnp.max(jnp.abs(ref)))
+
+
+# --- split backwards and the V ------------------------------------------------------------------------------------
+
+def test_uniform_branching_is_refused_for_unit_tables():
+    with pytest.raises(ConfigError, match="zb-h1.*per-rank.*'uniform'"):
+        ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", pipeline_branching="uniform")
+
+
+def test_zb_v_needs_two_ranks():
+    with pytest.raises(ConfigError, match="zb-v schedule needs pipeline_model_parallel_size >= 2"):
+        ParallelConfig(pipeline_model_parallel_size=1, virtual_pipeline_stages=2, pipeline_schedule="zb-v")
+
+
+@pytest.mark.parametrize("schedule, recompute", [pytest.param("zb-v", "selective"),
+                                                 pytest.param("zb-h1", "none", marks=pytest.mark.slow)])
+def test_float64_dropout_train_step_of_split_schedules(schedule, recompute):
+    """A whole training step with dropout (state made by `init_sharded_state`, so ZB-V's V layout too): the
+    loss, grad norm and updated parameters of the p = 1 step. I's and W's masks are the F's, re-drawn from the
+    stashed keys under selective recomputation."""
+    with jax.enable_x64(True):
+        cfg = model_cfg(2).replace(hidden_dropout=0.2, attention_dropout=0.2)
+        tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0, recompute_granularity=recompute)
+        flat = ParallelConfig(micro_batch_size=1, global_batch_size=B)
+        v = dict(SCHEDULES)[schedule]
+        (loss, norm, params), (ref_loss, ref_norm, ref_params) = (
+            one_training_step(parallel, cfg, tcfg)
+            for parallel in (layout(1, 2, 1, schedule, v, branching="per-rank"), flat))
+        assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-11, atol=1e-13)
+
+
+def test_the_tolerance_catches_a_dropped_weight_gradient(monkeypatch):
+    """The exactness check can fail: a W that adds nothing for the first layer of each chunk (one kernel
+    gradient lost per chunk and microbatch) is caught by `compare` at its tolerance."""
+    from ptd_jax.parallel.pipeline import executor
+
+    original = executor.LayerStep.weight_backward
+
+    def lossy(self, params_j, h, bufs, slots, j):
+        h, rows, grads = original(self, params_j, h, bufs, slots, j)
+        return h, rows, jax.tree.map(lambda g: jnp.where(j == 0, jnp.zeros_like(g), g), grads)
+
+    monkeypatch.setattr(executor.LayerStep, "weight_backward", lossy)
+    with jax.enable_x64(True), pytest.raises(AssertionError, match="relative error"):
+        compare(layout(1, 2, 1, "zb-h1", 1, branching="per-rank"), model_cfg(2), rtol=1e-12)

@@ -203,3 +203,22 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert schedule_main(["--schedule", "interleaved", "-p", "4", "-m", "6"]) == 2
     assert "m % G == 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_closed_form_record_slots_equal_the_tables(name):
+    """`table.RECORD_SLOTS` (what the planner uses instead of building tables) equals the tables' pools."""
+    spec = SCHEDULE_SPECS[name]
+    checked = 0
+    for p in (2, 3, 4, 8):
+        for m in (1, 2, 3, p, 2 * p, 4 * p + 1):
+            for v in ((2, 3) if spec.chunks is None else (spec.chunks,)):
+                try:
+                    table = L.build(name, p, v, m)
+                except S.ScheduleError:
+                    continue
+                closed = L.RECORD_SLOTS[spec.orders](p, v, m, table.group, spec.split)
+                if closed is not None:
+                    assert closed == {k: table.slots[k] for k in closed}, (p, v, m)
+                    checked += 1
+    assert checked >= 12
