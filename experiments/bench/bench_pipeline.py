@@ -75,7 +75,7 @@ def run_case(name, p, v, m, cfg, repeats):
     sim = sched.simulate()
     return {"schedule": name, "p": p, "v": v, "m": m, "ticks": sched.ticks, "bubble": sim["bubble_fraction"],
             "formula_bubble": sched.formula_bubble(), "peak_stash": sched.peak_stash,
-            "activation_slots": sched.num_act_slots, "temp_bytes_per_device": temp, "compile_s": compile_s,
+            "record_slots": sched.slots, "temp_bytes_per_device": temp, "compile_s": compile_s,
             "step_s": step_s}
 
 

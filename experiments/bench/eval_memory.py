@@ -62,7 +62,7 @@ def measure(schedule, v, m, table):
     batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
     temp = step.lower(params, batch, batch, batch).compile().memory_analysis().temp_size_in_bytes
     slot_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # one chunk input, b = 1
-    return {"schedule": schedule, "v": v, "m": m, "table": table, "activation_slots": sched.num_act_slots,
+    return {"schedule": schedule, "v": v, "m": m, "table": table, "record_slots": sched.slots,
             "slot_bytes": slot_bytes, "temp_bytes_per_device": temp}
 
 

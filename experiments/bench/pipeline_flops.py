@@ -1,11 +1,12 @@
 """Matmul FLOPs the pipeline executor runs per device per step, against what Megatron's schedule runs (paper §2.2,
 §3.5), counted from the traced step without compiling or running it.
 
-For each named piece of the executor's work (`chunk_forward`, `chunk_backward`, `head_backward`: one call each in
+For each named piece of the executor's work (`layer_forward`, `layer_backward`, `layer_input_backward`,
+`layer_weight_backward` per layer, `head_backward`: one call each in
 the jaxpr, found by `ptd_jax.analysis.jaxpr.named_calls`), the matmul FLOPs of its jaxpr are summed by
 `analysis.jaxpr.dot_flops` (2·M·N·K per dot_general, loops multiplied by their trip counts, the larger branch of
 any inner conditional). The schedule table says what each tick (uniform) or cell (per-rank)
-runs (`executor.tick_work`: where the head runs), so:
+runs (`lowering.columns`: where the head runs), so:
 - executed FLOPs of rank r = Σ over ticks of what r runs: a chunk's forward or backward, plus the head where the
   table puts it (under "uniform" an idle cell runs its tick's chunk work on a dummy, and every rank runs the head
   on the ticks where some rank needs it, so every rank executes the same FLOPs);
@@ -31,6 +32,7 @@ from experiments.common import BENCH_MODEL, fake_devices, write_json
 
 CASES = [  # (name, model overrides or preset, p, v, m, t)
     ("bench 1f1b", BENCH_MODEL, "1f1b", 4, 1, 8, 1),
+    ("bench 1f1b-lockstep", BENCH_MODEL, "1f1b-lockstep", 4, 1, 8, 1),
     ("bench interleaved", BENCH_MODEL, "interleaved", 4, 2, 8, 1),
     ("bench gpipe", BENCH_MODEL, "gpipe", 4, 1, 8, 1),
     ("1.3b 1f1b", "1.3b", "1f1b", 4, 1, 16, 2),
@@ -57,39 +59,48 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
     from ptd_jax.config import ModelConfig, ParallelConfig, model_preset
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.pipeline.executor import tick_work
+    from ptd_jax.config import SCHEDULE_SPECS
+    from ptd_jax.parallel.pipeline.lowering import columns
     from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
 
     cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
     row = {"case": name, "recompute": recompute, "p": p, "v": v, "m": m, "t": t, "num_layers": cfg.num_layers,
            "hidden": cfg.hidden_size, "seq": cfg.seq_length, "vocab_padded": cfg.padded_vocab_size(t)}
     megatron = megatron_flops(cfg, p, v, m, t, recompute)
-    for branching in ("uniform", "per-rank"):
+    lockstep = SCHEDULE_SPECS[schedule].rows == "lockstep"
+    for branching in ("uniform", "per-rank") if lockstep else ("per-rank",):
         parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v, pipeline_schedule=schedule,
                                   tensor_model_parallel_size=t, micro_batch_size=1, global_batch_size=m,
                                   pipeline_branching=branching)
         sched = pipeline_schedule(parallel)
+        v_shape = SCHEDULE_SPECS[schedule].stage_map == "v"
         abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t), jax.random.key(0))
-        abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, p, v), abstract["layers"])}
+        abstract = {**abstract, "layers": jax.eval_shape(lambda x, turn=v_shape: sharding.stage_layers(x, p, v, turn),
+                                                         abstract["layers"])}
         specs = sharding.param_specs(abstract, pipelined=True)
         step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
         batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
         jaxpr = jax.make_jaxpr(step)(abstract, batch, batch, batch)
-        work = {name: dot_flops(next(named_calls(jaxpr, name)))
-                for name in ("chunk_forward", "chunk_backward", "head_backward")}
-        where = tick_work(sched, branching)
-        chunk = np.array([[work["chunk_forward" if kind == "F" else "chunk_backward"]] * p for kind in sched.kinds])
-        active = np.array([[c.action is not None for c in row] for row in sched.cells])
-        if branching == "uniform":  # every rank runs its tick's chunk work, and the head on the head's ticks
-            per_cell = chunk + work["head_backward"] * where["head"][:, None]
+        k = cfg.num_layers // (p * v)  # a cell runs its chunk's k layers, each one named call of its kind
+        names = {"F": "forward", "B": "backward", "I": "input_backward", "W": "weight_backward"}
+        calls = {kind: list(named_calls(jaxpr, f"layer_{name}")) for kind, name in names.items()}
+        layer = {kind: dot_flops(found[0]) if found else 0.0 for kind, found in calls.items()}
+        head = dot_flops(next(named_calls(jaxpr, "head_backward")))
+        cols = columns(sched)
+        kinds = [[c.action.kind if c.action else None for c in row] for row in sched.cells]
+        if branching == "uniform":  # every rank runs its tick's one kind, and the head on the head's ticks
+            tick_kind = ["".join(sorted({k_ for k_ in row if k_})) for row in kinds]
+            per_cell = np.array([[k * layer[tk]] * p for tk in tick_kind]) + head * cols["head"].any(axis=1)[:, None]
         else:
-            per_cell = chunk * active + work["head_backward"] * where["head"]
+            per_cell = np.array([[k * layer[k_] if k_ else 0.0 for k_ in row] for row in kinds]) + head * cols["head"]
+        work = {name: layer[kind] for kind, name in (("F", "layer_forward"), ("B", "layer_backward"),
+                                                     ("I", "layer_input_backward"), ("W", "layer_weight_backward"))}
         executed = [float(x) for x in per_cell.sum(axis=0)]
         critical = float(per_cell.max(axis=1).sum())
         row[branching] = {"ticks": sched.ticks, "executed_flops_per_rank": executed,
                           "executed_over_megatron_per_rank": [e / g for e, g in zip(executed, megatron)],
                           "executed_over_megatron_last_rank": executed[-1] / megatron[-1],
-                          "critical_path_flops": critical, "work_flops": work}
+                          "critical_path_flops": critical, "work_flops": {**work, "head_backward": head}}
     row["megatron_flops_per_rank"] = megatron
     return row
 
@@ -108,7 +119,7 @@ def main(argv=None) -> None:
         summary[f'{row["case"]} ({row["recompute"]})'] = {
             b: {"executed/megatron (last rank)": round(row[b]["executed_over_megatron_last_rank"], 4),
                 "critical_path_tflop": round(row[b]["critical_path_flops"] / 1e12, 4)}
-            for b in ("uniform", "per-rank")}
+            for b in ("uniform", "per-rank") if b in row}
     by = {(r["case"], r["recompute"]): r for r in rows}
     for model in ("bench", "1.3b"):
         for r in args.recompute:
@@ -116,6 +127,8 @@ def main(argv=None) -> None:
             if one not in by or inter not in by:
                 continue
             for b in ("uniform", "per-rank"):
+                if b not in by[one] or b not in by[inter]:
+                    continue
                 summary[f"{model} critical path interleaved/1f1b ({b}, {r})"] = round(
                     by[inter][b]["critical_path_flops"] / by[one][b]["critical_path_flops"], 4)
     write_json(args.out, {"rows": rows, "summary": summary})

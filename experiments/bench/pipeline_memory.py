@@ -89,12 +89,12 @@ def measure(schedule, v, m, recompute):
     slot_bytes = residual_slot_bytes(cfg, k, recompute)
     s_, h, a = cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
     return {"schedule": schedule, "recompute": recompute, "p": P, "v": v, "m": m, "ticks": sched.ticks,
-            "peak_stash": sched.peak_stash, "activation_slots": sched.num_act_slots,
-            "gradient_slots": sched.num_grad_slots, "slot_bytes": slot_bytes,
+            "peak_stash": sched.peak_stash, "record_slots": sched.slots["rec"],
+            "gradient_slots": sched.slots["grad"], "slot_bytes": slot_bytes,
             "megatron_16bit_bytes_per_chunk": k * s_ * h * (34 + 5 * a * s_ / h) if recompute != "full"
             else k * 2 * s_ * h,
             "stash_bytes_rank0": sched.peak_stash[0] * slot_bytes,
-            "buffer_bytes_rank0": (sched.num_act_slots + 1) * (slot_bytes + act_bytes),
+            "buffer_bytes_rank0": sched.slots["rec"] * slot_bytes + sched.slots["act"] * act_bytes,
             "temp_bytes_per_device": temp}
 
 

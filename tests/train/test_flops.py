@@ -80,11 +80,11 @@ BENCH = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6
     # Matmul FLOPs counted on the traced executor's jaxpr by experiments/bench/pipeline_flops.py (recompute full:
     # results/pipeline_flops.json; none and selective: the same `measure` with the step's recompute set), per
     # device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
-    (BENCH, "1f1b", 4, 1, 8, 1, "full", 96905199616.0, [55834574848.0] * 3 + [75967234048.0]),
+    (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "full", 96905199616.0, [55834574848.0] * 3 + [75967234048.0]),
     (BENCH, "interleaved", 4, 2, 8, 1, "full", 86436216832.0, [55834574848.0] * 3 + [75967234048.0]),
-    ("1.3b", "1f1b", 4, 1, 16, 2, "full", 61074434949120.0, [42880953483264.0] * 3 + [53034256171008.0]),
-    (BENCH, "1f1b", 4, 1, 8, 1, "none", 82141249536.0, [45097156608.0] * 3 + [65229815808.0]),
-    (BENCH, "1f1b", 4, 1, 8, 1, "selective", 83617644544.0, [46170898432.0] * 3 + [66303557632.0]),
+    ("1.3b", "1f1b-lockstep", 4, 1, 16, 2, "full", 61074434949120.0, [42880953483264.0] * 3 + [53034256171008.0]),
+    (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "none", 82141249536.0, [45097156608.0] * 3 + [65229815808.0]),
+    (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "selective", 83617644544.0, [46170898432.0] * 3 + [66303557632.0]),
 ])
 def test_pipeline_hardware_flops_equal_the_traced_executor(case):
     from ptd_jax.config import ModelConfig
@@ -100,7 +100,7 @@ def test_pipeline_hardware_flops_equal_the_traced_executor(case):
         sum(per_rank) * t, rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("1f1b-split", 1),
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("1f1b-lockstep", 1),
                                          ("zb-h1", 1), ("zb-v", 2)])
 def test_per_rank_pipeline_runs_the_model_flops_plus_the_recomputation_only(schedule, v):
     """Under "per-rank" branching no idle cell computes, so a pipeline executes what one device would: the model
@@ -113,7 +113,7 @@ def test_per_rank_pipeline_runs_the_model_flops_plus_the_recomputation_only(sche
     for recompute in ("none", "selective", "full"):
         assert hardware_flops_per_iteration(cfg, 16, None, recompute, sched, "per-rank") == pytest.approx(
             hardware_flops_per_iteration(cfg, 16, None, recompute), rel=1e-12)
-    if not sched.split:  # split schedules run per-rank only
+    if sched.spec.rows == "lockstep":  # unit tables run per-rank only
         assert hardware_flops_per_iteration(cfg, 16, None, "none", sched, "uniform") > model_flops_per_iteration(
             cfg, 16)
 
