@@ -157,8 +157,8 @@ SCHEDULE_CASES = [
     (lambda: ["-p", "16", "-m", "512", "--plot", "s.png"], "make 32768 actions, more than a timeline draws (8192)"),
     # the rules of the schedules (tests/parallel/pipeline/test_schedule.py's case among them)
     (lambda: ["--schedule", "interleaved", "-p", "4", "-m", "6"], "m % G == 0"),
-    (lambda: ["--schedule", "1f1b", "-v", "2"], "has no model chunks: v=2 needs schedule='interleaved'"),
-    (lambda: ["--schedule", "interleaved", "-p", "1"], "interleaving needs p >= 2"),
+    (lambda: ["--schedule", "1f1b", "-v", "2"], "schedule='1f1b' runs 1 model chunk(s) per rank: needs v=1, got v=2"),
+    (lambda: ["--schedule", "interleaved", "-p", "1"], "schedule='interleaved' needs p >= 2 pipeline ranks, got p=1"),
     (lambda: ["-p", "4", "-m", "8", "--microbatch-group-size", "3"], "p <= G <= m"),
 ]
 

@@ -35,7 +35,7 @@ CASES = [
      "num_layers=4 is not divisible by num_layers_per_virtual_pipeline_stage=3"),
     (["--lr", "0.1", "--min-lr", "1.0"], "min_lr=1.0 is larger than lr=0.1"),
     (["--pipeline-model-parallel-size", "2", "--global-batch-size", "64", "--num-layers-per-virtual-pipeline-stage",
-      "1", "--pipeline-schedule", "1f1b"], "virtual_pipeline_stages=2 needs pipeline_schedule='interleaved'"),
+      "1", "--pipeline-schedule", "1f1b"], "virtual_pipeline_stages=2 does not apply to pipeline_schedule='1f1b' (1 chunk(s) per rank)"),
     (["--pipeline-model-parallel-size", "4", "--global-batch-size", "6", "--micro-batch-size", "1",
       "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "interleaved"],
      "p <= G <= m (Megatron's rule), got p=4, G=4, m=3"),
@@ -50,7 +50,7 @@ CASES = [
     (["--seed", "-1"], "seed=-1 must be in [0, 2**32)"),
     (["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
       "--microbatch-group-size-per-virtual-pipeline-stage", "2"],
-     "microbatch_group_size=2 applies to pipeline_schedule='interleaved' only"),
+     "microbatch_group_size=2 applies to grouped schedules (interleaved) only, got '1f1b'"),
     # several processes (jax.distributed), refused before anything connects
     (["--coordinator-address", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
      "process_id=2 must be in [0, num_processes=2)"),

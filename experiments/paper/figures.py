@@ -30,6 +30,9 @@ def paper_model(name: str):
                                               dtype="bfloat16")
 
 
+PAPERS_1F1B = "1f1b-lockstep"
+
+
 def predict(cfg, num_gpus: int, t: int, p: int, b: int, global_batch_size: int, k: int | None = None,
             recompute: str = "full", hardware: str = "a100-80gb", **flags) -> dict:
     """The planner's record of one layout at the paper's scale (`ptd-plan predict`'s numbers): tflops_per_gpu
@@ -40,6 +43,8 @@ def predict(cfg, num_gpus: int, t: int, p: int, b: int, global_batch_size: int, 
     from ptd_jax.perf.search import layout_record, make_parallel
 
     hw = HARDWARE[hardware]
+    # the paper's plain 1F1B is Megatron's asynchronous one, (p - 1)/m whatever B/F is: ours on lockstep ticks
+    flags.setdefault("schedule", None if k else PAPERS_1F1B)
     parallel = make_parallel(cfg, num_gpus, t, p, b, global_batch_size, k, **flags)
     pred = perf_predict(cfg, parallel, hw, recompute)
     record = layout_record(cfg, parallel, pred, hw)

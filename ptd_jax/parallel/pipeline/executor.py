@@ -329,12 +329,16 @@ def _branch_index(cell: Cell, index: dict):
     return out
 
 
-def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads):
+def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads, direct: bool = False):
     """The chunk's layers (module docstring, step 3): -> (h, record, grads)."""
     k = ctx.layers_per_chunk
     c = chunk_index(ctx, cell)
     taps = ctx.taps.zeros() if ctx.taps is not None else None
-    zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0, 0]), grads)
+    # a layer's gradients leave the switch in the compute dtype (half of float32 under --bf16/--fp16: the switch's
+    # output is one layer's gradients beside the accumulators) and are widened by the in-place add
+    zero_grads = jax.tree.map(
+        lambda a, x: jnp.zeros(a.shape[2:], x.dtype) + jnp.zeros_like(a[0, 0], x.dtype), grads, ctx.chunks
+    )
     step = LayerStep(ctx, cell, zero_grads)
     branches, index = step.branches(kinds)
     which = _branch_index(cell, index)
@@ -349,14 +353,17 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads):
         h, bufs, acc = carry
         jl = jnp.where(backwards, k - 1 - j, j)
         params_j = with_taps(jax.tree.map(lambda a: a[c, jl], ctx.chunks), taps)
-        h, values, d = jax.lax.switch(which, branches, params_j, h, bufs, slots, jl)
+        if direct:  # one kind and every cell runs it (uniform, or no idle cell in the run): no switch to copy out of
+            h, values, d = branches[1](params_j, h, bufs, slots, jl)
+        else:
+            h, values, d = jax.lax.switch(which, branches, params_j, h, bufs, slots, jl)
         bufs = [
             buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop")
             for buf, slot, val, w in zip(bufs, slots, values, writes)
         ]
         acc = {
             g: {
-                n: a.at[jnp.where(_adds(cell, g, n), c, a.shape[0]), jl].add(d[g][n], mode="drop")
+                n: a.at[jnp.where(_adds(cell, g, n), c, a.shape[0]), jl].add(d[g][n].astype(a.dtype), mode="drop")
                 for n, a in leaves.items()
             }
             for g, leaves in acc.items()
@@ -395,8 +402,9 @@ def send(ctx: Context, out, shift: int):
 # --- a tick ---------------------------------------------------------------------------------------------------------
 
 
-def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict) -> Carry:
-    """One tick of a static pattern (kinds, directions): module docstring, steps 1-5."""
+def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = False) -> Carry:
+    """One tick of a static pattern (kinds, directions): module docstring, steps 1-5. `busy`: every rank runs a cell
+    in this tick."""
     kinds, directions = pattern
     cell = read_cell(ctx, row, kinds)
     training = carry.grads_chunks is not None
@@ -420,7 +428,8 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict) -> Carry:
         h = jnp.where(cell.kind == F_, h, ct) if "F" in kinds else ct
     record, grads_chunks = carry.record, carry.grads_chunks
     if training:
-        out, record, grads_chunks = run_layers(ctx, cell, kinds, h, record, grads_chunks)
+        direct = len(kinds) == 1 and (ctx.uniform or busy)
+        out, record, grads_chunks = run_layers(ctx, cell, kinds, h, record, grads_chunks, direct)
     else:
         out = _evaluate_chunk(ctx, cell, h)
         loss = jax.lax.cond(cell.head, partial(_head_loss_add, ctx, cell), lambda y, loss: loss, out, loss)
@@ -467,9 +476,12 @@ def run_table(ctx: Context, carry: Carry) -> Carry:
         width = len(pattern)
         rows = {k: jnp.asarray(a[first : first + n * width].reshape(n, width, *a.shape[1:])) for k, a in cols.items()}
 
-        def body(carry, rows, pattern=pattern):
+        # per position in the pattern: whether every rank works in each of the run's ticks there
+        busy = [bool((cols["kind"][first + i : first + n * width : width] > 0).all()) for i in range(width)]
+
+        def body(carry, rows, pattern=pattern, busy=busy):
             for i, pat in enumerate(pattern):
-                carry = tick(ctx, pat, carry, {k: col[i] for k, col in rows.items()})
+                carry = tick(ctx, pat, carry, {k: col[i] for k, col in rows.items()}, busy[i])
             return carry, None
 
         carry, _ = jax.lax.scan(body, carry, rows)

@@ -112,7 +112,7 @@ ODD_TABLES = {"uneven-group": (dict(pipeline_model_parallel_size=2, virtual_pipe
     for name in ODD_TABLES for r in ("none", "selective", "full")])
 def test_float64_pipeline_on_odd_tables(table, recompute):
     overrides, num_layers = ODD_TABLES[table]
-    parallel = layout(1, 2, 1, "1f1b", 1).replace(**overrides)
+    parallel = layout(1, 2, 1, "gpipe", 1, branching="per-rank").replace(**overrides)
     with jax.enable_x64(True):
         compare(parallel, model_cfg(2).replace(num_layers=num_layers), rtol=1e-12, recompute=recompute)
 
@@ -151,7 +151,7 @@ def test_bf16_pipeline_equals_the_bf16_reference():
     transpose in bfloat16, gradients accumulated in float32; against the reference step in the same precision
     (the two differ by summation order only: 2e-2 of the largest gradient, where a dropped term is O(1))."""
     cfg = model_cfg(2, x64=False).replace(dtype="bfloat16")
-    compare(layout(1, 2, 2, "1f1b", 1), cfg, rtol=2e-2)
+    compare(layout(1, 2, 2, "1f1b", 1, branching="per-rank"), cfg, rtol=2e-2)
 
 
 @pytest.mark.parametrize("branching", ["uniform", "per-rank"])

@@ -52,7 +52,7 @@ def test_chooser_picks_zb_v_then_falls_back_when_memory_refuses():
     name, v, rows = choose_schedule(4, None, 8, (1, 1, 1))
     assert (name, v) == ("zb-v", 2)
     by = {r["schedule"]: r for r in rows}
-    assert set(by) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
+    assert set(by) == {"gpipe", "1f1b", "1f1b-lockstep", "interleaved", "zb-h1", "zb-v"}
     assert by["zb-v"]["makespan"] == pytest.approx(25.5) and by["zb-v"]["bubble_fraction"] == pytest.approx(1 / 16)
     assert by["zb-v"]["in_flight"] == 4 and by["zb-v"]["why"] == "the shortest simulated step"
     name, v, rows = choose_schedule(4, None, 8, (1, 1, 1), memory_ok=lambda n, v, s: n not in ("zb-v", "zb-h1"))
@@ -68,7 +68,7 @@ def test_chooser_takes_less_memory_within_its_margin():
     """A schedule within `MARGIN` of the shortest simulated step that holds less wins, and says why."""
     from ptd_jax.parallel.pipeline.choose import MARGIN
 
-    gib = {"gpipe": 9.0, "1f1b": 5.0, "interleaved": 6.0, "zb-h1": 7.0, "zb-v": 6.5}
+    gib = {"gpipe": 9.0, "1f1b": 5.0, "1f1b-lockstep": 5.5, "interleaved": 6.0, "zb-h1": 7.0, "zb-v": 6.5}
     # at 1 : 8/7 : 6/7 ZB-V (28.43) and interleaved (28.50) are within 0.3%: the smaller memory wins
     name, v, rows = choose_schedule(4, None, 8, (1, 8 / 7, 6 / 7), memory=lambda n, v, t: gib[n] * 2**30)
     assert (name, v) == ("interleaved", 2)
