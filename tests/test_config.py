@@ -44,7 +44,7 @@ def test_devices_must_divide_by_tensor_times_pipe():
 
 
 def test_interleaving_rules():
-    with pytest.raises(ConfigError, match=r"virtual_pipeline_stages=2 does not apply to pipeline_schedule='1f1b' \(1 chunk\(s\) per rank\)"):
+    with pytest.raises(ConfigError, match=r"virtual_pipeline_stages=2 does not apply to pipeline_schedule='1f1b'"):
         ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_stages=2, pipeline_schedule="1f1b")
     with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size >= 2, got 1"):
         ParallelConfig(pipeline_schedule="interleaved")
