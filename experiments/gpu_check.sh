@@ -41,10 +41,10 @@ if "${PYTHON:-python}" -c "import jax, sys; sys.exit(len(jax.devices()) < 4)" 2>
   timeout "${PIPELINE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.bench_interleaving --rounds 3 \
       --out "$out/bench_interleaving_gpu.json" 2>&1 | tail -n 3
   echo "pipeline bench exit: ${PIPESTATUS[0]}"
-  # 6. the split schedules (1F1B-split, ZB-H1, ZB-V) against 1F1B and interleaved at p = 4: where their bubble shows
-  timeout "${ZERO_BUBBLE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.bench_zero_bubble --rounds 3 \
-      --out "$out/zero_bubble_bench_gpu.json" 2>&1 | tail -n 9
-  echo "zero-bubble bench exit: ${PIPESTATUS[0]}"
+  # 6. every schedule of the one executor (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) against the single device at p = 4
+  timeout "${ZERO_BUBBLE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.bench_one_pipeline --rounds 3 \
+      --out "$out/one_pipeline_steps_gpu.json" 2>&1 | tail -n 7
+  echo "one-pipeline bench exit: ${PIPESTATUS[0]}"
 else
   echo "pipeline and zero-bubble benches: skipped (need 4 devices)"
 fi
