@@ -23,7 +23,7 @@ from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, 
 from ptd_jax.train.reference import accumulate_gradients, make_eval_step
 
 B, S = 8, 16
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b-lockstep", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
 LAYOUTS = [(1, 4, 1), (1, 4, 2), (2, 2, 2), (1, 2, 1), (1, 8, 1), (1, 2, 4)]  # (d, p, t)
 
 
@@ -86,10 +86,17 @@ def compare(parallel, cfg, rtol, recompute="none"):
 # uniform branching once (more below: sequence parallelism, recomputation, evaluation, dropout); `pytest -m slow`
 # runs the whole product (p = 8, (1,2,1), (1,2,4) too).
 COVERING = {((1, 4, 2), "interleaved", "uniform"), ((2, 2, 2), "1f1b", "per-rank"), ((1, 4, 1), "zb-h1", "per-rank"),
-            ((1, 4, 2), "zb-v", "per-rank")}  # GPipe: the dropout step below
+            ((1, 4, 2), "zb-v", "per-rank"), ((1, 4, 1), "1f1b-lockstep", "uniform")}  # GPipe: the dropout step below
 PRODUCT = [pytest.param(d, p, t, s, v, b, id=f"d{d}p{p}t{t}-{s}-{b}",
                         marks=() if ((d, p, t), s, b) in COVERING else pytest.mark.slow)
            for d, p, t in LAYOUTS for s, v in SCHEDULES for b in branchings(s) if p >= SCHEDULE_SPECS[s].min_p]
+
+
+def test_the_exactness_cases_cover_every_schedule():
+    """Every registered schedule is in the product, and in the default run (GPipe through its dropout step)."""
+    assert {s for s, _ in SCHEDULES} == set(SCHEDULE_SPECS)
+    assert {s for _, s, _ in COVERING} | {"gpipe"} == set(SCHEDULE_SPECS)
+    assert {dpt for dpt, _, _ in COVERING} >= {(1, 4, 1), (1, 4, 2), (2, 2, 2)}
 
 
 @pytest.mark.parametrize("d, p, t, schedule, v, branching", PRODUCT)
@@ -500,6 +507,42 @@ def test_float64_pipeline_with_recomputation_equals_the_reference(recompute):
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
         for ref, got in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads)):
             assert float(jnp.max(jnp.abs(got - ref))) <= 1e-12 * float(jnp.max(jnp.abs(ref)))
+
+
+# --- the distributed optimizer and `--pipeline-schedule auto` ---------------------------------------------------
+
+@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), pytest.param("interleaved", 2, marks=pytest.mark.slow)])
+def test_float64_distributed_optimizer_step_equals_the_unpipelined_step(schedule, v):
+    """One training step at (d, p, t) = (2, 2, 2) under the distributed optimizer (master weights and moments split
+    over "data", gradients reduce-scattered), a split schedule and a fused one: the loss, grad norm and updated
+    parameters of the single-device step with the plain optimizer."""
+    with jax.enable_x64(True):
+        cfg = model_cfg(2)
+        tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0)
+        parallel = layout(2, 2, 2, schedule, v, branching="per-rank").replace(use_distributed_optimizer=True)
+        flat = ParallelConfig(micro_batch_size=1, global_batch_size=B)
+        (loss, norm, params), (ref_loss, ref_norm, ref_params) = (one_training_step(x, cfg, tcfg)
+                                                                  for x in (parallel, flat))
+        assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+            got = np.asarray(got)[tuple(slice(0, n) for n in np.shape(want))]  # t = 2 pads the vocabulary rows
+            np.testing.assert_allclose(got, np.asarray(want), rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.slow
+def test_float64_pipeline_of_the_auto_schedule_equals_the_reference():
+    """`--pipeline-schedule auto` at p = 4 (8 layers, m = 8): the layout ptd-train builds from its choice runs
+    exactly."""
+    from ptd_jax.cli import train as cli
+
+    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
+                                          "--num-layers", "8", "--pipeline-schedule", "auto", "--global-batch-size",
+                                          str(B), "--micro-batch-size", "1"])
+    cli.fill_defaults(args)
+    parallel = cli.parallel_config_from_args(args, cli.model_config_from_args(args), 4)
+    assert parallel.pipeline_schedule in SCHEDULE_SPECS and parallel.num_microbatches == B
+    with jax.enable_x64(True):
+        compare(parallel, model_cfg(4), rtol=1e-12)
 
 
 # --- split backwards and the V ------------------------------------------------------------------------------------
