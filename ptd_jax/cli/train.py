@@ -82,7 +82,8 @@ def add_parallel_args(g) -> None:
                         "masked on all ranks, only on the ticks that need them); per-rank: each rank computes only "
                         "its own work (tensor collectives in pipe-divergent branches; measured correct on XLA:CPU, "
                         "not yet on GPUs); auto (default): per-rank on CPU, where fake devices share the cores and "
-                        "idle work costs time, uniform on accelerators")
+                        "idle work costs time, and for unit-tick schedules (1f1b, zb-h1, zb-v) everywhere; uniform for "
+                        "lockstep schedules on accelerators")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true",
                    help="send whole boundary activations between pipeline stages (paper §4.1 off)")

@@ -445,7 +445,7 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = Fal
     if "F" in kinds and training:  # the last stage's output waits for the head (its out_slot; else dropped)
         out_slot = jnp.where(cell.kind == F_, cell.slots["out_slot"], act.shape[0])
         act = act.at[out_slot].set(out, mode="drop")
-    for d in (*directions, *((0,) if ctx.table.spec.stage_map == "v" else ())):
+    for d in sorted(set(directions) | ({0} if ctx.table.spec.stage_map == "v" else set())):
         arrived = out if d == 0 else send(ctx, out, d)
         side = SIDES[d]
         act = act.at[row[f"recv_act_{side}"][ctx.rank]].set(arrived, mode="drop")
