@@ -268,7 +268,8 @@ class ParallelConfig:
     """How pipeline cells branch: "uniform" (every rank the same branch each tick; the embedding and the output
     layer run masked on all ranks, only on the ticks that need them) or "per-rank" (each rank its own branch:
     only the ranks that need them embed or run the head, idle cells run no layer), or "auto" (`resolve_branching`:
-    per-rank on XLA:CPU and for unit-tick schedules (1f1b, zb-h1, zb-v) everywhere, uniform for lockstep ones on accelerators). Expected to take the same lockstep wall time on GPUs (unmeasured);
+    per-rank on XLA:CPU and for unit-tick schedules (1f1b, zb-h1, zb-v) everywhere, uniform for lockstep ones on
+    accelerators). Expected to take the same lockstep wall time on GPUs (unmeasured);
     "per-rank" puts tensor collectives in pipe-divergent branches, measured correct on XLA:CPU only."""
 
     def __post_init__(self):
