@@ -97,9 +97,11 @@ def reference_step(cfg, recompute, m=8):
     return step.lower(*args).compile(), args
 
 
-def grad_step(cfg, *, schedule="1f1b", p=1, v=1, m=4, t=1, d=1, b=1, recompute="none", branching="uniform",
+def grad_step(cfg, *, schedule="1f1b-lockstep", p=1, v=1, m=4, t=1, d=1, b=1, recompute="none", branching="uniform",
               **fields):
-    """`pipeline_step` with keyword arguments: (compiled grad step, its arguments)."""
+    """`pipeline_step` with keyword arguments: (compiled grad step, its arguments). The default schedule and
+    branching are the paper's 1F1B on lockstep ticks under "uniform" ("1f1b" splits its backwards on unit ticks:
+    "per-rank" only)."""
     return pipeline_step(cfg, schedule, v, branching, recompute, p=p, m=m, t=t, d=d, b=b, **fields)
 
 

@@ -28,7 +28,8 @@ CASES = {
     "1.3b-d8-distopt-none": ("1.3b", "h100-sxm", 8, 8, 1, 1, None, 1, 16, "none", True),
     "1.3b-d8-none": ("1.3b", "h200", 8, 8, 1, 1, None, 1, 16, "none", False),
     "paper-39.1b-p2t8-full": ("paper-39.1b", "a100-80gb", 512, 32, 2, 8, None, 1, 1536, "full", False),
-    # split backwards (a twelfth field: the schedule), beside the two d2p4 cases above
+    # zero-bubble schedules (a twelfth field: the schedule), beside the two d2p4 cases above (1f1b splits its
+    # backwards too since the one pipeline)
     "1.3b-d2p4-zb-h1-none": ("1.3b", "h100-sxm", 8, 2, 4, 1, None, 1, 16, "none", False, "zb-h1"),
     "1.3b-d2p4-zb-v-none": ("1.3b", "h100-sxm", 8, 2, 4, 1, 3, 1, 16, "none", False, "zb-v"),
 }

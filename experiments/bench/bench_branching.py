@@ -1,7 +1,9 @@
 """`--pipeline-branching` on fake CPU devices: the grad step under "uniform" and "per-rank", in alternating rounds
 (medians), for the two layouts the default ("auto": per-rank on XLA:CPU) was chosen on: compare_torch's model at
 p = 2 1F1B (t = 1) and the demo's d2 p2 t2 interleaved layout (tiny preset). The ratio uniform / per-rank is the
-step time "auto" saves on CPU. On a GPU both are expected to take the same lockstep time (unmeasured).
+step time "auto" saves on CPU. On a GPU both are expected to take the same lockstep time (unmeasured). Uniform
+branching needs one kind per tick, so the p = 2 layout runs `1f1b-lockstep` (fused backwards; "1f1b" splits them on
+unit ticks and runs per-rank only); the layout keeps its name.
 
 Usage: python -m experiments.bench.bench_branching [--rounds 5] [--smoke]
        [--out experiments/results/bench_branching.json]
@@ -15,7 +17,7 @@ from experiments import common
 
 LAYOUTS = {
     "compare_torch p2 1f1b": (dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128,
-                                   vocab_size=257), dict(schedule="1f1b", p=2, v=1, t=1, d=1, b=2, m=4)),
+                                   vocab_size=257), dict(schedule="1f1b-lockstep", p=2, v=1, t=1, d=1, b=2, m=4)),
     "demo d2 p2 t2 interleaved": ("tiny", dict(schedule="interleaved", p=2, v=2, t=2, d=2, b=2, m=4)),
 }
 

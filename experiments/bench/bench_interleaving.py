@@ -8,7 +8,9 @@ under both `--pipeline-branching` modes, and the single-device reference step, a
 as the reference's plain autodiff does). Medians of alternating rounds, ratios from the same run. On fake devices
 the step time follows the work that every rank executes: "uniform" (idle cells compute masked dummies) stands for a
 lockstep GPU step, whose tick lasts as long as its busiest rank; "per-rank" (idle cells compute nothing) measures
-the total work.
+the total work. Plain 1F1B here is `1f1b-lockstep` (fused backwards, one kind per tick), the one 1F1B table that
+runs under both branchings and is placed as interleaved is: the table the name "1f1b" ran before the one pipeline
+(warm-up 2(p − 1 − s)), which the ratios' names keep.
 
 Usage: python -m experiments.bench.bench_interleaving [--rounds 5] [--recompute none|selective|full]
        [--out experiments/results/bench_interleaving.json]
@@ -29,7 +31,8 @@ MODELS = {
     "wide_small_vocab": dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=1024),
 }
 SMOKE_MODEL = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=257)
-CASES = [("1f1b", 1, "uniform"), ("interleaved", 2, "uniform"), ("1f1b", 1, "per-rank"),
+ONE_F_ONE_B = "1f1b-lockstep"
+CASES = [(ONE_F_ONE_B, 1, "uniform"), ("interleaved", 2, "uniform"), (ONE_F_ONE_B, 1, "per-rank"),
          ("interleaved", 2, "per-rank")]
 
 
@@ -46,7 +49,7 @@ def measure(model_name, rounds, smoke=False, recompute="none"):
     ratios, ratios_cpu = {}, {}
     for out, med in ((ratios, median), (ratios_cpu, median_cpu)):
         for branching in ("uniform", "per-rank"):
-            one_f_one_b = med[f"1f1b v=1 {branching}"]
+            one_f_one_b = med[f"{ONE_F_ONE_B} v=1 {branching}"]
             out[f"interleaved/1f1b ({branching})"] = med[f"interleaved v=2 {branching}"] / one_f_one_b
             out[f"1f1b/reference ({branching})"] = one_f_one_b / med["reference"]
     return {"model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1}, "recompute": recompute,

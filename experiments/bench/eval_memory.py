@@ -1,9 +1,13 @@
-"""Evaluation's memory at p > 1 against m: the compiled evaluation step's temp bytes for m ∈ {8, 32, 64}, with the
-forward-only table that frees a slot once its forward has read it (`lockstep.build_forward_only`) beside the table
-that held every chunk input until a backward that evaluation never runs (the lockstep placement of the same
-forwards without `forward_only`: m·v slots, what the table was before).
+"""Evaluation's memory at p > 1 against m: the compiled evaluation step's temp bytes for m ∈ {8, 32, 64} with the
+forward-only table (`table.build_forward_only`), which frees an input slot once its forward has read it: flat in m.
 
-1F1B (v = 1) and interleaved (v = 2) at p = 4, t = 1, b = 1; compiled, not run, on 4 fake CPU devices.
+Before ac63b79 the evaluation table held every chunk input until a backward that evaluation never runs (m·v slots);
+results/eval_memory.json keeps that "held" table's rows beside the "freed" ones, measured on the previous
+executor. The one placement (`table.place`) frees an input once read in every table, so there is no "held" table to
+build any more: the script measures the forward-only table alone.
+
+Interleaved (v = 2) and 1F1B (v = 1, its forwards in Megatron's order) at p = 4, t = 1, b = 1; compiled, not run,
+on 4 fake CPU devices.
 
 Usage: python -m experiments.bench.eval_memory [--out experiments/results/eval_memory.json]
 """
@@ -17,52 +21,35 @@ from experiments.common import BENCH_MODEL, fake_devices, write_json
 
 MODEL = BENCH_MODEL
 P = 4
-CASES = [(s, v, m, table) for s, v in (("1f1b", 1), ("interleaved", 2)) for m in (8, 32, 64)
-         for table in ("held", "freed")]
+CASES = [(s, v, m) for s, v in (("1f1b", 1), ("interleaved", 2)) for m in (8, 32, 64)]
 
 
-def held_table(name, p, v, m, group=None):
-    """The forwards placed as before the fix: every input kept in its slot to the end (m·v slots)."""
-    from ptd_jax.parallel.pipeline import lockstep as L
-    from ptd_jax.parallel.pipeline.schedule import build_orders, check_request
-
-    g = check_request(name, p, v, m, group)
-    orders = [[a for a in order if a.kind == "F"] for order in build_orders(name, p, v, m, group)]
-    return L.lockstep(name, orders, p, v, m, g)
-
-
-def measure(schedule, v, m, table):
+def measure(schedule, v, m):
     import jax
     import numpy as np
 
     from ptd_jax import model as gpt
     from ptd_jax.config import ModelConfig, ParallelConfig
     from ptd_jax.parallel import sharding
-    from ptd_jax.parallel import step as step_module
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.pipeline import build_forward_only
+    from ptd_jax.parallel.step import make_parallel_eval_step
 
     cfg = ModelConfig(**MODEL)
     parallel = ParallelConfig(pipeline_model_parallel_size=P, virtual_pipeline_stages=v, pipeline_schedule=schedule,
                               micro_batch_size=1, global_batch_size=m)
-    builder = held_table if table == "held" else build_forward_only
-    sched = builder(schedule, P, v, m)
+    sched = build_forward_only(schedule, P, v, m)
     abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg), jax.random.key(0))
     abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, P, v), abstract["layers"])}
     specs = sharding.param_specs(abstract, pipelined=True)
     mesh = make_mesh(parallel)
-    original = step_module.build_forward_only
-    step_module.build_forward_only = builder
-    try:
-        step = step_module.make_parallel_eval_step(mesh, cfg, parallel, specs)
-    finally:
-        step_module.build_forward_only = original
+    step = make_parallel_eval_step(mesh, cfg, parallel, specs)
     shardings = sharding.named(mesh, specs)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
     temp = step.lower(params, batch, batch, batch).compile().memory_analysis().temp_size_in_bytes
     slot_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # one chunk input, b = 1
-    return {"schedule": schedule, "v": v, "m": m, "table": table, "record_slots": sched.slots,
+    return {"schedule": schedule, "v": v, "m": m, "table": "freed", "slots": sched.slots,
             "slot_bytes": slot_bytes, "temp_bytes_per_device": temp}
 
 
@@ -74,9 +61,8 @@ def main(argv=None) -> None:
     rows = [measure(*case) for case in CASES]
     for r in rows:
         print(json.dumps(r))
-    by = {(r["schedule"], r["table"], r["m"]): r["temp_bytes_per_device"] for r in rows}
-    summary = {f"{s} {t}: temp m=64 - m=8 (bytes)": by[(s, t, 64)] - by[(s, t, 8)]
-               for s in ("1f1b", "interleaved") for t in ("held", "freed")}
+    by = {(r["schedule"], r["m"]): r["temp_bytes_per_device"] for r in rows}
+    summary = {f"{s} freed: temp m=64 - m=8 (bytes)": by[(s, 64)] - by[(s, 8)] for s in ("1f1b", "interleaved")}
     print(json.dumps(summary))
     write_json(args.out, {"model": MODEL, "p": P, "rows": rows, "summary": summary})
 

@@ -10,6 +10,11 @@ CPU devices. The rest of the temp bytes is one tick's working set, which does no
 formula (Korthikanti et al. 2022, per layer and 16-bit activations: s·b·h·(34 + 5·a·s/h) bytes) is printed next to
 the residual bytes for scale.
 
+"1f1b" splits its backwards (I, then W at once): its record also holds the matmul taps W reads (`stash.Record`, the
+"hold" and "w" pools of `Table.slots`), which `slot_bytes` (the vjp residuals alone) does not count; the rows give
+every pool's slots. Rows in results/pipeline_memory.json from before the one pipeline measured the previous
+executor, whose "1f1b" was today's `1f1b-lockstep` (fused backwards).
+
 Usage: python -m experiments.bench.pipeline_memory [--out experiments/results/pipeline_memory.json]
 """
 
@@ -89,7 +94,8 @@ def measure(schedule, v, m, recompute):
     slot_bytes = residual_slot_bytes(cfg, k, recompute)
     s_, h, a = cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
     return {"schedule": schedule, "recompute": recompute, "p": P, "v": v, "m": m, "ticks": sched.ticks,
-            "peak_stash": sched.peak_stash, "record_slots": sched.slots["rec"],
+            "peak_stash": sched.peak_stash, "peak_in_flight": sched.peak_in_flight, "slots": sched.slots,
+            "record_slots": sched.slots["rec"],
             "gradient_slots": sched.slots["grad"], "slot_bytes": slot_bytes,
             "megatron_16bit_bytes_per_chunk": k * s_ * h * (34 + 5 * a * s_ / h) if recompute != "full"
             else k * 2 * s_ * h,

@@ -65,14 +65,13 @@ def main(argv=None) -> None:
     from ptd_jax.config import ModelConfig, ParallelConfig
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.pipeline import build
-    from ptd_jax.parallel.step import loss_and_grads
+    from ptd_jax.parallel.step import accumulation_schedule, loss_and_grads
     from ptd_jax.train.reference import accumulate_gradients
 
     cfg = ModelConfig(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
     m = 8
     parallel = ParallelConfig(pipeline_schedule="1f1b", micro_batch_size=1, global_batch_size=m)
-    sched = build("1f1b", 1, 1, m)
+    sched = accumulation_schedule(parallel)  # the p = 1 table the training step runs
     mesh = make_mesh(parallel)
     params = gpt.init_params(jax.random.key(0), cfg)
     staged = {**params, "layers": sharding.stage_layers(params["layers"], 1, 1)}

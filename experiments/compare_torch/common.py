@@ -15,7 +15,7 @@ softmax would count and ours does not."""
 TRAIN = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0)
 MICRO_BATCH, MICROBATCHES = 2, 4
 LAYOUT_NAME = re.compile(
-    r"^(serial|t(\d+)|p(\d+)(?:v(\d+))?(?:t(\d+))?-(gpipe|1f1b|interleaved)(?:-(uniform|per-rank))?)$")
+    r"^(serial|t(\d+)|p(\d+)(?:v(\d+))?(?:t(\d+))?-(gpipe|1f1b-lockstep|1f1b|interleaved)(?:-(uniform|per-rank))?)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,23 +29,41 @@ class Layout:
     schedule: str = "1f1b"
     branching: str = "auto"
     """ptd_jax's --pipeline-branching (torch runs the same schedule either way): the name's suffix, else the
-    default, "auto" (per-rank on this CPU; the record names the branching that ran)."""
+    default, "auto" (per-rank on this CPU; the record names the branching that ran). "uniform" needs a schedule on
+    lockstep ticks: "1f1b" splits its backwards on unit ticks, "1f1b-lockstep" is 1F1B with fused ones."""
 
     @classmethod
     def parse(cls, name: str) -> Layout:
         match = LAYOUT_NAME.match(name)
         if match is None:
             raise SystemExit(f"layout {name!r}: expected 'serial', t<T> or "
-                             f"p<P>[v<V>][t<T>]-<gpipe|1f1b|interleaved>[-uniform|-per-rank]")
+                             f"p<P>[v<V>][t<T>]-<gpipe|1f1b|1f1b-lockstep|interleaved>[-uniform|-per-rank]")
         if match[1] == "serial":
             return cls(name)
         if match[2]:
             return cls(name, t=int(match[2]))
-        return cls(name, int(match[3]), int(match[4] or 1), int(match[5] or 1), match[6], match[7] or "auto")
+        layout = cls(name, int(match[3]), int(match[4] or 1), int(match[5] or 1), match[6], match[7] or "auto")
+        if layout.branching == "uniform" and layout.p > 1 and not _lockstep(layout.schedule):
+            raise SystemExit(f"layout {name!r}: {layout.schedule} runs different kinds on different ranks in one tick "
+                             f"and needs per-rank branching; uniform runs a lockstep schedule (e.g. "
+                             f"{name.replace(layout.schedule + '-', '1f1b-lockstep-', 1)!r})")
+        return layout
+
+    @property
+    def family(self) -> str:
+        """The schedule torch and megatron-core run for it: 1f1b-lockstep is 1F1B (the same microbatches' forwards
+        and backwards on each stage; only ptd_jax's order of them differs)."""
+        return "1f1b" if self.schedule == "1f1b-lockstep" else self.schedule
 
     @property
     def devices(self) -> int:
         return self.p * self.t
+
+
+def _lockstep(schedule: str) -> bool:
+    from ptd_jax.config import SCHEDULE_SPECS
+
+    return SCHEDULE_SPECS[schedule].rows == "lockstep"
 
 
 def schedule_lr_factor(step: int, train: dict, iters: int) -> float:

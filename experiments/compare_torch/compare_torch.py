@@ -36,7 +36,7 @@ many times slower. XLA runs with its default flags: none of the XLA:CPU flags tr
 run rather than absolute numbers: single rounds spread by up to 2x.
 
 Usage: python -m experiments.compare_torch.compare_torch [--rounds 3] [--iters 10] [--torch-eager-threads 1]
-       [--layouts serial p2-1f1b p2-1f1b-uniform p2-gpipe p2v2-interleaved t2 p2t2-1f1b] [--no-megatron-core]
+       [--layouts serial p2-1f1b p2-1f1b-lockstep-uniform p2-gpipe p2v2-interleaved t2 p2t2-1f1b] [--no-megatron-core]
        [--out experiments/results/compare_torch.json]
 """
 
@@ -62,13 +62,13 @@ MEGATRON_SCHEDULES = {"serial": "forward_backward_no_pipelining",
 
 
 def megatron_runs(layout: Layout) -> bool:
-    return layout.p == 1 or layout.schedule in MEGATRON_SCHEDULES
+    return layout.p == 1 or layout.family in MEGATRON_SCHEDULES
 
 
 def megatron_key(layout: Layout) -> tuple:
-    """What megatron-core runs for a layout: ptd_jax's branching is not one of its choices, so p2-1f1b and
-    p2-1f1b-uniform share one megatron-core run."""
-    return (layout.p, layout.v, layout.t, layout.schedule if layout.p > 1 else "serial")
+    """What megatron-core runs for a layout: ptd_jax's branching and 1F1B table are not among its choices, so
+    p2-1f1b and p2-1f1b-lockstep-uniform share one megatron-core run."""
+    return (layout.p, layout.v, layout.t, layout.family if layout.p > 1 else "serial")
 
 
 def megatron_layouts(layouts: list[Layout]) -> dict:
@@ -167,7 +167,7 @@ def _torch_columns(layout: Layout, row: dict, jax_runs, runs, tokens: int) -> di
     torch_tps, torch_rounds = _tokens_per_s(torch_runs, tokens)
     torch_cpu_tps, torch_cpu_rounds = _tokens_per_s(torch_runs, tokens, "cpu_s")
     return {
-        "torch_engine": "eager" if layout.p == 1 else f"torch.distributed.pipelining {layout.schedule}",
+        "torch_engine": "eager" if layout.p == 1 else f"torch.distributed.pipelining {layout.family}",
         "loss_max_rel_diff": max(_max_rel_diff(j["losses"], t["losses"]) for j, t in zip(jax_runs, torch_runs)),
         "loss_max_rel_diff_torch_vs_eager": max(_max_rel_diff(t["losses"], r["eager"]["losses"])
                                                 for t, r in zip(torch_runs, runs)),
@@ -184,7 +184,7 @@ def _megatron_columns(layout: Layout, ran: str, row: dict, jax_runs, runs, token
     mc_cpu_tps, mc_cpu_rounds = _tokens_per_s(mc_runs, tokens, "cpu_s")
     return {
         "megatron_core_engine": "megatron.core.pipeline_parallel."
-                                + MEGATRON_SCHEDULES["serial" if layout.p == 1 else layout.schedule],
+                                + MEGATRON_SCHEDULES["serial" if layout.p == 1 else layout.family],
         "megatron_core_run": ran,
         "loss_max_rel_diff_jax_vs_megatron_core": max(_max_rel_diff(j["losses"], m["losses"])
                                                       for j, m in zip(jax_runs, mc_runs)),
@@ -313,7 +313,7 @@ def _plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-1f1b-uniform", "p2-gpipe",
+    parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-1f1b-lockstep-uniform", "p2-gpipe",
                                                           "p2v2-interleaved", "t2", "p2t2-1f1b"],
                         help="t<T> layouts run ptd_jax and megatron-core only")
     parser.add_argument("--iters", type=int, default=10)

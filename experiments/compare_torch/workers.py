@@ -166,7 +166,7 @@ def run_torch_pipeline(spec: dict) -> dict:
         def loss_fn(logits, labels, total=total):
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / total
 
-        cls = schedules[layout.schedule]
+        cls = schedules[layout.family]
         schedule = cls(stages if layout.v > 1 else stages[0], spec["microbatches"], loss_fn=loss_fn,
                        scale_grads=False)
         named = [(n, p) for m in modules for n, p in m.named_parameters()]

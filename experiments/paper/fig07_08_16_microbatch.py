@@ -5,9 +5,9 @@
   1B model (4 layers, h 4096, 128 heads) on one A100, batch 128, b ∈ {1, 2, 4, 8, 16}.
 - Fig. 8, the paper's estimate t(b) = (B'/b + p − 1)·(t_f(b) + t_b(b)), normalized, from Fig. 7's per-microbatch
   times: here from the measured ones and from the predicted ones, at p = 8 (our choice) and B' ∈ {128, 512}.
-- Fig. 16, throughput vs b in a pipeline. Measured: p = 4 on 4 fake CPU devices, 1F1B, batch 16, b ∈ {1, 2, 4}.
-  Predicted: a ~91B stand-in (72 layers, h 10240, 80 heads; about 91B by eq. 2 — the paper's shape is not in the
-  text cited) at (t, p) = (8, 8) on 64 A100s, batch 128 and 512, b ∈ {1, 2, 4, 8}, full recomputation.
+- Fig. 16, throughput vs b in a pipeline. Measured: p = 4 on 4 fake CPU devices, 1F1B (`1f1b-lockstep`), batch 16, b ∈
+  {1, 2, 4}. Predicted: a ~91B stand-in (72 layers, h 10240, 80 heads; about 91B by eq. 2 — the paper's shape is not in
+  the text cited) at (t, p) = (8, 8) on 64 A100s, batch 128 and 512, b ∈ {1, 2, 4, 8}, full recomputation.
 Paper (text): the best micro-batch size for Fig. 16's model is 2; the best b depends on the model and the batch
 (it trades GEMM efficiency against the bubble).
 
@@ -53,7 +53,7 @@ def predicted() -> dict:
 
 def measured(rounds, smoke) -> dict:
     single = {f"single b={b}": dict(b=b, m=8 // b) for b in (1, 2, 4, 8)}
-    piped = {f"p=4 b={b}": dict(schedule="1f1b", p=4, b=b, m=16 // b) for b in (1, 2, 4)}
+    piped = {f"p=4 b={b}": dict(schedule=figures.PAPERS_1F1B, p=4, b=b, m=16 // b) for b in (1, 2, 4)}
     out = common.measure_layouts(common.small_model(smoke), {**single, **piped}, rounds)
     med = out["median_step_s"]
     per_mb = {b: med[f"single b={b}"] / (8 // b) for b in (1, 2, 4, 8)}

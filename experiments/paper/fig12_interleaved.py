@@ -1,8 +1,8 @@
 """Paper Figure 12: interleaved vs non-interleaved 1F1B, throughput vs batch size.
 
-Measured: the small model's gradient step at p = 4 on 4 fake CPU devices, plain 1F1B (v = 1) against interleaved
-(v = 2), uniform branching, b = 1, batch = m ∈ {4, 8, 16} sequences; throughput ratio interleaved / 1F1B next to
-the bubble-only ideal (m + p − 1) / (m + (p − 1)/v).
+Measured: the small model's gradient step at p = 4 on 4 fake CPU devices, plain 1F1B (v = 1; `1f1b-lockstep`, the
+paper's 1F1B on lockstep ticks, keyed "1f1b") against interleaved (v = 2), uniform branching, b = 1, batch = m ∈ {4, 8,
+16} sequences; throughput ratio interleaved / 1F1B next to the bubble-only ideal (m + p − 1) / (m + (p − 1)/v).
 Predicted: `ptd_jax.perf` for the paper's setting, GPT-3 175B on 96 A100s, (t, p) = (8, 12), b = 1, full
 recomputation, scatter/gather on, batch 12 ... 60; interleaved with k = 4 layers per virtual stage (v = 2: our
 choice, the paper does not state v for this figure in the text cited).
@@ -42,8 +42,9 @@ def predicted(k: int = 4, scatter_gather: bool = True) -> list[dict]:
 
 
 def measured(ms, rounds, smoke):
-    layouts = {f"{s} v={v} m={m}": dict(schedule=s, p=P, v=v, m=m) for s, v in (("1f1b", 1), ("interleaved", V))
-               for m in ms}
+    # "1f1b" names the paper's plain 1F1B, run as `figures.PAPERS_1F1B` (fused backwards on lockstep ticks)
+    layouts = {f"{name} v={v} m={m}": dict(schedule=s, p=P, v=v, m=m)
+               for name, s, v in (("1f1b", figures.PAPERS_1F1B, 1), ("interleaved", "interleaved", V)) for m in ms}
     out = common.measure_layouts(common.small_model(smoke), layouts, rounds)
     med = out["median_step_s"]
     out["rows"] = [{"m": m, "throughput_ratio": med[f"1f1b v=1 m={m}"] / med[f"interleaved v={V} m={m}"],

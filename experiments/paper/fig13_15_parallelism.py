@@ -1,11 +1,11 @@
 """Paper Figures 13-15: tensor vs pipeline (13), pipeline vs data (14) and tensor vs data parallelism (15) at a
 fixed number of GPUs.
 
-Measured: the small model's gradient step on 4 fake CPU devices, batch 16 sequences, b = 1, 1F1B, uniform
-branching, at (t, p, d) = (1,4,1) (2,2,1) (4,1,1) [Fig. 13], (1,4,1) (1,2,2) (1,1,4) [Fig. 14] and (4,1,1) (2,1,2)
-(1,1,4) [Fig. 15]: throughput relative to the best of each figure. On fake devices every rank's work shares the
-host's cores, so pipeline parallelism pays for its bubble's dummy cells and tensor/data parallelism for copies;
-no link is slower than another.
+Measured: the small model's gradient step on 4 fake CPU devices, batch 16 sequences, b = 1, 1F1B (`1f1b-lockstep`: fused
+backwards on lockstep ticks), uniform branching, at (t, p, d) = (1,4,1) (2,2,1) (4,1,1) [Fig. 13], (1,4,1) (1,2,2)
+(1,1,4) [Fig. 14] and (4,1,1) (2,1,2) (1,1,4) [Fig. 15]: throughput relative to the best of each figure. On fake devices
+every rank's work shares the host's cores, so pipeline parallelism pays for its bubble's dummy cells and tensor/data
+parallelism for copies; no link is slower than another.
 Predicted: `ptd_jax.perf` at the paper's scale on A100-80GB nodes, fp16 mixed precision (the paper's runs: 20 bytes
 per parameter, fp16 gradients), full recomputation, b = 1, plain 1F1B:
 - Fig. 13: the paper's 161B model as §5.4.1 states it ("32 transformer layers to support pipeline-parallel size of
@@ -75,7 +75,7 @@ def measured(rounds, smoke):
     layouts = {}
     for configs in MEASURED.values():
         for t, p, d in configs:
-            layouts[layout_name(t, p, d)] = dict(schedule="1f1b", t=t, p=p, d=d, m=16 // d)
+            layouts[layout_name(t, p, d)] = dict(schedule=figures.PAPERS_1F1B, t=t, p=p, d=d, m=16 // d)
     out = common.measure_layouts(common.small_model(smoke), layouts, rounds)
     med = out["median_step_s"]
     out["relative_throughput"] = {}

@@ -1,7 +1,7 @@
 """Paper Figure 17: activation recomputation, throughput (sequences/s) with and without it over batch sizes.
 
-Measured: the small model's gradient step at p = 4 on 4 fake CPU devices (1F1B, b = 1, m ∈ {4, 16}) under
-`--recompute-granularity` none, selective and full: step-time ratios and XLA's temp bytes per device of each
+Measured: the small model's gradient step at p = 4 on 4 fake CPU devices (1F1B as `1f1b-lockstep`, b = 1, m ∈ {4, 16})
+under `--recompute-granularity` none, selective and full: step-time ratios and XLA's temp bytes per device of each
 compiled step (the memory that recomputation buys back).
 Predicted: `ptd_jax.perf` for the paper's setting, the 145B model (80 layers, h 12288, 96 heads) on 128 A100s,
 (t, p) = (8, 16), b = 1, batch 8 ... 512, none vs full: sequences/s, and whether the layout fits in 80 GB
@@ -46,7 +46,7 @@ def predicted() -> dict:
 
 def measured(ms, rounds, smoke):
     policies = ("none", "selective", "full")
-    layouts = {f"{r} m={m}": dict(schedule="1f1b", p=P, m=m, recompute=r) for r in policies for m in ms}
+    layouts = {f"{r} m={m}": dict(schedule=figures.PAPERS_1F1B, p=P, m=m, recompute=r) for r in policies for m in ms}
     out = common.measure_layouts(common.small_model(smoke), layouts, rounds)
     med, temp = out["median_step_s"], out["temp_bytes_per_device"]
     out["rows"] = [{"m": m, **{f"{r}/none step time": med[f"{r} m={m}"] / med[f"none m={m}"] for r in policies},

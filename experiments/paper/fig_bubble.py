@@ -1,11 +1,13 @@
 """Pipeline bubble vs number of microbatches for GPipe, 1F1B and interleaved 1F1B (paper §2.2, Figs. 3-4 and the
 formulas (p−1)/m and (p−1)/(v·m)): simulated on ptd_jax's lockstep tables, and measured on fake CPU devices.
 
-Simulated: `schedule.py` + `lockstep.py` (`Schedule.simulate`, backward = 2 forwards) at p = 4, next to the
-formula. Measured: the small model's gradient step (`common.pipeline_step`, uniform branching) at
-p = 4 on 4 fake devices for each m; per schedule the step times are fitted as T(m) = c + m·t_mb (least squares),
-and the measured bubble at m is (T(m) − m·t_mb)/(m·t_mb), the paper's t_pb/t_id (the same split as the loop's
-measured bubble, `ptd_jax/train/bubble.py`; c also holds per-step fixed costs, so it is an upper bound).
+Simulated: `ptd_jax.parallel.pipeline` (`table.build` + `Table.simulate`, backward = 2 forwards) at p = 4, next to the
+formula. 1F1B is the paper's on lockstep ticks, `1f1b-lockstep` (`figures.PAPERS_1F1B`: fused backwards, (p−1)/m at any
+B/F); "1f1b" itself splits its backwards on unit ticks and cannot run under uniform branching. Measured: the small
+model's gradient step (`common.pipeline_step`, uniform branching) at p = 4 on 4 fake devices for each m; per schedule
+the step times are fitted as T(m) = c + m·t_mb (least squares), and the measured bubble at m is (T(m) −
+m·t_mb)/(m·t_mb), the paper's t_pb/t_id (the same split as the loop's measured bubble, `ptd_jax/train/bubble.py`; c also
+holds per-step fixed costs, so it is an upper bound).
 
 Usage: python -m experiments.paper.fig_bubble [--rounds 5] [--ms 4 8 16 24] [--smoke] [--out PATH]
 """
@@ -18,7 +20,7 @@ from experiments import common
 from experiments.paper import figures
 
 P, V = 4, 2
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", V)]
+SCHEDULES = [("gpipe", 1), (figures.PAPERS_1F1B, 1), ("interleaved", V)]
 
 
 def simulated(ms=range(1, 33)) -> dict:
@@ -59,7 +61,7 @@ def measured(ms, rounds: int, smoke: bool) -> dict:
 
 def plot(result, plt):
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
-    colors = {"gpipe v=1": "C0", "1f1b v=1": "C1", f"interleaved v={V}": "C2"}
+    colors = {"gpipe v=1": "C0", f"{figures.PAPERS_1F1B} v=1": "C1", f"interleaved v={V}": "C2"}
     for name, rows in result["simulated"].items():
         ms = [r["m"] for r in rows]
         a1.plot(ms, [r["bubble"] for r in rows], "o-", ms=3, color=colors[name], label=f"{name}: lockstep simulated")

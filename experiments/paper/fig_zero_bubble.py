@@ -1,9 +1,11 @@
 """Zero-bubble schedules next to 1F1B and interleaved 1F1B (Qi et al., "Zero Bubble Pipeline Parallelism",
 Figure 3 style): the four timelines stacked at p = 4, m = 8 and f = b = w = 1, simulated on ptd_jax's tables
-(`ptd_jax/parallel/pipeline`: lockstep ticks for the fused schedules, unit ticks for the split ones).
+(`ptd_jax/parallel/pipeline/table.py`, placed by each spec's row rule: lockstep ticks for interleaved, unit ticks
+for 1F1B, ZB-H1 and ZB-V, whose backwards split into I and W).
 
 Writes experiments/results/fig_zero_bubble.png and experiments/results/zero_bubble_schedules.json (per schedule:
-ticks, makespan, bubble_fraction, formula_bubble, peak_stash and peak_w_stash per rank).
+ticks, makespan, bubble_fraction, formula_bubble, and per rank peak_stash (F to I or B), peak_in_flight (F to
+W) and peak_w_stash (I to W)).
 
 Usage: python -m experiments.paper.fig_zero_bubble [--out-dir DIR]
 """
@@ -37,7 +39,8 @@ def summary(scheds: dict) -> dict:
         sim = sched.simulate(times=TIMES)
         rows[name] = {"v": sched.v, "ticks": sched.ticks, "makespan": sim["makespan"],
                       "bubble_fraction": sim["bubble_fraction"], "formula_bubble": sched.formula_bubble(TIMES),
-                      "peak_stash": sched.peak_stash, "peak_w_stash": sched.peak_w_stash or [0] * sched.p}
+                      "peak_stash": sched.peak_stash, "peak_in_flight": sched.peak_in_flight,
+                      "peak_w_stash": sched.peak_w_stash, "slots": sched.slots}
     return {"p": P, "m": M, "times": {"f": TIMES[0], "b": TIMES[1], "w": TIMES[2]},
             "note": "simulated: a tick lasts as long as its longest cell; bubble = (makespan - m(f+b+w)) / m(f+b+w); "
                     "peak_stash in chunk-microbatches per rank (a ZB-V or interleaved chunk is half a stage)",
@@ -62,7 +65,7 @@ def figure(scheds: dict, path: Path) -> None:
                                                                          f" (formula {formula:.3f})")
                                      + f", peak stash {max(sched.peak_stash)} chunk-microbatches")
         ax.set_xlim(0, makespan)
-    axes[-1].set_xlabel("time (one stage: F = B = W = 1); light = F, dark = B, xx = W, // = second chunk")
+    axes[-1].set_xlabel("time (one stage: F = B = W = 1); light = F, dark = B or I, xx = W, // = second chunk")
     fig.suptitle(f"p={P}, m={M}, f=b=w=1: 1F1B, ZB-H1, ZB-V and interleaved 1F1B (zero-bubble paper Figure 3 style)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
