@@ -19,8 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
-TIMING_NOTE = ("fake CPU devices sharing a 2-core host with other jobs: medians of alternating rounds, ratios within "
-               "one run; step time follows the work every rank executes (idle cells' dummies under uniform branching)")
+TIMING_NOTE = (
+    "fake CPU devices sharing a 2-core host with other jobs: medians of alternating rounds, ratios within "
+    "one run; step time follows the work every rank executes (idle cells' dummies under uniform branching)"
+)
 SMALL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512)
 """The figure scripts' measured model (fast defaults: a step takes tens of milliseconds on fake devices)."""
 SMOKE = dict(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128)
@@ -63,10 +65,17 @@ def pipeline_step(cfg, schedule, v, branching, recompute, p=4, m=8, *, t=1, d=1,
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import make_parallel_grad_step
 
-    parallel = ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                              virtual_pipeline_stages=v, pipeline_schedule=schedule if p > 1 else "1f1b",
-                              micro_batch_size=b, global_batch_size=m * b * d, pipeline_branching=branching,
-                              **parallel_fields)
+    parallel = ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=schedule if p > 1 else "1f1b",
+        micro_batch_size=b,
+        global_batch_size=m * b * d,
+        pipeline_branching=branching,
+        **parallel_fields,
+    )
     mesh = make_mesh(parallel)
     params = gpt.init_params(jax.random.key(0), cfg, t)
     if p > 1:
@@ -74,8 +83,9 @@ def pipeline_step(cfg, schedule, v, branching, recompute, p=4, m=8, *, t=1, d=1,
         params = {**params, "layers": sharding.stage_layers(params["layers"], p, v, v_shape)}
     specs = sharding.param_specs(params, pipelined=p > 1)
     params = jax.device_put(params, sharding.named(mesh, specs))
-    step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute,
-                                   scatter_gather=parallel.scatter_gather)
+    step = make_parallel_grad_step(
+        mesh, cfg, parallel, specs, recompute=recompute, scatter_gather=parallel.scatter_gather
+    )
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, d * b, cfg.seq_length), dtype=np.int32)
     args = (params, tokens, tokens, np.ones_like(tokens))
     return step.lower(*args).compile(), args
@@ -97,8 +107,9 @@ def reference_step(cfg, recompute, m=8):
     return step.lower(*args).compile(), args
 
 
-def grad_step(cfg, *, schedule="1f1b-lockstep", p=1, v=1, m=4, t=1, d=1, b=1, recompute="none", branching="uniform",
-              **fields):
+def grad_step(
+    cfg, *, schedule="1f1b-lockstep", p=1, v=1, m=4, t=1, d=1, b=1, recompute="none", branching="uniform", **fields
+):
     """`pipeline_step` with keyword arguments: (compiled grad step, its arguments). The default schedule and
     branching are the paper's 1F1B on lockstep ticks under "uniform" ("1f1b" splits its backwards on unit ticks:
     "per-rank" only)."""
@@ -136,10 +147,18 @@ def measure_layouts(cfg, layouts: dict, rounds: int) -> dict:
         steps[name] = (compiled, args)
         memory = compiled.memory_analysis()
         temp[name] = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
-    model = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-             if f.name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")}
-    return {"model": model, "layouts": layouts, "temp_bytes_per_device": temp, "rounds": rounds,
-            **time_steps(steps, rounds)}
+    model = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+    }
+    return {
+        "model": model,
+        "layouts": layouts,
+        "temp_bytes_per_device": temp,
+        "rounds": rounds,
+        **time_steps(steps, rounds),
+    }
 
 
 CONTAINERS = re.compile(r"(while|cond|call|conditional)(\.\d+)*(\.clone)?$")

@@ -4,5 +4,12 @@ from pallas_kernels.cross_entropy import cross_entropy_reference, softmax_cross_
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference", "layer_norm", "layer_norm_reference",
-           "softmax_cross_entropy", "cross_entropy_reference"]
+__all__ = [
+    "BlockSizes",
+    "flash_attention",
+    "flash_attention_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "softmax_cross_entropy",
+    "cross_entropy_reference",
+]

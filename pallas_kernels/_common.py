@@ -24,8 +24,7 @@ except ImportError:  # a future jax without it: lower with whatever pallas_call 
     pltriton = None  # odd widths (LayerNorm columns, a partial vocabulary step) then need porting
 
 
-def pallas_call(kernel, *, grid: tuple[int, ...], interpret: bool, num_warps: int = 4, num_stages: int = 2,
-                **kwargs):
+def pallas_call(kernel, *, grid: tuple[int, ...], interpret: bool, num_warps: int = 4, num_stages: int = 2, **kwargs):
     """`pl.pallas_call` of `kernel(program_ids, *refs)`: the kernel gets its grid indices as a tuple (read
     outside the jit, where the interpreter can substitute them) and is traced under jit when interpreted (see
     the module docstring). On GPUs the Triton backend is asked for by name: with no compiler parameters, jax
@@ -36,6 +35,7 @@ def pallas_call(kernel, *, grid: tuple[int, ...], interpret: bool, num_warps: in
     def with_ids(*refs):
         body(tuple(pl.program_id(axis) for axis in range(len(grid))), *refs)
 
-    params = None if interpret or pltriton is None else pltriton.CompilerParams(num_warps=num_warps,
-                                                                                num_stages=num_stages)
+    params = (
+        None if interpret or pltriton is None else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    )
     return pl.pallas_call(with_ids, grid=grid, interpret=interpret, compiler_params=params, **kwargs)

@@ -63,13 +63,13 @@ def cross_entropy_reference(logits, labels, *, vocab_size=None):
 
 
 def _stats_kernel(_, logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target_ref, *, block_vocab, vocab):
-    labels = labels_ref[...]                                          # [br] local label (may be out of range)
-    valid = valid_ref[0]                                              # columns < valid are real vocabulary
+    labels = labels_ref[...]  # [br] local label (may be out of range)
+    valid = valid_ref[0]  # columns < valid are real vocabulary
     rows = labels.shape[0]
 
     def body(j, carry):
         m, s, t = carry
-        x, cols = _columns(logits_ref, j, block_vocab, vocab)                   # [br, bv]
+        x, cols = _columns(logits_ref, j, block_vocab, vocab)  # [br, bv]
         x = jnp.where(cols < valid, x.astype(jnp.float32), -jnp.inf)
         m_new = jnp.maximum(m, x.max(axis=-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -77,8 +77,7 @@ def _stats_kernel(_, logits_ref, labels_ref, valid_ref, max_ref, sum_ref, target
         t = t + jnp.where(cols == labels[:, None], x, 0.0).sum(axis=-1)
         return m_new, s, t
 
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, s, t = jax.lax.fori_loop(0, pl.cdiv(vocab, block_vocab), body, init)
     max_ref[...] = m
     sum_ref[...] = s
@@ -106,8 +105,11 @@ def _grad_kernel(_, logits_ref, labels_ref, valid_ref, lse_ref, g_ref, dlogits_r
 
 
 def _specs(rows, vocab, br):
-    return (pl.BlockSpec((br, vocab), lambda i: (i, 0)), pl.BlockSpec((br,), lambda i: (i,)),
-            pl.BlockSpec((1,), lambda i: (0,)))
+    return (
+        pl.BlockSpec((br, vocab), lambda i: (i, 0)),
+        pl.BlockSpec((br,), lambda i: (i,)),
+        pl.BlockSpec((1,), lambda i: (0,)),
+    )
 
 
 def shard_statistics(logits, local_labels, valid, blocks, interpret):
@@ -118,9 +120,13 @@ def shard_statistics(logits, local_labels, valid, blocks, interpret):
     mat, vec, scalar = _specs(rows, vocab, br)
     out = out_struct((rows,), jnp.float32, logits)
     return pallas_call(
-        functools.partial(_stats_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
-        in_specs=[mat, vec, scalar], out_specs=[vec, vec, vec], out_shape=[out, out, out],
-        interpret=interpret, name="cross_entropy_stats",
+        functools.partial(_stats_kernel, block_vocab=bv, vocab=vocab),
+        grid=(rows // br,),
+        in_specs=[mat, vec, scalar],
+        out_specs=[vec, vec, vec],
+        out_shape=[out, out, out],
+        interpret=interpret,
+        name="cross_entropy_stats",
     )(logits, local_labels, valid)
 
 
@@ -147,10 +153,13 @@ def _cross_entropy_bwd(axis_name, blocks, interpret, residuals, g):
     br, bv = blocks.for_shape(rows, vocab)
     mat, vec, scalar = _specs(rows, vocab, br)
     dlogits = pallas_call(
-        functools.partial(_grad_kernel, block_vocab=bv, vocab=vocab), grid=(rows // br,),
-        in_specs=[mat, vec, scalar, vec, vec], out_specs=mat,
+        functools.partial(_grad_kernel, block_vocab=bv, vocab=vocab),
+        grid=(rows // br,),
+        in_specs=[mat, vec, scalar, vec, vec],
+        out_specs=mat,
         out_shape=out_struct(logits.shape, logits.dtype, logits),
-        interpret=interpret, name="cross_entropy_grad",
+        interpret=interpret,
+        name="cross_entropy_grad",
     )(logits, local_labels, valid, *match_varying(lse, g.astype(jnp.float32), logits)[:2])
     return dlogits, None, None
 
@@ -158,9 +167,16 @@ def _cross_entropy_bwd(axis_name, blocks, interpret, residuals, g):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def softmax_cross_entropy(logits, labels, *, vocab_size: int | None = None, vocab_start=0,
-                          axis_name: str | None = None, block_sizes: BlockSizes = BlockSizes(),
-                          interpret: bool = False):
+def softmax_cross_entropy(
+    logits,
+    labels,
+    *,
+    vocab_size: int | None = None,
+    vocab_start=0,
+    axis_name: str | None = None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+):
     """Per-row -log softmax(logits)[label] for logits [N, V] (this device's vocabulary shard when axis_name is
     given; vocab_start is the shard's first global id). Differentiable in logits (custom VJP)."""
     if logits.ndim != 2 or labels.shape != logits.shape[:1]:

@@ -70,14 +70,14 @@ def _visible(q_start, k_start, block_q, block_k, causal, kv_len, seq_len):
 
 def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, block_k, seq_len, kv_len):
     i = ids[2]
-    q = q_ref[...]                                               # [bq, K]
+    q = q_ref[...]  # [bq, K]
     m0 = jnp.full((block_q,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_q,), jnp.float32)
     acc0 = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
 
     def body(j, carry):
         m, l, acc = carry
-        k = k_ref[pl.ds(j * block_k, block_k), :]                # [bk, K]
+        k = k_ref[pl.ds(j * block_k, block_k), :]  # [bk, K]
         v = v_ref[pl.ds(j * block_k, block_k), :]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [bq, bk]
         visible = _visible(i * block_q, j * block_k, block_q, block_k, causal, kv_len, seq_len)
@@ -96,17 +96,33 @@ def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bloc
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, block_q,
-                 block_k, seq_len, kv_len):
+def _dkdv_kernel(
+    ids,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    causal,
+    block_q,
+    block_k,
+    seq_len,
+    kv_len,
+):
     j = ids[2]
-    k = k_ref[...]                                               # [bk, K]
+    k = k_ref[...]  # [bk, K]
     v = v_ref[...]
     dk0 = jnp.zeros(k.shape, jnp.float32)
     dv0 = jnp.zeros(v.shape, jnp.float32)
 
     def body(i, carry):
         dk, dv = carry
-        q = q_ref[pl.ds(i * block_q, block_q), :]                # [bq, K]
+        q = q_ref[pl.ds(i * block_q, block_q), :]  # [bq, K]
         do = do_ref[pl.ds(i * block_q, block_q), :]
         lse = lse_ref[pl.ds(i * block_q, block_q)]
         delta = delta_ref[pl.ds(i * block_q, block_q)]
@@ -127,8 +143,9 @@ def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, d
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, block_q, block_k,
-               seq_len, kv_len):
+def _dq_kernel(
+    ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, block_q, block_k, seq_len, kv_len
+):
     i = ids[2]
     q = q_ref[...]
     do = do_ref[...]
@@ -169,8 +186,9 @@ def _warps(head_dim):
 
 def _check(q, k, v):
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must share one [batch, seq, heads, head_dim] shape, got {q.shape=}, {k.shape=}, "
-                         f"{v.shape=}")
+        raise ValueError(
+            f"q, k, v must share one [batch, seq, heads, head_dim] shape, got {q.shape=}, {k.shape=}, {v.shape=}"
+        )
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
 
@@ -178,13 +196,24 @@ def _check(q, k, v):
 def _forward(q, k, v, causal, scale, blocks, kv_len, interpret):
     B, S, H, K = q.shape
     rows_q, _, whole, vec_q, _ = _specs(B, S, H, K, blocks)
-    kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, block_q=blocks.block_q,
-                               block_k=blocks.block_k, seq_len=S, kv_len=kv_len)
+    kernel = functools.partial(
+        _fwd_kernel,
+        scale=scale,
+        causal=causal,
+        block_q=blocks.block_q,
+        block_k=blocks.block_k,
+        seq_len=S,
+        kv_len=kv_len,
+    )
     return pallas_call(
-        kernel, grid=(B, H, S // blocks.block_q),
-        in_specs=[rows_q, whole, whole], out_specs=[rows_q, vec_q],
+        kernel,
+        grid=(B, H, S // blocks.block_q),
+        in_specs=[rows_q, whole, whole],
+        out_specs=[rows_q, vec_q],
         out_shape=[out_struct(q.shape, q.dtype, q), out_struct((B, H, S), jnp.float32, q)],
-        interpret=interpret, num_warps=_warps(K), name="flash_attention_fwd",
+        interpret=interpret,
+        num_warps=_warps(K),
+        name="flash_attention_fwd",
     )(q, k, v)
 
 
@@ -192,19 +221,26 @@ def _backward(q, k, v, o, lse, do, causal, scale, blocks, kv_len, interpret):
     B, S, H, K = q.shape
     rows_q, rows_k, whole, vec_q, vec_whole = _specs(B, S, H, K, blocks)
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))  # rowsum(dO ∘ O)
-    common = dict(scale=scale, causal=causal, block_q=blocks.block_q, block_k=blocks.block_k, seq_len=S,
-                  kv_len=kv_len)
+    common = dict(scale=scale, causal=causal, block_q=blocks.block_q, block_k=blocks.block_k, seq_len=S, kv_len=kv_len)
     dk, dv = pallas_call(
-        functools.partial(_dkdv_kernel, **common), grid=(B, H, S // blocks.block_k),
-        in_specs=[whole, rows_k, rows_k, whole, vec_whole, vec_whole], out_specs=[rows_k, rows_k],
+        functools.partial(_dkdv_kernel, **common),
+        grid=(B, H, S // blocks.block_k),
+        in_specs=[whole, rows_k, rows_k, whole, vec_whole, vec_whole],
+        out_specs=[rows_k, rows_k],
         out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
-        interpret=interpret, num_warps=_warps(K), name="flash_attention_dkdv",
+        interpret=interpret,
+        num_warps=_warps(K),
+        name="flash_attention_dkdv",
     )(q, k, v, do, lse, delta)
     dq = pallas_call(
-        functools.partial(_dq_kernel, **common), grid=(B, H, S // blocks.block_q),
-        in_specs=[rows_q, whole, whole, rows_q, vec_q, vec_q], out_specs=rows_q,
+        functools.partial(_dq_kernel, **common),
+        grid=(B, H, S // blocks.block_q),
+        in_specs=[rows_q, whole, whole, rows_q, vec_q, vec_q],
+        out_specs=rows_q,
         out_shape=out_struct(q.shape, q.dtype, q),
-        interpret=interpret, num_warps=_warps(K), name="flash_attention_dq",
+        interpret=interpret,
+        num_warps=_warps(K),
+        name="flash_attention_dq",
     )(q, k, v, do, lse, delta)
     return dq, dk, dv
 
@@ -227,8 +263,16 @@ def _flash_bwd(causal, scale, blocks, kv_len, interpret, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
-                    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+):
     """Causal (or full) attention over [batch, seq, heads, head_dim]; differentiable (custom VJP)."""
     _check(q, k, v)
     q, k, v = match_varying(q, k, v)

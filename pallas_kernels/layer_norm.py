@@ -28,8 +28,10 @@ class BlockSizes:
 
     def for_shape(self, rows: int, width: int) -> int:
         if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1) or self.max_elements <= 0:
-            raise ValueError(f"block_rows={self.block_rows} must be a positive power of two and max_elements="
-                             f"{self.max_elements} positive")
+            raise ValueError(
+                f"block_rows={self.block_rows} must be a positive power of two and max_elements="
+                f"{self.max_elements} positive"
+            )
         fit = max(1, self.max_elements // width)
         return min(self.block_rows, 1 << (fit.bit_length() - 1), pl.next_power_of_2(rows))  # powers of two
 
@@ -38,8 +40,9 @@ def layer_norm_reference(x, weight, bias, *, eps: float = 1e-5):
     xf = x.astype(jnp.float32)
     mean = xf.mean(-1, keepdims=True)
     var = jnp.square(xf - mean).mean(-1, keepdims=True)
-    return ((xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
-            + bias.astype(jnp.float32)).astype(x.dtype)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(
+        x.dtype
+    )
 
 
 def _row_block(ref, width):
@@ -68,7 +71,7 @@ def _store_rows(ref, value, width):
 
 def _fwd_kernel(ids, x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps, width):
     D = x_ref.shape[-1]
-    x = _row_block(x_ref, width).astype(jnp.float32)              # [rows, width], zero past D
+    x = _row_block(x_ref, width).astype(jnp.float32)  # [rows, width], zero past D
     real = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < D
     mean = x.sum(axis=-1) / D
     xc = jnp.where(real, x - mean[:, None], 0.0)
@@ -85,7 +88,7 @@ def _bwd_kernel(ids, x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, d
     dy = _row_block(dy_ref, width).astype(jnp.float32)  # zero on padded rows (and past D)
     rstd = rstd_ref[...]
     xhat = (x - mean_ref[...][:, None]) * rstd[:, None]
-    g = dy * _vector(w_ref, width).astype(jnp.float32)                # zero past D (dy is)
+    g = dy * _vector(w_ref, width).astype(jnp.float32)  # zero past D (dy is)
     dx = rstd[:, None] * (g - g.sum(axis=-1, keepdims=True) / D - xhat * (g * xhat).sum(axis=-1, keepdims=True) / D)
     _store_rows(dx_ref, dx.astype(dx_ref.dtype), width)
     _store_rows(dw_ref, (dy * xhat).sum(axis=0)[None, :], width)
@@ -93,19 +96,29 @@ def _bwd_kernel(ids, x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, d
 
 
 def _specs(rows, D, block):
-    return (pl.BlockSpec((block, D), lambda i: (i, 0)), pl.BlockSpec((D,), lambda i: (0,)),
-            pl.BlockSpec((block,), lambda i: (i,)), pl.BlockSpec((1, D), lambda i: (i, 0)))
+    return (
+        pl.BlockSpec((block, D), lambda i: (i, 0)),
+        pl.BlockSpec((D,), lambda i: (0,)),
+        pl.BlockSpec((block,), lambda i: (i,)),
+        pl.BlockSpec((1, D), lambda i: (i, 0)),
+    )
 
 
 def _forward(x2, w, b, eps, block, interpret):
     rows, D = x2.shape
     mat, vec_d, vec_rows, _ = _specs(rows, D, block)
     return pallas_call(
-        functools.partial(_fwd_kernel, eps=eps, width=pl.next_power_of_2(D)), grid=(rows // block,),
-        in_specs=[mat, vec_d, vec_d], out_specs=[mat, vec_rows, vec_rows],
-        out_shape=[out_struct(x2.shape, x2.dtype, x2), out_struct((rows,), jnp.float32, x2),
-                   out_struct((rows,), jnp.float32, x2)],
-        interpret=interpret, name="layer_norm_fwd",
+        functools.partial(_fwd_kernel, eps=eps, width=pl.next_power_of_2(D)),
+        grid=(rows // block,),
+        in_specs=[mat, vec_d, vec_d],
+        out_specs=[mat, vec_rows, vec_rows],
+        out_shape=[
+            out_struct(x2.shape, x2.dtype, x2),
+            out_struct((rows,), jnp.float32, x2),
+            out_struct((rows,), jnp.float32, x2),
+        ],
+        interpret=interpret,
+        name="layer_norm_fwd",
     )(x2, w, b)
 
 
@@ -125,11 +138,17 @@ def _layer_norm_bwd(eps, block, interpret, residuals, dy):
     mat, vec_d, vec_rows, partial = _specs(rows, D, block)
     n = rows // block
     dx, dw_parts, db_parts = pallas_call(
-        functools.partial(_bwd_kernel, width=pl.next_power_of_2(D)), grid=(n,),
-        in_specs=[mat, vec_d, vec_rows, vec_rows, mat], out_specs=[mat, partial, partial],
-        out_shape=[out_struct(x2.shape, x2.dtype, x2), out_struct((n, D), jnp.float32, x2),
-                   out_struct((n, D), jnp.float32, x2)],
-        interpret=interpret, name="layer_norm_bwd",
+        functools.partial(_bwd_kernel, width=pl.next_power_of_2(D)),
+        grid=(n,),
+        in_specs=[mat, vec_d, vec_rows, vec_rows, mat],
+        out_specs=[mat, partial, partial],
+        out_shape=[
+            out_struct(x2.shape, x2.dtype, x2),
+            out_struct((n, D), jnp.float32, x2),
+            out_struct((n, D), jnp.float32, x2),
+        ],
+        interpret=interpret,
+        name="layer_norm_bwd",
     )(x2, w, mean, rstd, dy)
     return dx, dw_parts.sum(0).astype(w.dtype), db_parts.sum(0).astype(b.dtype)
 
@@ -137,8 +156,7 @@ def _layer_norm_bwd(eps, block, interpret, residuals, dy):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-def layer_norm(x, weight, bias, *, eps: float = 1e-5, block_sizes: BlockSizes = BlockSizes(),
-               interpret: bool = False):
+def layer_norm(x, weight, bias, *, eps: float = 1e-5, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
     """LayerNorm of x [..., D] with weight and bias [D]; differentiable (custom VJP)."""
     D = x.shape[-1]
     if weight.shape != (D,) or bias.shape != (D,):

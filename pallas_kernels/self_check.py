@@ -41,18 +41,34 @@ def _cases(hidden: int, head_dim: int, seq: int, vocab_shard: int, vocab_real: i
     logits = jax.random.normal(k[6], (8, vocab_shard), jnp.float32).astype(dtype)
     labels = jax.random.randint(k[7], (8,), 0, vocab_real)
     return {
-        "flash_attention": (lambda interpret: lambda *a: flash_attention(*a, interpret=interpret),
-                            flash_attention_reference, qkv),
-        "layer_norm": (lambda interpret: lambda *a: layer_norm(*a, interpret=interpret),
-                       layer_norm_reference, [x, w, b]),
-        "cross_entropy": (lambda interpret: lambda z: softmax_cross_entropy(z, labels, vocab_size=vocab_real,
-                                                                           interpret=interpret),
-                          lambda z: cross_entropy_reference(z, labels, vocab_size=vocab_real), [logits]),
+        "flash_attention": (
+            lambda interpret: lambda *a: flash_attention(*a, interpret=interpret),
+            flash_attention_reference,
+            qkv,
+        ),
+        "layer_norm": (
+            lambda interpret: lambda *a: layer_norm(*a, interpret=interpret),
+            layer_norm_reference,
+            [x, w, b],
+        ),
+        "cross_entropy": (
+            lambda interpret: lambda z: softmax_cross_entropy(z, labels, vocab_size=vocab_real, interpret=interpret),
+            lambda z: cross_entropy_reference(z, labels, vocab_size=vocab_real),
+            [logits],
+        ),
     }
 
 
-def self_check(*, hidden: int = 256, head_dim: int = 64, seq: int = 128, vocab_shard: int = 512,
-               vocab_real: int = 500, dtype=jnp.bfloat16, interpret: bool = False) -> dict[str, str | None]:
+def self_check(
+    *,
+    hidden: int = 256,
+    head_dim: int = 64,
+    seq: int = 128,
+    vocab_shard: int = 512,
+    vocab_real: int = 500,
+    dtype=jnp.bfloat16,
+    interpret: bool = False,
+) -> dict[str, str | None]:
     """{kernel: None if its forward and all gradients match the reference, else why not (one line)}."""
     results = {}
     for name, (make, reference, args) in _cases(hidden, head_dim, seq, vocab_shard, vocab_real, dtype).items():
@@ -77,5 +93,12 @@ def self_check_model(cfg, tensor_parallel_size: int = 1, interpret: bool = False
     """`self_check` at a `ptd_jax.config.ModelConfig`'s widths: hidden size, head dim, sequence length, and this
     tensor-parallel size's vocabulary shard."""
     shard = cfg.padded_vocab_size(tensor_parallel_size) // tensor_parallel_size
-    return self_check(hidden=cfg.hidden_size, head_dim=cfg.head_dim, seq=cfg.seq_length, vocab_shard=shard,
-                      vocab_real=min(cfg.vocab_size, shard), dtype=jnp.dtype(cfg.dtype), interpret=interpret)
+    return self_check(
+        hidden=cfg.hidden_size,
+        head_dim=cfg.head_dim,
+        seq=cfg.seq_length,
+        vocab_shard=shard,
+        vocab_real=min(cfg.vocab_size, shard),
+        dtype=jnp.dtype(cfg.dtype),
+        interpret=interpret,
+    )

@@ -72,23 +72,6 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return SCHEDULE_SPECS[name]
 
 
-def resolve_branching(branching: str, backend: str | None = None, schedule: str | None = None) -> str:
-    """ "auto" is "per-rank" on XLA:CPU (fake devices share the host's cores, so an idle cell's dummy work and the
-    masked embedding and head on every rank cost step time; tensor collectives in pipe-divergent branches are
-    measured correct there) and "uniform" on accelerators (no collective in a pipe-divergent branch, and no
-    device-to-host read of a per-rank predicate); the other two are returned as they are. A schedule on unit ticks
-    (`ScheduleSpec.rows`) runs different kinds on different ranks in one tick: "auto" is "per-rank" for it."""
-    if branching != "auto":
-        return branching
-    if schedule is not None and schedule in SCHEDULE_SPECS and SCHEDULE_SPECS[schedule].rows == "unit":
-        return "per-rank"
-    if backend is None:
-        import jax
-
-        backend = jax.default_backend()
-    return "per-rank" if backend == "cpu" else "uniform"
-
-
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ATTENTION_BACKENDS = ("xla", "pallas", "cudnn")
@@ -267,10 +250,10 @@ class ParallelConfig:
     pipeline_branching: str = "auto"
     """How pipeline cells branch: "uniform" (every rank the same branch each tick; the embedding and the output
     layer run masked on all ranks, only on the ticks that need them) or "per-rank" (each rank its own branch:
-    only the ranks that need them embed or run the head, idle cells run no layer), or "auto" (`resolve_branching`:
-    per-rank on XLA:CPU and for unit-tick schedules (1f1b, zb-h1, zb-v) everywhere, uniform for lockstep ones on
-    accelerators). Expected to take the same lockstep wall time on GPUs (unmeasured);
-    "per-rank" puts tensor collectives in pipe-divergent branches, measured correct on XLA:CPU only."""
+    only the ranks that need them embed or run the head, idle cells run no layer), or "auto"
+    (`runtime.platform.resolve_branching`: per-rank on XLA:CPU and for unit-tick schedules (1f1b, zb-h1, zb-v)
+    everywhere, uniform for lockstep ones on accelerators). "per-rank" puts tensor collectives in pipe-divergent
+    branches, measured correct on XLA:CPU only."""
 
     def __post_init__(self):
         for name in (

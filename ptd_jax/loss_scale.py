@@ -35,8 +35,11 @@ def init_loss_scale(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict | No
     if not uses_loss_scale(model_cfg):
         return None
     scale = train_cfg.loss_scale if train_cfg.loss_scale is not None else train_cfg.initial_loss_scale
-    return {"scale": jnp.asarray(scale, F32), "growth_tracker": jnp.zeros((), jnp.int32),
-            "hysteresis_tracker": jnp.asarray(train_cfg.hysteresis, jnp.int32)}
+    return {
+        "scale": jnp.asarray(scale, F32),
+        "growth_tracker": jnp.zeros((), jnp.int32),
+        "hysteresis_tracker": jnp.asarray(train_cfg.hysteresis, jnp.int32),
+    }
 
 
 def current_scale(state) -> jax.Array:
@@ -57,9 +60,11 @@ def update_loss_scale(loss_scale: dict, finite, train_cfg: TrainConfig) -> dict:
     scale_good = jnp.where(grow, scale * 2.0, scale)
     growth_good = jnp.where(grow, 0, growth + 1)
     hysteresis_good = jnp.where(grow, train_cfg.hysteresis, hysteresis)
-    return {"scale": jnp.where(finite, scale_good, scale_bad).astype(F32),
-            "growth_tracker": jnp.where(finite, growth_good, 0).astype(jnp.int32),
-            "hysteresis_tracker": jnp.where(finite, hysteresis_good, hysteresis_bad).astype(jnp.int32)}
+    return {
+        "scale": jnp.where(finite, scale_good, scale_bad).astype(F32),
+        "growth_tracker": jnp.where(finite, growth_good, 0).astype(jnp.int32),
+        "hysteresis_tracker": jnp.where(finite, hysteresis_good, hysteresis_bad).astype(jnp.int32),
+    }
 
 
 def poison(loss, grads, step, steps: tuple[int, ...]):
@@ -68,8 +73,10 @@ def poison(loss, grads, step, steps: tuple[int, ...]):
     if not steps:
         return loss, grads
     hit = jnp.isin(step, jnp.asarray(steps, jnp.int32))
-    return (jnp.where(hit, jnp.nan, loss).astype(loss.dtype),
-            jax.tree.map(lambda g: jnp.where(hit, jnp.inf, g).astype(g.dtype), grads))
+    return (
+        jnp.where(hit, jnp.nan, loss).astype(loss.dtype),
+        jax.tree.map(lambda g: jnp.where(hit, jnp.inf, g).astype(g.dtype), grads),
+    )
 
 
 def guarded_update(state, loss, grads, grad_norm, optimizer, train_cfg: TrainConfig):
@@ -109,5 +116,8 @@ def from_meta(meta: dict | None, model_cfg: ModelConfig, train_cfg: TrainConfig)
     fresh = init_loss_scale(model_cfg, train_cfg)
     if fresh is None or not meta or train_cfg.loss_scale is not None:
         return fresh
-    return {"scale": jnp.asarray(meta["scale"], F32), "growth_tracker": jnp.asarray(meta["growth_tracker"], jnp.int32),
-            "hysteresis_tracker": jnp.asarray(meta["hysteresis_tracker"], jnp.int32)}
+    return {
+        "scale": jnp.asarray(meta["scale"], F32),
+        "growth_tracker": jnp.asarray(meta["growth_tracker"], jnp.int32),
+        "hysteresis_tracker": jnp.asarray(meta["hysteresis_tracker"], jnp.int32),
+    }

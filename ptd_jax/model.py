@@ -50,6 +50,7 @@ def acc_dtype(dtype):
 # Initialisation
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def init_params(key: jax.Array, cfg: ModelConfig, tensor_parallel_size: int = 1) -> Params:
     """Megatron's init: N(0, 0.02) weights, output projections N(0, 0.02/sqrt(2l)), zero biases, unit LN scales.
 
@@ -154,8 +155,7 @@ def dropout(x, rate: float, key):
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0.0, key=None,
-                     backend: str = "xla"):
+def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0.0, key=None, backend: str = "xla"):
     """softmax(q kᵀ / sqrt(K) + causal mask) v, scores and softmax in float32. backend 'pallas' runs the fused
     flash-attention kernel (interpreted on CPU), 'cudnn' jax.nn.dot_product_attention's cuDNN path."""
     if backend == "pallas":
@@ -166,8 +166,7 @@ def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0
         return jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True, implementation="cudnn")
     S, K = q_BxSxHxK.shape[1], q_BxSxHxK.shape[-1]
     acc = acc_dtype(q_BxSxHxK.dtype)
-    scores_BxHxSxS = jnp.einsum("bqhk,bshk->bhqs", q_BxSxHxK, k_BxSxHxK,
-                                preferred_element_type=acc) / math.sqrt(K)
+    scores_BxHxSxS = jnp.einsum("bqhk,bshk->bhqs", q_BxSxHxK, k_BxSxHxK, preferred_element_type=acc) / math.sqrt(K)
     causal_SxS = jnp.tril(jnp.ones((S, S), dtype=bool))
     scores_BxHxSxS = jnp.where(causal_SxS, scores_BxHxSxS, jnp.finfo(acc).min)
     probs_BxHxSxS = jax.nn.softmax(scores_BxHxSxS, axis=-1)
@@ -181,9 +180,9 @@ def core_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, cfg: ModelConfig, key=None, 
     kept, everything outside it (the weight matmuls, LayerNorms, the tensor collectives) is stored as in `none`,
     so no collective is re-issued that `none` does not re-issue. Inside a layer under `remat_layer` its policy
     decides (an enclosing checkpoint's policy governs the nested one) and recomputes the same."""
+
     def core(q, k, v, key):
-        return causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key,
-                                backend=cfg.attention_backend)
+        return causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key, backend=cfg.attention_backend)
 
     return (jax.checkpoint(core) if recompute == "selective" else core)(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, key)
 
@@ -203,21 +202,73 @@ def mlp_block(p, x_BxSxD, cfg: ModelConfig):
 def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None, recompute: str = "none"):
     """One pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x)))."""
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-    h = attention_block(p["attn"], layer_norm(x_BxSxD, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
-                        k_attn, recompute)
+    h = attention_block(
+        p["attn"], layer_norm(x_BxSxD, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg, k_attn, recompute
+    )
     x_BxSxD = x_BxSxD + dropout(h, cfg.hidden_dropout, k_h1)
     h = mlp_block(p["mlp"], layer_norm(x_BxSxD, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg)
     return x_BxSxD + dropout(h, cfg.hidden_dropout, k_h2)
 
 
-RECOMPUTED_PRIMITIVES = frozenset({
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "log", "log1p", "expm1", "tanh", "logistic",
-    "rsqrt", "sqrt", "square", "integer_pow", "pow", "erf", "select_n", "clamp", "and", "or", "not", "xor",
-    "shift_left",
-    "shift_right_logical", "shift_right_arithmetic", "eq", "ne", "lt", "le", "gt", "ge", "convert_element_type",
-    "bitcast_convert_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
-    "concatenate", "pad", "iota", "copy", "copy_p", "reduce_sum", "reduce_max", "reduce_min", "stop_gradient", "pvary",
-    "pcast"})
+RECOMPUTED_PRIMITIVES = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "abs",
+        "sign",
+        "exp",
+        "log",
+        "log1p",
+        "expm1",
+        "tanh",
+        "logistic",
+        "rsqrt",
+        "sqrt",
+        "square",
+        "integer_pow",
+        "pow",
+        "erf",
+        "select_n",
+        "clamp",
+        "and",
+        "or",
+        "not",
+        "xor",
+        "shift_left",
+        "shift_right_logical",
+        "shift_right_arithmetic",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "convert_element_type",
+        "bitcast_convert_type",
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "slice",
+        "concatenate",
+        "pad",
+        "iota",
+        "copy",
+        "copy_p",
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "stop_gradient",
+        "pvary",
+        "pcast",
+    }
+)
 """Elementwise, layout and reduction primitives: what a layer recomputes in its backward under none and selective
 (`remat_layer`). Everything else is kept: the outputs of matmuls, collectives (but the all-gather below) and random
 bits, and the values named below."""
@@ -317,7 +368,7 @@ def forward(params, tokens_BxS, cfg: ModelConfig, *, key=None, recompute: str = 
 def logits(params: Params, tokens_BxS, cfg: ModelConfig):
     """Token ids [B, S] -> float32 logits [B, S, V] over the real vocabulary, on one device, deterministic.
     `params` may hold the padded or the unpadded (canonical, e.g. `interop.from_hf`) word embedding."""
-    return forward(params, jnp.asarray(tokens_BxS), cfg)[..., :cfg.vocab_size]
+    return forward(params, jnp.asarray(tokens_BxS), cfg)[..., : cfg.vocab_size]
 
 
 def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int, fused: bool = False):
@@ -327,8 +378,12 @@ def cross_entropy(logits_BxSxV, labels_BxS, vocab_size: int, fused: bool = False
         from pallas_kernels import softmax_cross_entropy
 
         B, S, V = logits_BxSxV.shape
-        losses = softmax_cross_entropy(logits_BxSxV.reshape(B * S, V), labels_BxS.reshape(B * S),
-                                       vocab_size=vocab_size, interpret=interpret_kernels())
+        losses = softmax_cross_entropy(
+            logits_BxSxV.reshape(B * S, V),
+            labels_BxS.reshape(B * S),
+            vocab_size=vocab_size,
+            interpret=interpret_kernels(),
+        )
         return losses.reshape(B, S)
     logits = logits_BxSxV.astype(acc_dtype(logits_BxSxV.dtype))
     valid_V = jnp.arange(logits.shape[-1]) < vocab_size

@@ -60,8 +60,11 @@ def weight_decay_mask(params):
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return optax.adamw(
         learning_rate=learning_rate_schedule(cfg),
-        b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay, mask=weight_decay_mask,
+        b1=cfg.adam_beta1,
+        b2=cfg.adam_beta2,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        mask=weight_decay_mask,
     )
 
 
@@ -98,8 +101,11 @@ def schedule_count(opt_state):
     non-finite loss or gradients, `loss_scale.guarded_update`) does not advance it — as Megatron's
     OptimizerParamScheduler, stepped only after a successful update — while the state's "step" does.
     `learning_rate_schedule(cfg)(schedule_count(opt_state))` is the rate the next update applies."""
-    counts = [x.count for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
-              if isinstance(x, optax.ScaleByScheduleState)]
+    counts = [
+        x.count
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+        if isinstance(x, optax.ScaleByScheduleState)
+    ]
     if not counts:
         raise ValueError("the optimizer state holds no learning-rate schedule (optax.ScaleByScheduleState)")
     return counts[0]
@@ -109,10 +115,10 @@ def new_state(params, optimizer: optax.GradientTransformation) -> State:
     return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
-def apply_gradients(state: State, grads, grad_norm, optimizer: optax.GradientTransformation,
-                    train_cfg: TrainConfig) -> State:
+def apply_gradients(
+    state: State, grads, grad_norm, optimizer: optax.GradientTransformation, train_cfg: TrainConfig
+) -> State:
     """Clip `grads` to `train_cfg.clip_grad` by their (given) global norm and take one optimizer step."""
     grads, _ = clip_by_global_norm(grads, train_cfg.clip_grad, grad_norm)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-            "step": state["step"] + 1}
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "step": state["step"] + 1}

@@ -41,8 +41,11 @@ def signal_after_logged(proc, metrics, records: int, signum, timeout_s: float = 
 
     try:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and proc.poll() is None and not (
-                metrics.exists() and metrics.read_text().count("\n") >= records):
+        while (
+            time.monotonic() < deadline
+            and proc.poll() is None
+            and not (metrics.exists() and metrics.read_text().count("\n") >= records)
+        ):
             time.sleep(0.05)
         proc.send_signal(signum)
         return proc.communicate(timeout=120)
@@ -73,8 +76,13 @@ def gpt2_files(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("gpt2_bpe")
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([TEXT * 3, "The quick brown fox jumps over the lazy dog. héllo wörld ✓ 日本語"],
-                            vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.train_from_iterator(
+        [TEXT * 3, "The quick brown fox jumps over the lazy dog. héllo wörld ✓ 日本語"],
+        vocab_size=400,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
     vocab, merges = bpe.save_model(str(folder))
     return vocab, merges
 
@@ -82,8 +90,12 @@ def gpt2_files(tmp_path_factory):
 # The quick subset (`pytest -m quick`, a few minutes): the architecture rules, configs and bad input, the schedules,
 # the model against transformers, and one exactness case of each parallelism against the single-device reference.
 QUICK = (
-    "tests/test_layout.py", "tests/test_code_shape.py", "tests/test_config.py", "tests/test_readme.py",
-    "tests/parallel/pipeline/test_schedule.py", "tests/test_interop.py::test_logits_equal_transformers_gpt2",
+    "tests/test_layout.py",
+    "tests/test_code_shape.py",
+    "tests/test_config.py",
+    "tests/test_readme.py",
+    "tests/parallel/pipeline/test_schedule.py",
+    "tests/test_interop.py::test_logits_equal_transformers_gpt2",
     "tests/parallel/test_tensor.py",
     "tests/parallel/pipeline/test_executor.py::test_float64_pipeline_equals_the_reference[d2p2t2-1f1b-per-rank]",
 )

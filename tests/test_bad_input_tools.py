@@ -76,19 +76,25 @@ PREPROCESS_CASES = [
     (lambda: pre(write("r.txt", np.random.default_rng(0).bytes(4096))), "r.txt holds NUL bytes: a binary file"),
     (lambda: pre(elf_head("prog")), "prog holds NUL bytes"),
     (lambda: pre(write("u16.txt", "hello".encode("utf-16"))), "u16.txt holds NUL bytes"),
-    (lambda: pre(write("latin1.txt", "café naïve résumé\n".encode("latin-1") * 20)),
-     "latin1.txt is not UTF-8 text: 80 of 360 bytes"),
-    (lambda: pre(write("late.txt", ASCII + b"\xff" * 200), prefix="new/sub/out"),  # found after the sniff
-     "late.txt is not UTF-8 text: 200 of 9800 bytes"),
-    (lambda: pre(write("late.jsonl", b'{"text": "abc"}\n' * 600 + b'{"text": "\x00"}\n'), prefix="new/out"),
-     "late.jsonl:601 holds NUL bytes"),
+    (
+        lambda: pre(write("latin1.txt", "café naïve résumé\n".encode("latin-1") * 20)),
+        "latin1.txt is not UTF-8 text: 80 of 360 bytes",
+    ),
+    (
+        lambda: pre(write("late.txt", ASCII + b"\xff" * 200), prefix="new/sub/out"),  # found after the sniff
+        "late.txt is not UTF-8 text: 200 of 9800 bytes",
+    ),
+    (
+        lambda: pre(write("late.jsonl", b'{"text": "abc"}\n' * 600 + b'{"text": "\x00"}\n'), prefix="new/out"),
+        "late.jsonl:601 holds NUL bytes",
+    ),
     # JSONL values and records
     (lambda: pre(jsonl('{"text": null}')), "d.jsonl:1: key 'text' holds null, expected a string"),
     (lambda: pre(jsonl('{"text": "ok"}', '{"text": 12345}')), "d.jsonl:2: key 'text' holds a number (12345)"),
     (lambda: pre(jsonl('{"text": {"a": 1}}')), "key 'text' holds an object"),
     (lambda: pre(jsonl('{"text": ["a"]}')), "key 'text' holds an array"),
     (lambda: pre(jsonl('{"text": true}')), "key 'text' holds a boolean"),
-    (lambda: pre(jsonl('[1, 2]')), "d.jsonl:1 is an array, expected a JSON object"),
+    (lambda: pre(jsonl("[1, 2]")), "d.jsonl:1 is an array, expected a JSON object"),
     (lambda: pre(jsonl('{"body": "x"}')), "d.jsonl:1 has no key 'text'"),
     (lambda: pre(write("bad.jsonl", '{"text": "ok"}\n{oops\n')), "bad.jsonl:2 is not valid JSON"),
     (lambda: pre(write("bad.jsonl", '{"text": "ok"}\n{oops\n'), prefix="new/deeper/o"), "bad.jsonl:2 is not valid"),
@@ -100,10 +106,14 @@ PREPROCESS_CASES = [
     (lambda: pre(write("a.txt", "x"), prefix=write("afile", "") + "/deeper/x"), "afile is a file, not a folder"),
     (lambda: pre(write("a.txt", "x"), prefix="x" * 300), "--output-prefix 'xxxxxxxx"),
     (lambda: pre(write("a.txt", "x"), prefix="x" * 300), "File name too long"),
-    (lambda: [folder("out_text_document.idx"), *pre(write("a.txt", "x"))][1:],
-     "the output out_text_document.idx is a folder"),
-    (lambda: [folder("out_text_document.bin"), *pre(write("a.txt", "x"))][1:],
-     "the output out_text_document.bin is a folder"),
+    (
+        lambda: [folder("out_text_document.idx"), *pre(write("a.txt", "x"))][1:],
+        "the output out_text_document.idx is a folder",
+    ),
+    (
+        lambda: [folder("out_text_document.bin"), *pre(write("a.txt", "x"))][1:],
+        "the output out_text_document.bin is a folder",
+    ),
     # inputs and flags (the cases of tests/data/test_preprocess.py among them)
     (lambda: pre("nope"), "input 'nope' is neither a file nor a folder"),
     (lambda: pre(write("in/empty.txt", "") and "in", prefix=folder("o") + "/x"), "is empty: 1 file(s) hold no text"),
@@ -111,24 +121,38 @@ PREPROCESS_CASES = [
     (lambda: ["--input", write("a.txt", "x")], "the following arguments are required: --output-prefix"),
     (lambda: pre(write("a.txt", "x"), extra=["--tokenizer-type", "gpt2"]), "argument --tokenizer-type: invalid"),
     # tokenizer files (GPT-2's vocab.json and merges.txt) that do not parse
-    (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab="{not json")),
-     "--vocab-file 'vocab.json' is not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+    (
+        lambda: pre(write("a.txt", "x"), extra=gpt2(vocab="{not json")),
+        "--vocab-file 'vocab.json' is not valid JSON (Expecting property name enclosed in double quotes at line 1",
+    ),
     (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab="[1, 2]")), "--vocab-file 'vocab.json' holds list, not an"),
     (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab=b"\xff\xfe{}")), "'vocab.json' is not UTF-8 text"),
     (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab='{"a": 0, "b": 0}')), "ids must be the integers 0..1"),
     (lambda: pre(write("a.txt", "x"), extra=gpt2(vocab='{"a": 0}')), "lacks 255 of the 256 byte-level symbols"),
-    (lambda: pre(write("a.txt", "x"), extra=gpt2(flags=("--vocab-file", "vocab.json", "--merge-file", "no.txt"))),
-     "--merge-file 'no.txt' cannot be read: No such file or directory"),
-    (lambda: pre(write("a.txt", "x"), extra=gpt2(merges="#version: 0.2\nhello\n")),
-     "--merge-file 'merges.txt' line 2 is 'hello', expected two symbols separated by one space"),
-    (lambda: pre(write("a.txt", "x"), extra=gpt2(merges="zz qq\n")),
-     "--merge-file 'merges.txt' line 1 merges 'zz qq', but 'zz' is not in the vocab file"),
-    (lambda: pre(write("a.txt", "x"), extra=gpt2(merges=np.random.default_rng(0).bytes(512))),
-     "--merge-file 'merges.txt' is not UTF-8 text"),
-    (lambda: pre(write("a.txt", "x"), extra=gpt2(flags=())),
-     "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
-    (lambda: pre(write("a.txt", "x"), extra=["--vocab-file", write("v.json", "{}")]),
-     "--vocab-file belong to --tokenizer-type GPT2BPETokenizer, not ByteTokenizer"),
+    (
+        lambda: pre(write("a.txt", "x"), extra=gpt2(flags=("--vocab-file", "vocab.json", "--merge-file", "no.txt"))),
+        "--merge-file 'no.txt' cannot be read: No such file or directory",
+    ),
+    (
+        lambda: pre(write("a.txt", "x"), extra=gpt2(merges="#version: 0.2\nhello\n")),
+        "--merge-file 'merges.txt' line 2 is 'hello', expected two symbols separated by one space",
+    ),
+    (
+        lambda: pre(write("a.txt", "x"), extra=gpt2(merges="zz qq\n")),
+        "--merge-file 'merges.txt' line 1 merges 'zz qq', but 'zz' is not in the vocab file",
+    ),
+    (
+        lambda: pre(write("a.txt", "x"), extra=gpt2(merges=np.random.default_rng(0).bytes(512))),
+        "--merge-file 'merges.txt' is not UTF-8 text",
+    ),
+    (
+        lambda: pre(write("a.txt", "x"), extra=gpt2(flags=())),
+        "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file",
+    ),
+    (
+        lambda: pre(write("a.txt", "x"), extra=["--vocab-file", write("v.json", "{}")]),
+        "--vocab-file belong to --tokenizer-type GPT2BPETokenizer, not ByteTokenizer",
+    ),
 ]
 
 SCHEDULE_CASES = [
@@ -141,8 +165,10 @@ SCHEDULE_CASES = [
     (lambda: ["--plot", ""], "argument --plot: the file name is empty"),
     (lambda: ["--plot", "x" * 300 + ".png"], "argument --plot: 'xxxxxxxx"),
     (lambda: ["--plot", "x" * 300 + ".png"], "File name too long"),
-    *[(lambda r=r: [f"--backward-ratio={r}"], f"argument --backward-ratio: '{r}' is not a positive finite number")
-      for r in ("-1", "0", "nan", "inf", "-inf")],
+    *[
+        (lambda r=r: [f"--backward-ratio={r}"], f"argument --backward-ratio: '{r}' is not a positive finite number")
+        for r in ("-1", "0", "nan", "inf", "-inf")
+    ],
     (lambda: ["--backward-ratio", "two"], "argument --backward-ratio: 'two' is not a number"),
     (lambda: ["-v", "0"], "argument --virtual-stages/-v: 0 is not a positive integer"),
     (lambda: ["-p", "0"], "argument --pipeline-model-parallel-size/-p: 0 is not a positive integer"),
@@ -163,9 +189,10 @@ SCHEDULE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tool, make_argv, fragment",
-                         [("ptd-preprocess", *case) for case in PREPROCESS_CASES]
-                         + [("ptd-schedule", *case) for case in SCHEDULE_CASES])
+@pytest.mark.parametrize(
+    "tool, make_argv, fragment",
+    [("ptd-preprocess", *case) for case in PREPROCESS_CASES] + [("ptd-schedule", *case) for case in SCHEDULE_CASES],
+)
 def test_bad_input(tool, make_argv, fragment, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = make_argv()
@@ -245,7 +272,11 @@ def test_a_rerun_replaces_the_pair(tmp_path, monkeypatch, capsys):
     assert preprocess.main(pre(write("a.txt", "second"))) == 0
     assert ByteTokenizer().decode(IndexedDataset("out_text_document")[0][:-1]) == "second"
     assert sorted(f for f in files_under(tmp_path) if "/" not in f) == [
-        "a.txt", "cache", "out_text_document.bin", "out_text_document.idx"]
+        "a.txt",
+        "cache",
+        "out_text_document.bin",
+        "out_text_document.idx",
+    ]
 
 
 # The writer and the reader
@@ -278,15 +309,19 @@ def test_a_failed_idx_rename_restores_the_old_pair(tmp_path, monkeypatch):
 
 
 def test_an_idx_folder_appearing_during_the_write_leaves_nothing(tmp_path):
-    with (pytest.raises(IndexedDatasetError, match=r"ds\.idx is a folder"),
-          IndexedDatasetWriter(tmp_path / "new" / "ds") as writer):
+    with (
+        pytest.raises(IndexedDatasetError, match=r"ds\.idx is a folder"),
+        IndexedDatasetWriter(tmp_path / "new" / "ds") as writer,
+    ):
         writer.add_document([1, 2])
         (tmp_path / "new" / "ds.idx").mkdir()
     assert files_under(tmp_path) == {"new", "new/ds.idx"}
 
 
-@pytest.mark.parametrize("tokens, message", [([-1, 2], r"token ids in \[-1, 2\] do not fit dtype=int32"),
-                                             ([1.5], "dtype=float64 are not integers")])
+@pytest.mark.parametrize(
+    "tokens, message",
+    [([-1, 2], r"token ids in \[-1, 2\] do not fit dtype=int32"), ([1.5], "dtype=float64 are not integers")],
+)
 def test_the_writer_refuses_negative_and_fractional_ids(tmp_path, tokens, message):
     with pytest.raises(IndexedDatasetError, match=message):
         write_pair(tmp_path / "new" / "ds", [tokens], np.int32)
@@ -299,8 +334,12 @@ def hand_made(prefix: Path, tokens: np.ndarray, code: int) -> None:
     """A one-document pair written byte by byte (no stats file), as another tool might."""
     prefix.with_suffix(".bin").write_bytes(tokens.tobytes())
     prefix.with_suffix(".idx").write_bytes(
-        b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, 1, 2) + struct.pack("<i", len(tokens))
-        + struct.pack("<q", 0) + struct.pack("<2q", 0, 1))
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<QBQQ", 1, code, 1, 2)
+        + struct.pack("<i", len(tokens))
+        + struct.pack("<q", 0)
+        + struct.pack("<2q", 0, 1)
+    )
 
 
 def test_negative_ids_in_an_int32_bin_are_refused(tmp_path):
@@ -318,8 +357,11 @@ def test_negative_ids_in_an_int32_bin_are_refused(tmp_path):
 @pytest.mark.parametrize("code, dtype", [(6, "<f8"), (7, "<f4")])
 def test_floating_point_dtype_codes_are_refused(tmp_path, code, dtype):
     hand_made(tmp_path / "m", np.array([1.0, 2.0], dtype=dtype), code=code)
-    with pytest.raises(IndexedDatasetError, match=rf"m\.idx has dtype code={code} \(float..\): token ids must be "
-                                                  r"integers"):
+    with pytest.raises(
+        IndexedDatasetError,
+        match=rf"m\.idx has dtype code={code} \(float..\): token ids must be "
+        r"integers",
+    ):
         IndexedDataset(tmp_path / "m")
 
 
@@ -338,6 +380,11 @@ def test_ptd_schedule_into_a_closed_pipe_prints_no_traceback():
     import subprocess
     import sys
 
-    proc = subprocess.run(f"{sys.executable} -m ptd_jax.cli.schedule -p 8 -m 256 | head -1", shell=True,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        f"{sys.executable} -m ptd_jax.cli.schedule -p 8 -m 256 | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.stdout.count("\n") == 1 and proc.stderr == ""

@@ -16,47 +16,108 @@ from ptd_jax.train import checkpoint
 QUIET = ["--no-progress", "--eval-iters", "0"]
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", *QUIET]
 MODEL = TINY[:8]
-D8 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1",
-      "--global-batch-size", "8"]
+D8 = [
+    "--tensor-model-parallel-size",
+    "1",
+    "--pipeline-model-parallel-size",
+    "1",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+]
 
 CASES = [
     # layouts and sizes (the cases tests/test_cli.py had)
-    (["--hidden-size", "100", "--num-attention-heads", "3"],
-     "hidden_size=100 is not divisible by num_attention_heads=3"),
-    (["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"],
-     "num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
-    (["--global-batch-size", "10", "--micro-batch-size", "4", "--fake-devices", "8"],
-     "global_batch_size=10 is not divisible by micro_batch_size=4 x data_parallel_size=8"),
-    (["--global-batch-size", "10"],  # the demo layout: d = 8 / (t=2 · p=2) = 2, b = 2
-     "global_batch_size=10 is not divisible by micro_batch_size=2 x data_parallel_size=2"),
+    (
+        ["--hidden-size", "100", "--num-attention-heads", "3"],
+        "hidden_size=100 is not divisible by num_attention_heads=3",
+    ),
+    (
+        ["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"],
+        "num_layers=3 is not divisible by pipeline_model_parallel_size=2",
+    ),
+    (
+        ["--global-batch-size", "10", "--micro-batch-size", "4", "--fake-devices", "8"],
+        "global_batch_size=10 is not divisible by micro_batch_size=4 x data_parallel_size=8",
+    ),
+    (
+        ["--global-batch-size", "10"],  # the demo layout: d = 8 / (t=2 · p=2) = 2, b = 2
+        "global_batch_size=10 is not divisible by micro_batch_size=2 x data_parallel_size=2",
+    ),
     (["--tensor-model-parallel-size", "16"], "needs 16 devices but only num_devices=8 exist"),
     (["--tensor-model-parallel-size", "3"], "does not divide num_devices=8"),
-    (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
-     "num_layers=4 is not divisible by num_layers_per_virtual_pipeline_stage=3"),
+    (
+        ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
+        "num_layers=4 is not divisible by num_layers_per_virtual_pipeline_stage=3",
+    ),
     (["--lr", "0.1", "--min-lr", "1.0"], "min_lr=1.0 is larger than lr=0.1"),
-    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "64", "--num-layers-per-virtual-pipeline-stage",
-      "1", "--pipeline-schedule", "1f1b"], "virtual_pipeline_stages=2 does not apply to pipeline_schedule='1f1b'"),
-    (["--pipeline-model-parallel-size", "4", "--global-batch-size", "6", "--micro-batch-size", "1",
-      "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "interleaved"],
-     "p <= G <= m (Megatron's rule), got p=4, G=4, m=3"),
-    (["--tensor-model-parallel-size", "8", "--num-attention-heads", "4"],
-     "num_attention_heads=4 is not divisible by tensor_model_parallel_size=8"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33", "--global-batch-size", "32"],
-     "seq_length=33 is not divisible by tensor_model_parallel_size=2"),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "64",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--pipeline-schedule",
+            "1f1b",
+        ],
+        "virtual_pipeline_stages=2 does not apply to pipeline_schedule='1f1b'",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "4",
+            "--global-batch-size",
+            "6",
+            "--micro-batch-size",
+            "1",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--pipeline-schedule",
+            "interleaved",
+        ],
+        "p <= G <= m (Megatron's rule), got p=4, G=4, m=3",
+    ),
+    (
+        ["--tensor-model-parallel-size", "8", "--num-attention-heads", "4"],
+        "num_attention_heads=4 is not divisible by tensor_model_parallel_size=8",
+    ),
+    (
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33", "--global-batch-size", "32"],
+        "seq_length=33 is not divisible by tensor_model_parallel_size=2",
+    ),
     (["--num-layers-per-virtual-pipeline-stage", "0"], "num_layers_per_virtual_pipeline_stage=0 and "),
-    (["--pipeline-model-parallel-size", "0", "--num-layers-per-virtual-pipeline-stage", "1"],
-     "pipeline_model_parallel_size=0 must be positive"),
+    (
+        ["--pipeline-model-parallel-size", "0", "--num-layers-per-virtual-pipeline-stage", "1"],
+        "pipeline_model_parallel_size=0 must be positive",
+    ),
     (["--vocab-size", "0"], "vocab_size=0 must be a positive integer"),
     (["--seed", "-1"], "seed=-1 must be in [0, 2**32)"),
-    (["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
-      "--microbatch-group-size-per-virtual-pipeline-stage", "2"],
-     "microbatch_group_size=2 applies to grouped schedules (interleaved) only, got '1f1b'"),
+    (
+        [
+            "--tensor-model-parallel-size",
+            "1",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-schedule",
+            "1f1b",
+            "--microbatch-group-size-per-virtual-pipeline-stage",
+            "2",
+        ],
+        "microbatch_group_size=2 applies to grouped schedules (interleaved) only, got '1f1b'",
+    ),
     # several processes (jax.distributed), refused before anything connects
-    (["--coordinator-address", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
-     "process_id=2 must be in [0, num_processes=2)"),
+    (
+        ["--coordinator-address", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+        "process_id=2 must be in [0, num_processes=2)",
+    ),
     (["--num-processes", "2"], "a multi-process run needs all three (missing --coordinator-address --process-id)"),
-    (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"],
-     "coordinator_address='nohost' must be host:port"),
+    (
+        ["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"],
+        "coordinator_address='nohost' must be host:port",
+    ),
     (["--heartbeat-timeout", "0"], "heartbeat_timeout=0 must be at least 1 (seconds)"),
     # devices and backends
     (["--fake-devices", "4096"], "fake_devices=4096 must be in [1, 256]"),
@@ -84,8 +145,10 @@ CASES = [
     (["--fp16", "--loss-scale=-1"], "loss_scale=-1.0 must be positive"),
     (["--fp16", "--initial-loss-scale", "0"], "initial_loss_scale=0.0 must be positive"),
     (["--fp16", "--loss-scale", "inf"], "argument --loss-scale: 'inf' is not a finite number"),
-    (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"],
-     "min_loss_scale=8.0 is larger than initial_loss_scale=4.0"),
+    (
+        ["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"],
+        "min_loss_scale=8.0 is larger than initial_loss_scale=4.0",
+    ),
     (["--fp16", "--loss-scale-window", "0"], "loss_scale_window=0 must be positive"),
     (["--fp16", "--hysteresis", "0"], "hysteresis=0 must be positive"),
     (["--max-skipped-iters", "0"], "max_skipped_iters=0 must be positive"),
@@ -109,14 +172,22 @@ CASES = [
     (["--load", "afile"], "load='afile' exists and is not a folder"),
     # the tokenizer: flags and files that do not parse ({vocab}, {merges}: a tiny GPT-2 vocab.json and merges.txt)
     (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "afile", "--merge-file", "{merges}"],
-     "--vocab-file 'afile' is not valid JSON (Expecting value at line 1 column 1)"),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{vocab}", "--merge-file", "nope.txt"],
-     "--merge-file 'nope.txt' cannot be read: No such file or directory"),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{vocab}", "--merge-file", "afile"],
-     "--merge-file 'afile' line 1 is 'a regular file', expected two symbols separated by one space"),
-    (["--tokenizer-type", "ByteTokenizer", "--vocab-size", "300"],
-     "give one of --vocab-size 300 and --tokenizer-type ByteTokenizer (which decides V), not both"),
+    (
+        ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "afile", "--merge-file", "{merges}"],
+        "--vocab-file 'afile' is not valid JSON (Expecting value at line 1 column 1)",
+    ),
+    (
+        ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{vocab}", "--merge-file", "nope.txt"],
+        "--merge-file 'nope.txt' cannot be read: No such file or directory",
+    ),
+    (
+        ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{vocab}", "--merge-file", "afile"],
+        "--merge-file 'afile' line 1 is 'a regular file', expected two symbols separated by one space",
+    ),
+    (
+        ["--tokenizer-type", "ByteTokenizer", "--vocab-size", "300"],
+        "give one of --vocab-size 300 and --tokenizer-type ByteTokenizer (which decides V), not both",
+    ),
     (["--vocab-file", "{vocab}"], "--vocab-file and --merge-file need --tokenizer-type GPT2BPETokenizer"),
     (["--tokenizer-type", "gpt2"], "argument --tokenizer-type: invalid choice: 'gpt2'"),
     # data
@@ -129,8 +200,22 @@ CASES = [
     ([*MODEL, "--save", "{ckpt}", *D8], "--save {ckpt} already holds checkpoints of another run (steps [2])"),
     ([*MODEL, "--load", "{ckpt}", "--hidden-size", "64", *D8], "'hidden_size': (32, 64)"),
     ([*MODEL, "--load", "{ckpt}", "--seed", "7", *D8], "'seed': (1234, 7)"),
-    ([*MODEL, "--load", "{ckpt}", "--global-batch-size", "16", "--micro-batch-size", "2",
-      "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"], "'global_batch_size': (8, 16)"),
+    (
+        [
+            *MODEL,
+            "--load",
+            "{ckpt}",
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "1",
+            "--pipeline-model-parallel-size",
+            "1",
+        ],
+        "'global_batch_size': (8, 16)",
+    ),
     ([*MODEL, "--load", "{ckpt}", "--split", "90,10,0", *D8], "'split': ('969,30,1', '90,10,0')"),
     ([*MODEL, "--load", "{ckpt}", "--data-path", "{corpus}", *D8], "'data_name': ('stdlib-"),
 ]
@@ -158,8 +243,9 @@ def _files(root: Path) -> set:
 
 
 @pytest.mark.parametrize("args, message", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, saved_run, small_corpus, gpt2_files,
-                                                            tmp_path, monkeypatch, capsys):
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(
+    args, message, saved_run, small_corpus, gpt2_files, tmp_path, monkeypatch, capsys
+):
     (tmp_path / "afile").write_text("a regular file")
     (tmp_path / "adir").mkdir()
     (tmp_path / "junk" / "5").mkdir(parents=True)
@@ -203,18 +289,39 @@ def test_ctrl_c_before_training_says_so(monkeypatch, capsys):
 
     monkeypatch.setattr(ptd_jax.train, "train", interrupted)
     assert main([*TINY, *D8]) == 130
-    assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "ptd-train: interrupted (Ctrl-C) before training started"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "ptd-train: interrupted (Ctrl-C) before training started"
 
 
 def test_ctrl_c_stops_cleanly_with_exit_130_and_keeps_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli.train", *TINY, "--fake-devices", "1",
-                             "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "100000",
-                             "--save", str(ckpt), "--save-interval", "3", "--log-interval", "1",
-                             "--metrics-file", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ptd_jax.cli.train",
+            *TINY,
+            "--fake-devices",
+            "1",
+            "--micro-batch-size",
+            "8",
+            "--global-batch-size",
+            "8",
+            "--train-iters",
+            "100000",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "3",
+            "--log-interval",
+            "1",
+            "--metrics-file",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and len(checkpoint.all_steps(ckpt)) < 2:
         time.sleep(0.05)

@@ -11,10 +11,33 @@ import pytest
 from ptd_jax.cli.train import main
 from tests.conftest import random_corpus_at
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--no-progress", "--eval-iters", "0", "--tensor-model-parallel-size", "1",
-        "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1", "--global-batch-size", "8",
-        "--log-interval", "1", "--lr-decay-iters", "20", "--lr-warmup-iters", "2"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--no-progress",
+    "--eval-iters",
+    "0",
+    "--tensor-model-parallel-size",
+    "1",
+    "--pipeline-model-parallel-size",
+    "1",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--log-interval",
+    "1",
+    "--lr-decay-iters",
+    "20",
+    "--lr-warmup-iters",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +66,23 @@ def test_a_blend_trains_resumes_bitwise_and_refuses_other_weights(small_corpus, 
     ckpt = str(tmp_path / "ckpt")
     assert main([*TINY, *blend, "--train-iters", "8", "--metrics-file", str(tmp_path / "a.jsonl")]) == 0
     assert main([*TINY, *blend, "--train-iters", "4", "--save", ckpt, "--metrics-file", str(tmp_path / "b.jsonl")]) == 0
-    assert main([*TINY, *blend, "--train-iters", "8", "--save", ckpt, "--load", ckpt,
-                 "--metrics-file", str(tmp_path / "b.jsonl")]) == 0
+    assert (
+        main(
+            [
+                *TINY,
+                *blend,
+                "--train-iters",
+                "8",
+                "--save",
+                ckpt,
+                "--load",
+                ckpt,
+                "--metrics-file",
+                str(tmp_path / "b.jsonl"),
+            ]
+        )
+        == 0
+    )
     straight, resumed = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert len(straight) == 8 and straight == resumed  # bitwise
     cache = Path(small_corpus).parent / "cache" / "ptd_jax_indices"  # beside the first dataset of the blend
@@ -62,8 +100,24 @@ def test_a_blend_trains_resumes_bitwise_and_refuses_other_weights(small_corpus, 
 
 def test_separate_train_and_valid_paths_train_and_evaluate(small_corpus, second_corpus, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    argv = [*TINY, "--train-data-path", "1", small_corpus, "2", second_corpus, "--valid-data-path", second_corpus,
-            "--eval-iters", "1", "--eval-interval", "2", "--train-iters", "2", "--metrics-file", str(metrics)]
+    argv = [
+        *TINY,
+        "--train-data-path",
+        "1",
+        small_corpus,
+        "2",
+        second_corpus,
+        "--valid-data-path",
+        second_corpus,
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "2",
+        "--train-iters",
+        "2",
+        "--metrics-file",
+        str(metrics),
+    ]
     assert main(argv) == 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records if r.get("kind") == "valid"] == [2]

@@ -3,22 +3,55 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ptd_jax.runtime import platform
 
 
 REQUIRED_KEYS = {"iteration", "lm_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
-SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--no-progress"]
+SMALL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--no-progress",
+]
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 def test_smoke_train_with_metrics_plot_and_fake_devices(small_corpus, tmp_path):
-    proc = run_cli(*SMALL, "--fake-devices", "1", "--data-path", small_corpus, "--train-iters", "6",
-                   "--log-interval", "2", "--eval-interval", "3", "--eval-iters", "1", "--split", "90,10,0",
-                   "--metrics-file", str(tmp_path / "m.jsonl"), "--plot-dir", str(tmp_path / "plots"))
+    proc = run_cli(
+        *SMALL,
+        "--fake-devices",
+        "1",
+        "--data-path",
+        small_corpus,
+        "--train-iters",
+        "6",
+        "--log-interval",
+        "2",
+        "--eval-interval",
+        "3",
+        "--eval-iters",
+        "1",
+        "--split",
+        "90,10,0",
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+        "--plot-dir",
+        str(tmp_path / "plots"),
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["iterations"] == 6 and summary["num_devices"] == 1
@@ -46,19 +79,23 @@ def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):
     from ptd_jax.cli import train as cli
 
     args = cli.build_parser().parse_args([])
-    monkeypatch.setattr(cli.platform, "accelerator_present", lambda: False)
+    monkeypatch.setattr(platform, "accelerator_present", lambda: False)
     assert cli.apply_demo_layout(args)
     cli.fill_defaults(args)
     cfg = cli.model_config_from_args(args)
     parallel = cli.parallel_config_from_args(args, cfg, args.fake_devices)
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (4, 128, 257) and args.data_path is None
-    assert (parallel.data_parallel_size, parallel.pipeline_model_parallel_size,
-            parallel.tensor_model_parallel_size, parallel.virtual_pipeline_stages) == (2, 2, 2, 2)
+    assert (
+        parallel.data_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.tensor_model_parallel_size,
+        parallel.virtual_pipeline_stages,
+    ) == (2, 2, 2, 2)
     assert parallel.pipeline_schedule == "interleaved" and parallel.num_microbatches == 4
     # any layout flag, or an accelerator, turns the demo layout off
     assert not cli.apply_demo_layout(cli.build_parser().parse_args(["--fake-devices", "1"]))
     assert not cli.apply_demo_layout(cli.build_parser().parse_args(["--compile-only"]))
-    monkeypatch.setattr(cli.platform, "accelerator_present", lambda: True)
+    monkeypatch.setattr(platform, "accelerator_present", lambda: True)
     assert not cli.apply_demo_layout(cli.build_parser().parse_args([]))
 
 
@@ -66,7 +103,7 @@ def test_kernel_flags_default_to_the_kernels_on_gpus_only(monkeypatch):
     from ptd_jax.cli import train as cli
 
     def config(argv, gpu):
-        monkeypatch.setattr(cli.platform, "gpu_present", lambda: gpu)
+        monkeypatch.setattr(platform, "gpu_present", lambda: gpu)
         return cli.model_config_from_args(cli.build_parser().parse_args(argv))
 
     assert (config([], gpu=False).attention_backend, config([], gpu=False).fused_kernels) == ("xla", False)
@@ -86,10 +123,13 @@ def test_failing_default_kernels_fall_back_with_a_warning(capsys):
     bad_attention = {**ok, "flash_attention": "ValueError: no"}
     got = cli.apply_self_check(cfg, bad_attention, attention=True, fused=True)
     assert (got.attention_backend, got.fused_kernels) == ("cudnn", True)
-    assert "Pallas flash_attention kernel failed its self-check on this GPU (ValueError: no); using attention by " \
-           "cudnn instead" in capsys.readouterr().err
-    got = cli.apply_self_check(cfg.replace(dtype="float32"), {**ok, "cross_entropy": "relative error 1"},
-                               attention=True, fused=True)
+    assert (
+        "Pallas flash_attention kernel failed its self-check on this GPU (ValueError: no); using attention by "
+        "cudnn instead" in capsys.readouterr().err
+    )
+    got = cli.apply_self_check(
+        cfg.replace(dtype="float32"), {**ok, "cross_entropy": "relative error 1"}, attention=True, fused=True
+    )
     assert (got.attention_backend, got.fused_kernels) == ("pallas", False)
     # kernels asked for by flag are kept, failures included
     assert cli.apply_self_check(cfg, bad_attention, attention=False, fused=False) == cfg
@@ -102,8 +142,11 @@ def test_kernel_self_check_at_odd_model_widths_passes_in_interpret_mode():
     from ptd_jax.config import ModelConfig
 
     cfg = ModelConfig(num_layers=1, hidden_size=48, num_attention_heads=4, seq_length=40, vocab_size=357)
-    assert self_check_model(cfg, tensor_parallel_size=1, interpret=True) == \
-        {"flash_attention": None, "layer_norm": None, "cross_entropy": None}
+    assert self_check_model(cfg, tensor_parallel_size=1, interpret=True) == {
+        "flash_attention": None,
+        "layer_norm": None,
+        "cross_entropy": None,
+    }
 
 
 def test_pipeline_branching_flag_reaches_the_layout():

@@ -32,12 +32,20 @@ def test_bench_kernels_smoke_checks_every_kernel_and_the_fused_training_step(tmp
 def test_bench_interleaving_smoke_runs_every_case(tmp_path):
     out = tmp_path / "bench.json"  # its own process: the benchmark sets 4 fake devices before JAX starts
     env = {**os.environ, "XLA_FLAGS": ""}
-    subprocess.run([sys.executable, "-m", "experiments.bench.bench_interleaving", "--smoke", "--out", str(out)],
-                   check=True, cwd=Path(__file__).resolve().parents[1], env=env)
+    subprocess.run(
+        [sys.executable, "-m", "experiments.bench.bench_interleaving", "--smoke", "--out", str(out)],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+    )
     (result,) = json.loads(out.read_text()).values()
     assert len(result["median_step_s"]) == 5 and all(t > 0 for t in result["median_step_s"].values())
-    assert set(result["ratios"]) == {"interleaved/1f1b (uniform)", "1f1b/reference (uniform)",
-                                     "interleaved/1f1b (per-rank)", "1f1b/reference (per-rank)"}
+    assert set(result["ratios"]) == {
+        "interleaved/1f1b (uniform)",
+        "1f1b/reference (uniform)",
+        "interleaved/1f1b (per-rank)",
+        "1f1b/reference (per-rank)",
+    }
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -56,11 +64,13 @@ def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
         context = 2 * 32 * 32 * 64 / t  # one layer's scores·V over one microbatch (2·s·s·h)
         skipped = m * v * (8 // (p * v)) * {"none": 0.0, "selective": context, "full": fc2}[recompute]
         assert row["per-rank"]["executed_flops_per_rank"] == pytest.approx(
-            [g - skipped for g in row["megatron_flops_per_rank"]], rel=1e-12)
+            [g - skipped for g in row["megatron_flops_per_rank"]], rel=1e-12
+        )
         if "uniform" in row:
             assert row["uniform"]["executed_flops_per_rank"][0] > 1.05 * row["per-rank"]["executed_flops_per_rank"][0]
-            assert row["uniform"]["critical_path_flops"] == pytest.approx(row["per-rank"]["critical_path_flops"],
-                                                                          rel=1e-9)
+            assert row["uniform"]["critical_path_flops"] == pytest.approx(
+                row["per-rank"]["critical_path_flops"], rel=1e-9
+            )
 
 
 def test_compare_torch_refuses_a_tensor_parallel_layout_with_nothing_to_compare_it_with():
@@ -87,10 +97,26 @@ def test_compare_torch_losses_agree_with_torch_and_megatron_core_at_serial_p2_an
     from experiments.compare_torch.compare_torch import main
 
     out = tmp_path / "compare.json"
-    result = main(["--layouts", "serial", "p2-1f1b", "p2t2-1f1b", "--iters", "4", "--rounds", "1",
-                   "--micro-batch-size", "1", "--microbatches", "2",
-                   "--model", '{"num_layers": 2, "hidden_size": 32, "seq_length": 32}',
-                   "--out", str(out)])
+    result = main(
+        [
+            "--layouts",
+            "serial",
+            "p2-1f1b",
+            "p2t2-1f1b",
+            "--iters",
+            "4",
+            "--rounds",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--microbatches",
+            "2",
+            "--model",
+            '{"num_layers": 2, "hidden_size": 32, "seq_length": 32}',
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == result and (tmp_path / "compare.png").stat().st_size > 0
     for name in ("serial", "p2-1f1b"):
         row = result["layouts"][name]
@@ -101,8 +127,11 @@ def test_compare_torch_losses_agree_with_torch_and_megatron_core_at_serial_p2_an
     assert result["layouts"]["p2-1f1b"]["pipeline_branching"] == "per-rank"  # the default, auto, on CPU
     if importlib.util.find_spec("megatron.core") is not None:
         assert result["megatron_core"]
-        for name, schedule in (("serial", "no_pipelining"), ("p2-1f1b", "pipelining_without_interleaving"),
-                               ("p2t2-1f1b", "pipelining_without_interleaving")):
+        for name, schedule in (
+            ("serial", "no_pipelining"),
+            ("p2-1f1b", "pipelining_without_interleaving"),
+            ("p2t2-1f1b", "pipelining_without_interleaving"),
+        ):
             row = result["layouts"][name]
             assert row["megatron_core_engine"] == f"megatron.core.pipeline_parallel.forward_backward_{schedule}"
             assert len(row["loss_megatron_core"]) == 4 and row["megatron_core_tokens_per_s"] > 0
@@ -131,9 +160,14 @@ def test_calibration_recovers_the_rates_of_synthetic_steps():
     from experiments.common import SMALL
     from experiments.paper.calibrate_fake_devices import fit, predict_step
 
-    layouts = [dict(schedule="1f1b", p=4, m=8), dict(schedule="interleaved", p=4, v=2, m=8),
-               dict(schedule="1f1b", t=2, p=2, m=4), dict(d=4, m=4), dict(b=4, m=2),
-               dict(schedule="1f1b", p=4, m=16, recompute="full")]
+    layouts = [
+        dict(schedule="1f1b", p=4, m=8),
+        dict(schedule="interleaved", p=4, v=2, m=8),
+        dict(schedule="1f1b", t=2, p=2, m=4),
+        dict(d=4, m=4),
+        dict(b=4, m=2),
+        dict(schedule="1f1b", p=4, m=16, recompute="full"),
+    ]
     steps = [{"model": dict(SMALL), "layout": lay} for lay in layouts]
     for s in steps:
         s["step_s"] = predict_step(s, 3e10, 5e9)
@@ -183,8 +217,12 @@ def test_predicted_only_keeps_the_measured_half_and_recomputes_the_predicted(tmp
 @pytest.mark.parametrize("script", ["fig_bubble", "fig18_scatter_gather"])
 def test_figure_script_smoke_runs(tmp_path, script):
     out = tmp_path / f"{script}.json"  # its own process: the script sets its fake devices before JAX starts
-    subprocess.run([sys.executable, "-m", f"experiments.paper.{script}", "--smoke", "--out", str(out)], check=True,
-                   cwd=Path(__file__).resolve().parents[1], env={**os.environ, "XLA_FLAGS": ""})
+    subprocess.run(
+        [sys.executable, "-m", f"experiments.paper.{script}", "--smoke", "--out", str(out)],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "XLA_FLAGS": ""},
+    )
     result = json.loads(out.read_text())
     assert all(t > 0 for t in result["measured"]["median_step_s"].values())
     assert out.with_suffix(".png").stat().st_size > 0
@@ -203,8 +241,12 @@ def test_divergent_branches_probe_agrees_with_uniform(tmp_path):
 @pytest.mark.slow
 def test_bench_branching_smoke_times_both_branchings(tmp_path):
     out = tmp_path / "branching.json"
-    subprocess.run([sys.executable, "-m", "experiments.bench.bench_branching", "--smoke", "--out", str(out)],
-                   check=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "XLA_FLAGS": ""})
+    subprocess.run(
+        [sys.executable, "-m", "experiments.bench.bench_branching", "--smoke", "--out", str(out)],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "XLA_FLAGS": ""},
+    )
     rows = json.loads(out.read_text())["layouts"]
     assert set(rows) == {"compare_torch p2 1f1b", "demo d2 p2 t2 interleaved"}
     for row in rows.values():

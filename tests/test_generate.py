@@ -84,7 +84,7 @@ def test_tensor_parallel_generation_equals_one_device(params, t):
     same greedy tokens, and logits equal to float32 round-off (the row-parallel sums add in another order)."""
     from ptd_jax.inference.decode import TensorParallelDecoder
 
-    canonical = {**params, "embed": {**params["embed"], "word": params["embed"]["word"][:CFG.vocab_size]}}
+    canonical = {**params, "embed": {**params["embed"], "word": params["embed"]["word"][: CFG.vocab_size]}}
     prompt = np.random.RandomState(1).randint(0, 256, size=(2, 5))
     want, want_logits = generate(params, prompt, CFG, 8, return_logits=True)
     got, got_logits = generate(canonical, prompt, CFG, 8, tensor_parallel_size=t, return_logits=True)
@@ -95,8 +95,10 @@ def test_tensor_parallel_generation_equals_one_device(params, t):
     k_cache, _ = decoder.zeros_cache((2, 2, 13, 4, 8), np.float32)
     assert {s.data.shape for s in k_cache.addressable_shards} == {(2, 2, 13, 4 // t, 8)}  # its own heads
     word = decoder.params["embed"]["word"]
-    assert word.shape == (CFG.padded_vocab_size(t), 32) and word.addressable_shards[0].data.shape[0] == \
-        CFG.padded_vocab_size(t) // t
+    assert (
+        word.shape == (CFG.padded_vocab_size(t), 32)
+        and word.addressable_shards[0].data.shape[0] == CFG.padded_vocab_size(t) // t
+    )
 
 
 def test_ptd_generate_uses_the_tokenizer_the_checkpoint_records(params, gpt2_files, tmp_path, capsys):
@@ -115,11 +117,13 @@ def test_ptd_generate_uses_the_tokenizer_the_checkpoint_records(params, gpt2_fil
     out = capsys.readouterr().out.splitlines()
     ids = tok.encode("def fibonacci")
     want = generate(params, ids[None], cfg, 5)[0]
-    assert json.loads(out[-1]) == {"prompt_tokens": len(ids), "new_tokens": want[len(ids):].tolist()}
-    assert out[0] == tok.decode(want) and out[0].startswith("def fibonacci") and len(set(want[len(ids):])) > 1
+    assert json.loads(out[-1]) == {"prompt_tokens": len(ids), "new_tokens": want[len(ids) :].tolist()}
+    assert out[0] == tok.decode(want) and out[0].startswith("def fibonacci") and len(set(want[len(ids) :])) > 1
     assert main([*prompt, "--tokenizer-type", "ByteTokenizer"]) == 2
-    assert f"the ByteTokenizer has 257 tokens but --load {tmp_path / 'ckpt'} has vocab_size={tok.vocab_size}" in \
-        capsys.readouterr().err
+    assert (
+        f"the ByteTokenizer has 257 tokens but --load {tmp_path / 'ckpt'} has vocab_size={tok.vocab_size}"
+        in capsys.readouterr().err
+    )
 
 
 def test_ptd_train_takes_v_from_the_tokenizer_and_records_it(gpt2_files, monkeypatch):
@@ -133,15 +137,44 @@ def test_ptd_train_takes_v_from_the_tokenizer_and_records_it(gpt2_files, monkeyp
         return {"iterations": 0}
 
     monkeypatch.setattr(ptd_jax.train, "train", fake_train)
-    small = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-             "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1",
-             "--global-batch-size", "8"]
-    assert train_main([*small, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0],
-                       "--merge-file", gpt2_files[1]]) == 0
+    small = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "8",
+    ]
+    assert (
+        train_main(
+            [
+                *small,
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                gpt2_files[0],
+                "--merge-file",
+                gpt2_files[1],
+            ]
+        )
+        == 0
+    )
     vocab = len(json.load(open(gpt2_files[0])))
     assert seen["vocab_size"] == vocab and seen["tokenizer"]["type"] == "GPT2BPETokenizer"
-    assert train_main(small) == 0 and seen == {"vocab_size": 257, "tokenizer": {"type": "ByteTokenizer",
-                                                                                 "vocab_size": 257}}
+    assert train_main(small) == 0 and seen == {
+        "vocab_size": 257,
+        "tokenizer": {"type": "ByteTokenizer", "vocab_size": 257},
+    }
     assert train_main([*small, "--vocab-size", "300"]) == 0 and seen == {"vocab_size": 300, "tokenizer": None}
 
 
@@ -157,13 +190,47 @@ def test_train_with_gpt2_bpe_then_generate_from_its_checkpoint(gpt2_files, tmp_p
 
     flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1]]
     (tmp_path / "corpus.txt").write_text("def fibonacci(n):\n    a, b = 0, 1\n    return a\n\n" * 60)
-    assert preprocess_main(["--input", str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "d"),
-                            "--no-progress", *flags]) == 0
-    assert train_main(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
-                       "16", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
-                       "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--eval-iters",
-                       "0", "--no-progress", "--data-path", str(tmp_path / "d_text_document"), "--split", "1,0,0",
-                       "--save", str(tmp_path / "ckpt"), *flags]) == 0
+    assert (
+        preprocess_main(
+            ["--input", str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "d"), "--no-progress", *flags]
+        )
+        == 0
+    )
+    assert (
+        train_main(
+            [
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "32",
+                "--num-attention-heads",
+                "4",
+                "--seq-length",
+                "16",
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "1",
+                "--micro-batch-size",
+                "1",
+                "--global-batch-size",
+                "4",
+                "--train-iters",
+                "2",
+                "--eval-iters",
+                "0",
+                "--no-progress",
+                "--data-path",
+                str(tmp_path / "d_text_document"),
+                "--split",
+                "1,0,0",
+                "--save",
+                str(tmp_path / "ckpt"),
+                *flags,
+            ]
+        )
+        == 0
+    )
     tok = GPT2BPETokenizer(*gpt2_files)
     cfg, params = checkpoint.read_params(tmp_path / "ckpt")
     assert cfg.vocab_size == tok.vocab_size and params["embed"]["word"].shape == (tok.vocab_size, 32)
@@ -172,5 +239,5 @@ def test_train_with_gpt2_bpe_then_generate_from_its_checkpoint(gpt2_files, tmp_p
     out = capsys.readouterr().out.splitlines()
     ids = tok.encode("def fibonacci")
     want = generate(params, ids[None], cfg, 5)[0]
-    assert json.loads(out[-1]) == {"prompt_tokens": len(ids), "new_tokens": want[len(ids):].tolist()}
+    assert json.loads(out[-1]) == {"prompt_tokens": len(ids), "new_tokens": want[len(ids) :].tolist()}
     assert out[0] == tok.decode(want) and out[0].startswith("def fibonacci")

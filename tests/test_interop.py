@@ -23,8 +23,9 @@ V, S = 101, 16
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random GPT-2 (every tensor perturbed, biases and LayerNorms included), saved as safetensors."""
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=S, vocab_size=V, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=S, vocab_size=V, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():
@@ -73,8 +74,10 @@ def test_loss_gradients_equal_transformers_gpt2(hf_dir, tmp_path):
     labels = torch.tensor(tokens[:, 1:]).reshape(-1)
     their_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels)
     their_loss.backward()
-    theirs = {f"transformer.{k}" if not k.startswith("transformer.") else k: p.grad.numpy()
-              for k, p in model.named_parameters()}
+    theirs = {
+        f"transformer.{k}" if not k.startswith("transformer.") else k: p.grad.numpy()
+        for k, p in model.named_parameters()
+    }
 
     def loss(p):
         total = gpt.loss_sum(p, tokens[:, :-1], tokens[:, 1:], np.ones_like(tokens[:, 1:]), cfg)
@@ -121,10 +124,37 @@ def test_ptd_convert_from_hf_then_train_at_3d_then_to_hf(hf_dir, tmp_path, capsy
     with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
         for doc in np.random.RandomState(1).randint(0, V, size=(40, 60)):
             writer.add_document(doc)
-    args = ["--vocab-size", str(V), "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", str(S), "--data-path", str(prefix), "--load", str(ckpt), "--tensor-model-parallel-size",
-            "2", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "4",
-            "--train-iters", "3", "--eval-iters", "0", "--no-progress", "--save", str(trained)]
+    args = [
+        "--vocab-size",
+        str(V),
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        str(S),
+        "--data-path",
+        str(prefix),
+        "--load",
+        str(ckpt),
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "3",
+        "--eval-iters",
+        "0",
+        "--no-progress",
+        "--save",
+        str(trained),
+    ]
     capsys.readouterr()
     assert train_main(args) == 2  # a parameters-only checkpoint needs --finetune
     assert "holds parameters only (written by ptd-convert): load it with --finetune" in capsys.readouterr().err
@@ -144,12 +174,15 @@ def test_ptd_convert_from_hf_then_train_at_3d_then_to_hf(hf_dir, tmp_path, capsy
     assert not np.allclose(ours, _hf(hf_dir)(tokens).logits.detach().numpy(), atol=1e-4)  # it did train
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(model_type="llama", architectures=["LlamaForCausalLM"]), "only GPT-2"),
-    (lambda d: d.update(activation_function="relu"), "activation_function='relu'"),
-    (lambda d: d.update(scale_attn_by_inverse_layer_idx=True), "sets {'scale_attn_by_inverse_layer_idx': True}"),
-    (lambda d: d.pop("n_embd"), "lacks the integer fields ['n_embd']"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.update(model_type="llama", architectures=["LlamaForCausalLM"]), "only GPT-2"),
+        (lambda d: d.update(activation_function="relu"), "activation_function='relu'"),
+        (lambda d: d.update(scale_attn_by_inverse_layer_idx=True), "sets {'scale_attn_by_inverse_layer_idx': True}"),
+        (lambda d: d.pop("n_embd"), "lacks the integer fields ['n_embd']"),
+    ],
+)
 def test_another_architecture_is_refused(hf_dir, tmp_path, change, message):
     import shutil
 
@@ -185,7 +218,13 @@ def test_greedy_generation_equals_transformers_generate(hf_dir):
     ours = generate(params, prompt, cfg, 10)
     model = _hf(hf_dir)
     with torch.no_grad():
-        theirs = model.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                                max_new_tokens=10, do_sample=False, num_beams=1, eos_token_id=None,
-                                pad_token_id=0).numpy()
+        theirs = model.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=None,
+            pad_token_id=0,
+        ).numpy()
     np.testing.assert_array_equal(ours, theirs)

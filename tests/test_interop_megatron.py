@@ -21,8 +21,15 @@ from ptd_jax.config import ConfigError, ModelConfig  # noqa: E402
 from ptd_jax.interop import from_megatron, to_megatron  # noqa: E402
 
 V, S, B = 101, 16, 3
-CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=S, vocab_size=V,
-                  hidden_dropout=0.0, attention_dropout=0.0)
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=S,
+    vocab_size=V,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def _free_port() -> int:
@@ -55,16 +62,30 @@ def megatron():
             def build(cfg: ModelConfig, vocab_rows: int):
                 approximate = "tanh" if cfg.gelu_approximate else "none"
                 config = TransformerConfig(
-                    num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                    num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_size, hidden_dropout=0.0,
-                    attention_dropout=0.0, layernorm_epsilon=cfg.layernorm_epsilon,
+                    num_layers=cfg.num_layers,
+                    hidden_size=cfg.hidden_size,
+                    num_attention_heads=cfg.num_attention_heads,
+                    ffn_hidden_size=cfg.ffn_size,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                    layernorm_epsilon=cfg.layernorm_epsilon,
                     activation_func=lambda x: torch.nn.functional.gelu(x, approximate=approximate),
-                    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                    gradient_accumulation_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
-                    params_dtype=torch.float64)
-                return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_rows,
-                                max_sequence_length=cfg.max_positions, share_embeddings_and_output_weights=True,
-                                position_embedding_type="learned_absolute").double()
+                    bias_activation_fusion=False,
+                    bias_dropout_fusion=False,
+                    masked_softmax_fusion=False,
+                    gradient_accumulation_fusion=False,
+                    persist_layer_norm=False,
+                    use_cpu_initialization=True,
+                    params_dtype=torch.float64,
+                )
+                return GPTModel(
+                    config,
+                    get_gpt_layer_local_spec(),
+                    vocab_size=vocab_rows,
+                    max_sequence_length=cfg.max_positions,
+                    share_embeddings_and_output_weights=True,
+                    position_embedding_type="learned_absolute",
+                ).double()
 
             yield build
         finally:
@@ -78,8 +99,9 @@ def _params():
     params = gpt.init_params(jax.random.key(0), CFG)
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    return jax.tree.unflatten(tree, [np.asarray(x + 0.05 * jax.random.normal(k, x.shape), np.float32)
-                                     for x, k in zip(leaves, keys)])
+    return jax.tree.unflatten(
+        tree, [np.asarray(x + 0.05 * jax.random.normal(k, x.shape), np.float32) for x, k in zip(leaves, keys)]
+    )
 
 
 def _tokens():
@@ -89,7 +111,8 @@ def _tokens():
 def _loaded(build, params):
     model = build(CFG, params["embed"]["word"].shape[0])
     missing, unexpected = model.load_state_dict(
-        {k: torch.from_numpy(v).double() for k, v in to_megatron(params, CFG).items()}, strict=False)
+        {k: torch.from_numpy(v).double() for k, v in to_megatron(params, CFG).items()}, strict=False
+    )
     assert unexpected == [] and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     return model
 
@@ -123,8 +146,9 @@ def test_loss_gradients_equal_megatron_cores_gptmodel(megatron):
     tokens = _tokens()
     model = _loaded(megatron, params)
     logits = _megatron_forward(model, tokens)
-    their_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V),
-                                                 torch.tensor(tokens[:, 1:]).reshape(-1))
+    their_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, V), torch.tensor(tokens[:, 1:]).reshape(-1)
+    )
     their_loss.backward()
     theirs = {k: p.grad.numpy() for k, p in model.named_parameters()}
 
@@ -155,9 +179,10 @@ def test_from_megatron_inverts_to_megatron_and_reads_megatrons_own_init(megatron
     assert from_megatron(to_megatron(padded, CFG), CFG)["embed"]["word"].shape == (V, CFG.hidden_size)
     bf16 = {k: torch.from_numpy(v).bfloat16() for k, v in to_megatron(params, CFG).items()}  # Megatron's usual dtype
     back = from_megatron(bf16, CFG)
-    np.testing.assert_array_equal(back["layers"]["attn"]["qkv_kernel"],
-                                  from_megatron({k: v.float() for k, v in bf16.items()}, CFG)["layers"]["attn"]
-                                  ["qkv_kernel"])
+    np.testing.assert_array_equal(
+        back["layers"]["attn"]["qkv_kernel"],
+        from_megatron({k: v.float() for k, v in bf16.items()}, CFG)["layers"]["attn"]["qkv_kernel"],
+    )
     torch.manual_seed(0)
     model = megatron(CFG, V).float()
     with torch.no_grad():

@@ -20,10 +20,23 @@ MAX_LINES = 600
 
 # Layer of each part: a module may import its own layer or lower ones only (cycles within a layer are checked
 # separately). The kernels sit below everything and import nothing of ptd_jax.
-LAYERS = [("pallas_kernels", 0), ("ptd_jax.config", 1), ("ptd_jax.analysis", 1), ("ptd_jax.data", 2),
-          ("ptd_jax.runtime", 2), ("ptd_jax.model", 3), ("ptd_jax.optimizer", 3), ("ptd_jax.loss_scale", 3),
-          ("ptd_jax.interop", 3), ("ptd_jax.parallel", 4), ("ptd_jax.inference", 5), ("ptd_jax.train", 5),
-          ("ptd_jax.perf", 6), ("ptd_jax.aot", 6), ("ptd_jax.cli", 7)]
+LAYERS = [
+    ("pallas_kernels", 0),
+    ("ptd_jax.config", 1),
+    ("ptd_jax.analysis", 1),
+    ("ptd_jax.data", 2),
+    ("ptd_jax.runtime", 2),
+    ("ptd_jax.model", 3),
+    ("ptd_jax.optimizer", 3),
+    ("ptd_jax.loss_scale", 3),
+    ("ptd_jax.interop", 3),
+    ("ptd_jax.parallel", 4),
+    ("ptd_jax.inference", 5),
+    ("ptd_jax.train", 5),
+    ("ptd_jax.perf", 6),
+    ("ptd_jax.aot", 6),
+    ("ptd_jax.cli", 7),
+]
 
 
 def module_files(roots=PACKAGES) -> dict[str, Path]:
@@ -87,7 +100,7 @@ def test_no_import_cycles():
         state[node] = 1
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt] if nxt in stack else [node, nxt]
                 pytest.fail(f"import cycle: {' -> '.join(cycle)}")
             if nxt not in state:
                 visit(nxt, stack + [nxt])
@@ -100,8 +113,11 @@ def test_no_import_cycles():
 
 def test_the_library_does_not_import_the_experiments():
     _, records = graph(ALL_ROOTS)
-    found = [f"{m}:{line} imports {t}" for m, t, _, line in records
-             if m.split(".")[0] in PACKAGES and t.split(".")[0] == "experiments"]
+    found = [
+        f"{m}:{line} imports {t}"
+        for m, t, _, line in records
+        if m.split(".")[0] in PACKAGES and t.split(".")[0] == "experiments"
+    ]
     assert found == []
 
 
@@ -114,8 +130,10 @@ def test_experiment_rooms_share_only_common():
         if len(parts) < 3:  # experiments.common, experiments itself
             continue
         target = f"{t}.{n}" if n else t
-        if target != "experiments.common" and target.split(".")[:2] not in (["experiments", parts[1]],
-                                                                           ["experiments", "common"]):
+        if target != "experiments.common" and target.split(".")[:2] not in (
+            ["experiments", parts[1]],
+            ["experiments", "common"],
+        ):
             crossing.append(f"{m}:{line} imports {target}")
     assert crossing == []
 
@@ -156,7 +174,8 @@ def test_the_tests_import_no_private_names_of_the_packages():
     for path in sorted((ROOT / "tests").rglob("*.py")):
         for target, name, line in imports(path, "tests", mods):
             if target.split(".")[0] in PACKAGES and (
-                    any(p.startswith("_") for p in target.split(".")) or (name or "").startswith("_")):
+                any(p.startswith("_") for p in target.split(".")) or (name or "").startswith("_")
+            ):
                 found.append(f"{path.relative_to(ROOT)}:{line} imports {target}.{name}")
     assert found == []
 
@@ -187,15 +206,21 @@ def test_no_module_names_a_schedule():
 
 def test_the_pipeline_package_imports_no_private_name_of_a_sibling():
     _, records = graph()
-    found = [f"{m}:{line} imports {t}.{n}" for m, t, n, line in records
-             if m.startswith("ptd_jax.parallel.pipeline") and t.startswith("ptd_jax.parallel.pipeline")
-             and (n or "").startswith("_")]
+    found = [
+        f"{m}:{line} imports {t}.{n}"
+        for m, t, n, line in records
+        if m.startswith("ptd_jax.parallel.pipeline")
+        and t.startswith("ptd_jax.parallel.pipeline")
+        and (n or "").startswith("_")
+    ]
     assert found == []
 
 
 def test_schedules_are_pure_python():
-    code = ("import sys; import ptd_jax.parallel.pipeline, ptd_jax.cli.schedule, ptd_jax.data, "
-            "ptd_jax.train.flops; "
-            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    code = (
+        "import sys; import ptd_jax.parallel.pipeline, ptd_jax.cli.schedule, ptd_jax.data, "
+        "ptd_jax.perf.flops; "
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"

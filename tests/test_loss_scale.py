@@ -74,8 +74,9 @@ def run_reference(corpus, model_cfg, train_cfg, n, poison_steps=()):
         before = jax.tree.map(np.asarray, state["params"])
         state, metrics = step(state, *batch, jax.random.key(1))
         trace.append({k: float(v) for k, v in metrics.items()})
-        trace[-1]["unchanged"] = all(np.array_equal(a, np.asarray(b)) for a, b in
-                                     zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])))
+        trace[-1]["unchanged"] = all(
+            np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"]))
+        )
     return trace
 
 
@@ -100,12 +101,18 @@ def test_float32_guard_skips_the_poisoned_step_like_the_reference(small_corpus, 
     reference; the loss traces around it agree."""
     ref = run_reference(small_corpus, TINY, TRAIN, 4, poison_steps=(1,))
     assert [r["skipped"] for r in ref] == [0, 1, 0, 0] and [r["unchanged"] for r in ref] == [False, True, False, False]
-    parallel = ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                              micro_batch_size=2, global_batch_size=8)
+    parallel = ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        micro_batch_size=2,
+        global_batch_size=8,
+    )
     par = run_parallel(small_corpus, TINY, TRAIN, parallel, 4, poison_steps=(1,))
     assert [r["skipped"] for r in par] == [0, 1, 0, 0]
-    np.testing.assert_allclose([r["lm_loss"] for r in par if r["skipped"] == 0],
-                               [r["lm_loss"] for r in ref if r["skipped"] == 0], rtol=1e-5)
+    np.testing.assert_allclose(
+        [r["lm_loss"] for r in par if r["skipped"] == 0], [r["lm_loss"] for r in ref if r["skipped"] == 0], rtol=1e-5
+    )
 
 
 def test_fp16_injected_inf_skips_one_update_and_lowers_the_scale(small_corpus):
@@ -125,10 +132,16 @@ def test_fp16_injected_inf_skips_one_update_and_lowers_the_scale(small_corpus):
 def test_fp16_parallel_step_scales_skips_and_losses_as_the_reference(small_corpus):
     cfg = TRAIN.replace(initial_loss_scale=1024.0, hysteresis=2)
     ref = run_reference(small_corpus, FP16, cfg, 6, poison_steps=(2, 3))
-    par = run_parallel(small_corpus, FP16, cfg, ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2,
-                                                                micro_batch_size=2, global_batch_size=8), 6,
-                       poison_steps=(2, 3))
+    par = run_parallel(
+        small_corpus,
+        FP16,
+        cfg,
+        ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2, micro_batch_size=2, global_batch_size=8),
+        6,
+        poison_steps=(2, 3),
+    )
     assert [r["loss_scale"] for r in par] == [r["loss_scale"] for r in ref]
     assert [r["skipped"] for r in par] == [r["skipped"] for r in ref]
-    np.testing.assert_allclose([r["lm_loss"] for r in par if not r["skipped"]],
-                               [r["lm_loss"] for r in ref if not r["skipped"]], rtol=2e-3)
+    np.testing.assert_allclose(
+        [r["lm_loss"] for r in par if not r["skipped"]], [r["lm_loss"] for r in ref if not r["skipped"]], rtol=2e-3
+    )

@@ -30,10 +30,18 @@ def test_param_shapes(params):
     L, D, H, K, F, Vp, S = 2, 32, 4, 8, 128, 384, 16
     shapes = jax.tree.map(lambda x: x.shape, params)
     assert shapes["embed"] == {"word": (Vp, D), "position": (S, D)}
-    assert shapes["layers"]["attn"] == {"qkv_kernel": (L, D, 3, H, K), "qkv_bias": (L, 3, H, K),
-                                        "out_kernel": (L, H, K, D), "out_bias": (L, D)}
-    assert shapes["layers"]["mlp"] == {"fc1_kernel": (L, D, F), "fc1_bias": (L, F),
-                                       "fc2_kernel": (L, F, D), "fc2_bias": (L, D)}
+    assert shapes["layers"]["attn"] == {
+        "qkv_kernel": (L, D, 3, H, K),
+        "qkv_bias": (L, 3, H, K),
+        "out_kernel": (L, H, K, D),
+        "out_bias": (L, D),
+    }
+    assert shapes["layers"]["mlp"] == {
+        "fc1_kernel": (L, D, F),
+        "fc1_bias": (L, F),
+        "fc2_kernel": (L, F, D),
+        "fc2_bias": (L, D),
+    }
     assert shapes["layers"]["ln1"] == shapes["layers"]["ln2"] == {"scale": (L, D), "bias": (L, D)}
     assert shapes["final_ln"] == {"scale": (D,), "bias": (D,)}
     assert "output" not in params  # the output layer is tied to embed/word
@@ -87,8 +95,9 @@ def test_layer_init_does_not_depend_on_depth():
     (up to the output-projection scale, which depends on depth by design)."""
     p2 = init(jax.random.key(5), CFG)
     p4 = init(jax.random.key(5), CFG.replace(num_layers=4))
-    np.testing.assert_array_equal(np.asarray(p2["layers"]["attn"]["qkv_kernel"]),
-                                  np.asarray(p4["layers"]["attn"]["qkv_kernel"][:2]))
+    np.testing.assert_array_equal(
+        np.asarray(p2["layers"]["attn"]["qkv_kernel"]), np.asarray(p4["layers"]["attn"]["qkv_kernel"][:2])
+    )
 
 
 def test_padded_vocabulary_never_counts(params):
@@ -103,8 +112,11 @@ def test_padded_vocabulary_never_counts(params):
 def test_loss_matches_naive_cross_entropy(params):
     x, y = tokens((2, 16)), tokens((2, 16), seed=2)
     logits = np.asarray(forward(params, x, CFG), np.float64)[..., :257]
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     expected = -np.take_along_axis(logp, np.asarray(y)[..., None], -1).sum()
     got = loss_sum(params, x, y, jnp.ones_like(x), CFG)
     np.testing.assert_allclose(float(got), expected, rtol=1e-5)
@@ -140,9 +152,14 @@ def test_layer_keeps_matmul_outputs_and_recomputes_the_elementwise_work():
 
         def plain(p, x, k):
             return gpt.transformer_layer(p, x, cfg, k)
+
         B, S, D, H, K, F = 2, 16, 32, 4, 8, 128
-        kept = {r: _layer_residuals(gpt.remat_layer(lambda p, x, k, r=r: gpt.transformer_layer(p, x, cfg, k, r), r),
-                                    p, x, key) for r in ("none", "selective", "full")}
+        kept = {
+            r: _layer_residuals(
+                gpt.remat_layer(lambda p, x, k, r=r: gpt.transformer_layer(p, x, cfg, k, r), r), p, x, key
+            )
+            for r in ("none", "selective", "full")
+        }
         matmuls = [(B, S, 3, H, K), (B, H, S, S), (B, S, H, K), (B, S, D), (B, S, F)]  # qkv, scores, context, out, fc1
         assert kept["none"] == sorted([(B, S, D), *matmuls, (B, H, S, S), (B, S, D), (B, S, D)])  # + 3 masks
         assert kept["selective"] == sorted([(B, S, D), (B, S, 3, H, K), (B, S, H, K), (B, S, D), (B, S, F), (3,)])

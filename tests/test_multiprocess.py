@@ -24,10 +24,35 @@ from ptd_jax.parallel.sharding import BATCH_SPEC
 from ptd_jax.train import checkpoint
 from tests.conftest import signal_after_logged
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--no-progress", "--eval-iters", "0", "--log-interval", "1", "--lr-warmup-iters", "1", "--peak-tflops", "1"]
-LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
-             "--global-batch-size", "8"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--no-progress",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--lr-warmup-iters",
+    "1",
+    "--peak-tflops",
+    "1",
+]
+LAYOUT_3D = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+]
 TRAIN = [sys.executable, "-m", "ptd_jax.cli.train"]
 LAUNCH = [sys.executable, "-m", "ptd_jax.cli.launch"]
 
@@ -39,6 +64,7 @@ def _env(**extra):
 
 
 # --- who joins how -----------------------------------------------------------------------------------------------
+
 
 def test_flags_then_ptd_launch_then_slurm_and_open_mpi_decide_the_process_group():
     assert multiprocess.resolve(environ={}) is None
@@ -53,16 +79,26 @@ def test_flags_then_ptd_launch_then_slurm_and_open_mpi_decide_the_process_group(
     assert multiprocess.resolve(environ={"OMPI_COMM_WORLD_SIZE": "2"}).source == "Open MPI"
 
 
-@pytest.mark.parametrize("args, environ, message", [
-    (("h:1", 2, 2), {}, "process_id=2 must be in [0, num_processes=2)"),
-    (("h:1", 0, 0), {}, "num_processes=0 must be positive"),
-    (("nohost", 2, 0), {}, "coordinator_address='nohost' must be host:port"),
-    ((None, 2, None), {}, "a multi-process run needs all three (missing --coordinator-address --process-id)"),
-    ((), {"PTD_COORDINATOR_ADDRESS": "h:1", "PTD_NUM_PROCESSES": "2", "PTD_PROCESS_ID": "-1"},
-     "PTD_PROCESS_ID=-1 must be in [0, PTD_NUM_PROCESSES=2)"),
-    ((), {"PTD_NUM_PROCESSES": "2", "PTD_PROCESS_ID": "0"}, "PTD_NUM_PROCESSES=2 is set but PTD_COORDINATOR_ADDRESS"),
-    ((), {"PTD_NUM_PROCESSES": "two", "PTD_PROCESS_ID": "0"}, "PTD_NUM_PROCESSES='two' is not an integer"),
-])
+@pytest.mark.parametrize(
+    "args, environ, message",
+    [
+        (("h:1", 2, 2), {}, "process_id=2 must be in [0, num_processes=2)"),
+        (("h:1", 0, 0), {}, "num_processes=0 must be positive"),
+        (("nohost", 2, 0), {}, "coordinator_address='nohost' must be host:port"),
+        ((None, 2, None), {}, "a multi-process run needs all three (missing --coordinator-address --process-id)"),
+        (
+            (),
+            {"PTD_COORDINATOR_ADDRESS": "h:1", "PTD_NUM_PROCESSES": "2", "PTD_PROCESS_ID": "-1"},
+            "PTD_PROCESS_ID=-1 must be in [0, PTD_NUM_PROCESSES=2)",
+        ),
+        (
+            (),
+            {"PTD_NUM_PROCESSES": "2", "PTD_PROCESS_ID": "0"},
+            "PTD_NUM_PROCESSES=2 is set but PTD_COORDINATOR_ADDRESS",
+        ),
+        ((), {"PTD_NUM_PROCESSES": "two", "PTD_PROCESS_ID": "0"}, "PTD_NUM_PROCESSES='two' is not an integer"),
+    ],
+)
 def test_an_impossible_process_group_is_one_line_naming_the_values(args, environ, message):
     with pytest.raises(ConfigError, match=None) as err:
         multiprocess.resolve(*args, environ=environ)
@@ -70,6 +106,7 @@ def test_an_impossible_process_group_is_one_line_naming_the_values(args, environ
 
 
 # --- each process's share of the data ----------------------------------------------------------------------------
+
 
 def test_each_data_rank_reads_only_its_rows_and_together_they_make_the_global_batch(small_corpus):
     """d = 4, b = 2, m = 2: the rows of ranks {0, 1} and {2, 3} (two processes) are disjoint, cover the batch, and
@@ -84,14 +121,19 @@ def test_each_data_rank_reads_only_its_rows_and_together_they_make_the_global_ba
     for ranks, r in zip(halves, rows):
         part = microbatches(data.train_samples(first, 16, r), parallel, len(ranks))
         for got, want in zip(part, whole):
-            np.testing.assert_array_equal(got, want[:, ranks[0] * 2:(ranks[-1] + 1) * 2])
+            np.testing.assert_array_equal(got, want[:, ranks[0] * 2 : (ranks[-1] + 1) * 2])
         valid = next(data.valid_batches(r))
         np.testing.assert_array_equal(valid.tokens, next(data.valid_batches()).tokens[r])
 
 
 def test_the_global_batch_is_assembled_from_each_data_ranks_rows():
-    parallel = ParallelConfig(data_parallel_size=2, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
-                              micro_batch_size=2, global_batch_size=8)
+    parallel = ParallelConfig(
+        data_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        tensor_model_parallel_size=2,
+        micro_batch_size=2,
+        global_batch_size=8,
+    )
     mesh = make_mesh(parallel)
     assert multiprocess.local_data_ranks(mesh) == (0, 1)  # one process holds both
     whole = np.arange(2 * 4 * 3, dtype=np.int32).reshape(2, 4, 3)  # [M, d·b, S]
@@ -100,7 +142,7 @@ def test_the_global_batch_is_assembled_from_each_data_ranks_rows():
     for shard in array.addressable_shards:  # data rank r's devices hold its rows r·b ... + b
         rank = int(np.argwhere(mesh.devices == shard.device)[0][0])
         assert shard.index[1] == slice(rank * 2, rank * 2 + 2)
-        np.testing.assert_array_equal(np.asarray(shard.data), whole[:, rank * 2:(rank + 1) * 2])
+        np.testing.assert_array_equal(np.asarray(shard.data), whole[:, rank * 2 : (rank + 1) * 2])
 
 
 @pytest.mark.slow
@@ -116,19 +158,22 @@ def test_a_save_converted_on_the_devices_is_the_host_paths_checkpoint(tmp_path):
     optimizer = make_optimizer(TrainConfig())
     source = layout(2, 2, 2, 1)
     state, mesh = random_state(source, optimizer)
-    meta = checkpoint.run_meta(MODEL, source, TrainConfig(), consumed_samples=0, rng_key=jax.random.key(0),
-                               data_config={})
+    meta = checkpoint.run_meta(
+        MODEL, source, TrainConfig(), consumed_samples=0, rng_key=jax.random.key(0), data_config={}
+    )
     for name, on_devices in (("host", False), ("devices", True)):
-        with checkpoint.Checkpointer(tmp_path / name, optimizer=optimizer, model_cfg=MODEL, parallel=source,
-                                     mesh=mesh, on_devices=on_devices) as saver:
+        with checkpoint.Checkpointer(
+            tmp_path / name, optimizer=optimizer, model_cfg=MODEL, parallel=source, mesh=mesh, on_devices=on_devices
+        ) as saver:
             saver.save(1, state, meta)
     host, devices = (checkpoint.read_params(tmp_path / name)[1] for name in ("host", "devices"))
     jax.tree.map(np.testing.assert_array_equal, host, devices)
     dest = layout(1, 4, 2, 2)
     dest_mesh = make_mesh(dest)
     like = init_sharded_state(jax.random.key(9), MODEL, optimizer, dest_mesh, dest)
-    restored = checkpoint.restore(tmp_path / "devices", 1, like, optimizer=optimizer, model_cfg=MODEL, parallel=dest,
-                                  mesh=dest_mesh)
+    restored = checkpoint.restore(
+        tmp_path / "devices", 1, like, optimizer=optimizer, model_cfg=MODEL, parallel=dest, mesh=dest_mesh
+    )
     want = sharding.to_canonical(optimizer, state, MODEL.vocab_size, True)
     have = sharding.to_canonical(optimizer, restored, MODEL.vocab_size, True)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), want, have)
@@ -136,12 +181,16 @@ def test_a_save_converted_on_the_devices_is_the_host_paths_checkpoint(tmp_path):
 
 # --- ptd-launch ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nproc", "2"], "ptd-launch: error: no command given"),
-    (["--nproc", "0", "--", "true"], "argument --nproc: 0 is not a positive integer"),
-    (["--nproc", "2", "--"], "no command given after --"),
-    (["--nproc", "1", "--", "/no/such/program"], "ptd-launch: error: cannot start '/no/such/program'"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "2"], "ptd-launch: error: no command given"),
+        (["--nproc", "0", "--", "true"], "argument --nproc: 0 is not a positive integer"),
+        (["--nproc", "2", "--"], "no command given after --"),
+        (["--nproc", "1", "--", "/no/such/program"], "ptd-launch: error: cannot start '/no/such/program'"),
+    ],
+)
 def test_ptd_launch_bad_input_is_one_line_and_exit_2(argv, message):
     out = subprocess.run([*LAUNCH, *argv], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
@@ -150,19 +199,26 @@ def test_ptd_launch_bad_input_is_one_line_and_exit_2(argv, message):
 def test_ptd_launch_stops_the_others_and_exits_with_the_failed_childs_code(tmp_path):
     """Child 1 exits 3 at once; child 0 would sleep for a minute: it is stopped, and the launcher's code is 3,
     with one line naming process 1. Each child sees its place in the environment."""
-    script = ("import os, sys, time\n"
-              "rank = os.environ['PTD_PROCESS_ID']\n"
-              f"open(os.path.join({str(tmp_path)!r}, rank), 'w').write(os.environ['PTD_NUM_PROCESSES'] + ' ' + "
-              "os.environ['PTD_COORDINATOR_ADDRESS'] + ' ' + str(os.getpid()))\n"
-              "if rank == '1':\n    time.sleep(0.5); sys.exit(3)\n"
-              "time.sleep(60)\n")
+    script = (
+        "import os, sys, time\n"
+        "rank = os.environ['PTD_PROCESS_ID']\n"
+        f"open(os.path.join({str(tmp_path)!r}, rank), 'w').write(os.environ['PTD_NUM_PROCESSES'] + ' ' + "
+        "os.environ['PTD_COORDINATOR_ADDRESS'] + ' ' + str(os.getpid()))\n"
+        "if rank == '1':\n    time.sleep(0.5); sys.exit(3)\n"
+        "time.sleep(60)\n"
+    )
     start = time.monotonic()
-    out = subprocess.run([*LAUNCH, "--nproc", "2", "--grace-period", "2", "--", sys.executable, "-c", script],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*LAUNCH, "--nproc", "2", "--grace-period", "2", "--", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 3 and time.monotonic() - start < 20, out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
-    assert "ptd-launch: error: process 1 (pid " in out.stderr and "exited with code 3; stopping the other 1" in \
-        out.stderr
+    assert (
+        "ptd-launch: error: process 1 (pid " in out.stderr and "exited with code 3; stopping the other 1" in out.stderr
+    )
     seen = [(tmp_path / r).read_text().split() for r in ("0", "1")]
     assert seen[0][:2] == seen[1][:2] and seen[0][0] == "2" and seen[0][1].startswith("127.0.0.1:")
     with pytest.raises(ProcessLookupError):  # child 0 is gone
@@ -170,6 +226,7 @@ def test_ptd_launch_stops_the_others_and_exits_with_the_failed_childs_code(tmp_p
 
 
 # --- runs of several processes ------------------------------------------------------------------------------------
+
 
 def _losses(path, kind="train"):
     key = "lm_loss" if kind == "train" else "valid_lm_loss"
@@ -191,18 +248,51 @@ def test_a_killed_process_ends_the_other_within_60_s_and_the_run_resumes(small_c
     1 ends by the collective's error or by XLA's abort on the lost service (its own lines); then a one-process run
     resumes from the newest checkpoint."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    common = [*TINY, "--data-path", small_corpus, "--micro-batch-size", "4", "--global-batch-size", "8",
-              "--save", str(ckpt), "--load", str(ckpt)]
+    common = [
+        *TINY,
+        "--data-path",
+        small_corpus,
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--save",
+        str(ckpt),
+        "--load",
+        str(ckpt),
+    ]
     address = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([*TRAIN, *common, "--fake-devices", "1", "--train-iters", "100000", "--save-interval",
-                               "2", "--heartbeat-timeout", "10", "--metrics-file", str(metrics)],
-                              env=_env(PTD_COORDINATOR_ADDRESS=address, PTD_NUM_PROCESSES="2", PTD_PROCESS_ID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                *TRAIN,
+                *common,
+                "--fake-devices",
+                "1",
+                "--train-iters",
+                "100000",
+                "--save-interval",
+                "2",
+                "--heartbeat-timeout",
+                "10",
+                "--metrics-file",
+                str(metrics),
+            ],
+            env=_env(PTD_COORDINATOR_ADDRESS=address, PTD_NUM_PROCESSES="2", PTD_PROCESS_ID=str(i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     survivor = procs[1 - victim]
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not (
-                checkpoint.all_steps(ckpt) if victim == 0 else metrics.exists() and metrics.read_text()):
+        while (
+            time.monotonic() < deadline
+            and all(p.poll() is None for p in procs)
+            and not (checkpoint.all_steps(ckpt) if victim == 0 else metrics.exists() and metrics.read_text())
+        ):
             time.sleep(0.1)
         assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
         procs[victim].send_signal(signal.SIGKILL)
@@ -232,11 +322,36 @@ def test_ctrl_c_to_ptd_launch_stops_every_process_after_the_same_step(small_corp
     """SIGINT to the launcher reaches each process once; they agree on a step (JAX's preemption sync point), save
     it and both stop there with exit 130 (each says so, naming the same iteration); the launcher exits 130."""
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", *TRAIN, *TINY, "--data-path", small_corpus,
-                             "--micro-batch-size", "4", "--global-batch-size", "8", "--fake-devices", "1",
-                             "--train-iters", "100000", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000",
-                             "--metrics-file", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        [
+            *LAUNCH,
+            "--nproc",
+            "2",
+            "--",
+            *TRAIN,
+            *TINY,
+            "--data-path",
+            small_corpus,
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "8",
+            "--fake-devices",
+            "1",
+            "--train-iters",
+            "100000",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--save-interval",
+            "1000",
+            "--metrics-file",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     out, err = signal_after_logged(proc, metrics, 2, signal.SIGINT)
     assert proc.returncode == 130, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("ptd-train: interrupted (Ctrl-C) after iteration ")]
@@ -253,18 +368,32 @@ def _free_port():
 
 
 @pytest.mark.slow
-def test_two_processes_give_one_processs_loss_trace_and_checkpoints_load_across_process_counts(small_corpus,
-                                                                                                  tmp_path):
+def test_two_processes_give_one_processs_loss_trace_and_checkpoints_load_across_process_counts(small_corpus, tmp_path):
     """(d, p, t) = (2, 2, 2): `ptd-launch --nproc 2` with 4 devices each == one process with 8 (loss trace, rtol
     1e-5, and the saved parameters). A step written by 2 processes resumes in 1 and one written by 1 in 2, each
     continuing the trace of the uninterrupted run (the second under uniform branching, the others per-rank); the
     metrics file is process 0's alone."""
-    common = [*TINY, *LAYOUT_3D, "--data-path", small_corpus, "--train-iters", "4", "--save-interval", "2",
-              "--eval-iters", "1", "--eval-interval", "2", "--split", "80,20,0"]
+    common = [
+        *TINY,
+        *LAYOUT_3D,
+        "--data-path",
+        small_corpus,
+        "--train-iters",
+        "4",
+        "--save-interval",
+        "2",
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "2",
+        "--split",
+        "80,20,0",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     _run([*common, "--fake-devices", "8", "--save", str(one), "--metrics-file", str(tmp_path / "one.jsonl")])
-    out = _run([*common, "--fake-devices", "4", "--save", str(two), "--metrics-file", str(tmp_path / "two.jsonl")],
-               nproc=2)
+    out = _run(
+        [*common, "--fake-devices", "4", "--save", str(two), "--metrics-file", str(tmp_path / "two.jsonl")], nproc=2
+    )
     assert out.stdout.count("\n") == 1 and json.loads(out.stdout)["num_devices"] == 8  # process 0 prints, alone
     trace = _losses(tmp_path / "one.jsonl")
     assert len(trace) == 4
@@ -283,8 +412,22 @@ def test_two_processes_give_one_processs_loss_trace_and_checkpoints_load_across_
         for step in checkpoint.all_steps(resumed)[1:]:  # keep step 2 only
             shutil.rmtree(resumed / str(step))
         metrics = tmp_path / f"{name}.jsonl"
-        out = _run([*common, "--fake-devices", devices, "--save", str(resumed), "--load", str(resumed),
-                    "--metrics-file", str(metrics), "--pipeline-branching", branching], nproc=nproc)
+        out = _run(
+            [
+                *common,
+                "--fake-devices",
+                devices,
+                "--save",
+                str(resumed),
+                "--load",
+                str(resumed),
+                "--metrics-file",
+                str(metrics),
+                "--pipeline-branching",
+                branching,
+            ],
+            nproc=nproc,
+        )
         np.testing.assert_allclose(_losses(metrics)[-2:], trace[2:], rtol=1e-5)
 
 
@@ -309,11 +452,36 @@ def test_a_bubble_measurement_failing_in_one_process_is_skipped_by_all(small_cor
     (`bubble.after_first_step`): both skip the measurement and training finishes, where process 0 alone going on to
     run the 2m step would leave their collectives unpaired, a hang with live heartbeats."""
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", sys.executable, "-c", FAIL_BUBBLE_IN_PROCESS_1, *TINY,
-                             "--data-path", small_corpus, "--pipeline-model-parallel-size", "2", "--micro-batch-size",
-                             "4", "--global-batch-size", "8", "--fake-devices", "1", "--train-iters", "3",
-                             "--metrics-file", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        [
+            *LAUNCH,
+            "--nproc",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            FAIL_BUBBLE_IN_PROCESS_1,
+            *TINY,
+            "--data-path",
+            small_corpus,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "8",
+            "--fake-devices",
+            "1",
+            "--train-iters",
+            "3",
+            "--metrics-file",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     try:
         out, err = proc.communicate(timeout=300)
     finally:

@@ -19,13 +19,20 @@ def execute(path: Path, tmp_path: Path, monkeypatch):
     pytest.importorskip("ipykernel")
     spec = tmp_path / "jupyter" / "kernels" / "ptd_jax_test"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "ptd_jax test", "language": "python"}))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "ptd_jax test",
+                "language": "python",
+            }
+        )
+    )
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     nb = nbformat.read(str(path), as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="ptd_jax_test", timeout=300,
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, kernel_name="ptd_jax_test", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
     return nb
 
@@ -42,8 +49,7 @@ def outputs(nb, kind):
 def test_quickstart_notebook_runs_and_shows_what_it_promises(tmp_path, monkeypatch):
     nb = execute(NOTEBOOK, tmp_path, monkeypatch)
     text = "".join(outputs(nb, "text"))
-    (result,) = [json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
-                 if line.startswith("NOTEBOOK_RESULT ")]
+    (result,) = [json.loads(line.split(" ", 1)[1]) for line in text.splitlines() if line.startswith("NOTEBOOK_RESULT ")]
     assert result["python"] == sys.executable and result["devices"] == 4
     assert "tick kind" in text and "mesh axes {'data': 1, 'pipe': 2, 'tensor': 2}" in text
     assert len(result["logged_losses"]) == 10

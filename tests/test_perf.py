@@ -14,8 +14,13 @@ from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, model_prese
 from ptd_jax.cli import plan as cli
 from ptd_jax.perf import HARDWARE, predict
 from ptd_jax.perf.hardware import ring_allreduce_seconds
-from ptd_jax.perf.memory import (activation_bytes_per_layer, memory_per_gpu, stash_slots, stashed_layers,
-                                 tap_bytes_per_layer)
+from ptd_jax.perf.memory import (
+    activation_bytes_per_layer,
+    memory_per_gpu,
+    stash_slots,
+    stashed_layers,
+    tap_bytes_per_layer,
+)
 from ptd_jax.perf.search import make_parallel, search
 from ptd_jax.perf.timing import data_parallel_seconds, tensor_allreduce_seconds
 
@@ -43,8 +48,12 @@ def test_split_schedules_bubble_is_their_simulated_table(schedule, v):
     import dataclasses
 
     cfg = model_preset("paper-1.7b")
-    parallel = dataclasses.replace(make_parallel(cfg, 4, 1, 4, 1, 8, None), pipeline_schedule=schedule,
-                                   virtual_pipeline_stages=v, pipeline_branching="per-rank")
+    parallel = dataclasses.replace(
+        make_parallel(cfg, 4, 1, 4, 1, 8, None),
+        pipeline_schedule=schedule,
+        virtual_pipeline_stages=v,
+        pipeline_branching="per-rank",
+    )
     pred = predict(cfg, parallel, A100, "none")
     assert pred.bubble_fraction == pytest.approx({"1f1b": 0.25, "zb-h1": 0.125, "zb-v": 0.0625}[schedule])
     assert pred.terms["bubble"] == pytest.approx(pred.bubble_fraction * 8 * pred.details["microbatch_slot_s"])
@@ -97,8 +106,7 @@ def test_recompute_costs_the_same_gemms_at_t4_and_t8_and_differs_by_what_t_repea
     t4, t8 = (predict(cfg, make_parallel(cfg, 1024, t, 16, 1, 1536, 1), A100) for t in (4, 8))
     for pred in (t4, t8):
         assert pred.terms["recompute"] == pytest.approx(sum(pred.details["recompute_split_s"].values()), rel=1e-12)
-    assert t8.details["recompute_split_s"]["gemm"] == pytest.approx(t4.details["recompute_split_s"]["gemm"],
-                                                                    rel=1e-9)
+    assert t8.details["recompute_split_s"]["gemm"] == pytest.approx(t4.details["recompute_split_s"]["gemm"], rel=1e-9)
     assert t8.details["recompute_split_s"]["elementwise"] > t4.details["recompute_split_s"]["elementwise"]
     assert t8.details["recompute_split_s"]["tensor_comm"] > 2 * t4.details["recompute_split_s"]["tensor_comm"]
 
@@ -115,7 +123,7 @@ def test_collectives_follow_nccls_ring_model_on_dgx_a100():
 
 def test_parameters_per_gpu_add_up_to_eq2():
     """t·p GPUs of one replica hold eq. (2)'s parameters once, plus the last stage's copy of the embedding."""
-    from ptd_jax.train.flops import num_params
+    from ptd_jax.perf.flops import num_params
 
     cfg = model_preset("paper-1.7b")
     one = memory_per_gpu(cfg, make_parallel(cfg, 1, 1, 1, 1, 8))
@@ -137,8 +145,7 @@ def test_activation_formula_by_hand():
     sp = make_parallel(cfg, 8, 8, 1, 1, 8, sequence_parallel=True)
     assert activation_bytes_per_layer(cfg, sp, "none") == pytest.approx(63_307_776)
     assert activation_bytes_per_layer(flash, sp, "none") == pytest.approx(14_155_776)
-    assert activation_bytes_per_layer(cfg, make_parallel(cfg, 2, 2, 1, 1, 8), "selective") == pytest.approx(
-        80_216_064)
+    assert activation_bytes_per_layer(cfg, make_parallel(cfg, 2, 2, 1, 1, 8), "selective") == pytest.approx(80_216_064)
     assert activation_bytes_per_layer(cfg, serial, "full") == pytest.approx(9_437_184)
 
 
@@ -168,11 +175,16 @@ def test_stash_slots_are_the_tables(schedule):
     from ptd_jax.parallel.pipeline import build
 
     for p in (1, 2, 3, 4, 6):
-        for v in ((2, 3, 4) if schedule == "interleaved" and p > 1 else (2,) if schedule == "zb-v" else (1,)):
+        for v in (2, 3, 4) if schedule == "interleaved" and p > 1 else (2,) if schedule == "zb-v" else (1,):
             for m in (1, 2, 3, 4, 6, 8, 9, 12, 16, 24):
-                layout = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": p, "micro_batch_size": 1,
-                          "global_batch_size": m, "virtual_pipeline_stages": v if p > 1 else 1,
-                          "pipeline_schedule": schedule if p > 1 else "1f1b"}
+                layout = {
+                    "tensor_model_parallel_size": 1,
+                    "pipeline_model_parallel_size": p,
+                    "micro_batch_size": 1,
+                    "global_batch_size": m,
+                    "virtual_pipeline_stages": v if p > 1 else 1,
+                    "pipeline_schedule": schedule if p > 1 else "1f1b",
+                }
                 try:
                     parallel = ParallelConfig.for_devices(p, **layout)
                 except ConfigError:
@@ -182,9 +194,15 @@ def test_stash_slots_are_the_tables(schedule):
                     continue
                 slots = build(parallel.pipeline_schedule, p, v, m).slots
                 assert stash_slots(parallel) == {k: slots[k] for k in ("rec", "hold", "w")}, layout
-    grouped = ParallelConfig.for_devices(2, pipeline_model_parallel_size=2, virtual_pipeline_stages=2,
-                                         pipeline_schedule="interleaved", micro_batch_size=1, global_batch_size=12,
-                                         microbatch_group_size=4)
+    grouped = ParallelConfig.for_devices(
+        2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_stages=2,
+        pipeline_schedule="interleaved",
+        micro_batch_size=1,
+        global_batch_size=12,
+        microbatch_group_size=4,
+    )
     assert stash_slots(grouped)["rec"] == build("interleaved", 2, 2, 12, 4).slots["rec"] == 7
 
 
@@ -198,8 +216,12 @@ def test_ring_allreduce_and_tensor_parallelism_leaving_the_node():
 
 def test_search_excludes_what_does_not_fit_and_ranks_the_rest():
     result = search(GPT3, 1024, 1536, A100)
-    layout = lambda r: (r["tensor_model_parallel_size"], r["pipeline_model_parallel_size"], r["micro_batch_size"],  # noqa: E731
-                        r["num_layers_per_virtual_pipeline_stage"])
+    layout = lambda r: (
+        r["tensor_model_parallel_size"],
+        r["pipeline_model_parallel_size"],
+        r["micro_batch_size"],  # noqa: E731
+        r["num_layers_per_virtual_pipeline_stage"],
+    )
     assert (2, 1, 1, None) in {layout(r) for r in result["excluded"]}  # 175B × 18 bytes on two GPUs
     assert (2, 1, 1, None) not in {layout(r) for r in result["layouts"]}
     assert all(r["memory_gb_per_gpu"] * 2**30 <= A100.usable_memory_bytes for r in result["layouts"])
@@ -227,14 +249,17 @@ def test_175b_search_shows_the_papers_takeaways_as_numbers():
     assert across[0]["iteration_time_s"] > 2 * best["iteration_time_s"]  # the all-reduces on InfiniBand
 
 
-FIG13 = ModelConfig(num_layers=32, hidden_size=20480, num_attention_heads=128, seq_length=2048, vocab_size=51200,
-                    dtype="float16")
+FIG13 = ModelConfig(
+    num_layers=32, hidden_size=20480, num_attention_heads=128, seq_length=2048, vocab_size=51200, dtype="float16"
+)
 
 
 def _ranks_first(cfg, num_gpus, batch, hw, t) -> bool:
     layouts = search(cfg, num_gpus, batch, hw, sensitivity=False)["layouts"]
-    return min(r["iteration_time_s"] for r in layouts if r["tensor_model_parallel_size"] == t) \
+    return (
+        min(r["iteration_time_s"] for r in layouts if r["tensor_model_parallel_size"] == t)
         <= layouts[0]["iteration_time_s"]
+    )
 
 
 def test_break_even_of_t_is_exact_and_in_the_json(capsys):
@@ -262,8 +287,23 @@ def test_break_even_of_t_is_exact_and_in_the_json(capsys):
     nvlink = search(FIG13, 64, 128, A100)["sensitivity"]["break_even"]["nvlink_bus_bandwidth"]["crossings"][0]
     assert nvlink["direction"] == "<=" and 0.3 * 235e9 < nvlink["value"] < 235e9
 
-    argv = ["search", "--num-layers", "32", "--hidden-size", "20480", "--num-attention-heads", "128",
-            "--vocab-size", "51200", "--num-gpus", "64", "--global-batch-size", "128", "--fp16", "--json"]
+    argv = [
+        "search",
+        "--num-layers",
+        "32",
+        "--hidden-size",
+        "20480",
+        "--num-attention-heads",
+        "128",
+        "--vocab-size",
+        "51200",
+        "--num-gpus",
+        "64",
+        "--global-batch-size",
+        "128",
+        "--fp16",
+        "--json",
+    ]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     sens = out["sensitivity"]
@@ -273,7 +313,7 @@ def test_break_even_of_t_is_exact_and_in_the_json(capsys):
     assert all(r["layout"].endswith("k=-") for r in sens["rankings"]["plain_1f1b"])
     assert all(" b=1 " in r["layout"] for r in sens["rankings"]["micro_batch_size_1"])
     assert f"≤ {nvlink['value'] / 1e9:.1f} GB/s" in "\n".join(out["why"])
-    assert sens["lines"] == out["why"][-len(sens["lines"]):] and len(sens["lines"]) == len(knobs) + 2
+    assert sens["lines"] == out["why"][-len(sens["lines"]) :] and len(sens["lines"]) == len(knobs) + 2
     assert {"layouts", "excluded", "why"} <= set(out)  # the keys before the sensitivity analysis
 
 
@@ -299,12 +339,39 @@ def test_table1_within_15_percent_of_the_published_throughput():
     assert max(abs(e) for e in errors.values()) <= 0.15, errors
 
 
-PREDICT = ["predict", "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
-           "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
-           "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "1", "--global-batch-size", "1536",
-           "--num-gpus", "1024", "--hardware", "a100-80gb", "--json"]
-SEARCH_KEYS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "micro_batch_size",
-               "num_layers_per_virtual_pipeline_stage", "tflops_per_gpu", "memory_gb_per_gpu"}
+PREDICT = [
+    "predict",
+    "--num-layers",
+    "96",
+    "--hidden-size",
+    "12288",
+    "--num-attention-heads",
+    "96",
+    "--tensor-model-parallel-size",
+    "8",
+    "--pipeline-model-parallel-size",
+    "16",
+    "--num-layers-per-virtual-pipeline-stage",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1536",
+    "--num-gpus",
+    "1024",
+    "--hardware",
+    "a100-80gb",
+    "--json",
+]
+SEARCH_KEYS = {
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "data_parallel_size",
+    "micro_batch_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "tflops_per_gpu",
+    "memory_gb_per_gpu",
+}
 
 
 def test_cli_json_keys(capsys):
@@ -312,8 +379,12 @@ def test_cli_json_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"tflops_per_gpu", "iteration_time_s", "bubble_fraction", "memory_gb_per_gpu"} <= set(out)
     assert out["bubble_fraction"] == pytest.approx(15 / (3 * 192))  # v = 96/(16·2) = 3, m = 1536/8
-    assert cli.main(["search", "--num-gpus", "64", "--global-batch-size", "128", "--model-preset", "paper-18.4b",
-                     "--json"]) == 0
+    assert (
+        cli.main(
+            ["search", "--num-gpus", "64", "--global-batch-size", "128", "--model-preset", "paper-18.4b", "--json"]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)["layouts"]
     assert rows and all(set(r) >= SEARCH_KEYS for r in rows)
     assert [r["iteration_time_s"] for r in rows] == sorted(r["iteration_time_s"] for r in rows)
@@ -331,12 +402,28 @@ BAD = [  # (argv, a word the one error line must contain)
     (["predict", "--num-gpus", "0", "--global-batch-size", "8"], "--num-gpus: 0"),
     (["predict", "--num-gpus", "many", "--global-batch-size", "8"], "'many'"),
     (["predict", "--num-gpus", "8", "--global-batch-size", "8", "--hardware", "tpu"], "'tpu'"),
-    (["predict", "--num-gpus", "8", "--global-batch-size", "8", "--tensor-model-parallel-size", "3"],
-     "tensor_model_parallel_size=3"),
-    (["predict", "--num-gpus", "16", "--global-batch-size", "8", "--tensor-model-parallel-size", "16"],
-     "num_attention_heads=24"),
-    (["predict", "--num-gpus", "2", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
-      "--num-layers-per-virtual-pipeline-stage", "5"], "num_layers_per_virtual_pipeline_stage=5"),
+    (
+        ["predict", "--num-gpus", "8", "--global-batch-size", "8", "--tensor-model-parallel-size", "3"],
+        "tensor_model_parallel_size=3",
+    ),
+    (
+        ["predict", "--num-gpus", "16", "--global-batch-size", "8", "--tensor-model-parallel-size", "16"],
+        "num_attention_heads=24",
+    ),
+    (
+        [
+            "predict",
+            "--num-gpus",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "5",
+        ],
+        "num_layers_per_virtual_pipeline_stage=5",
+    ),
     (["predict", "--num-gpus", "8", "--global-batch-size", "12"], "global_batch_size=12"),
     (["predict", "--num-gpus", "8", "--global-batch-size", "8", "--hidden-size", "100"], "hidden_size=100"),
     (["search", "--num-gpus", "7", "--global-batch-size", "3"], "num_gpus=7"),
@@ -362,12 +449,14 @@ def test_bad_input_is_one_line_and_exit_2(argv, word, capsys):
 def test_the_planner_imports_no_jax():
     """Neither importing the planner nor running a search and a prediction imports JAX (which would start a backend:
     on a GPU host, CUDA and its memory pool)."""
-    code = ("import sys, contextlib, io, ptd_jax.cli.plan as c\n"
-            "flags = ['--model-preset', 'paper-1.7b', '--num-gpus', '8', '--global-batch-size', '64']\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    c.main(['search', *flags])\n"
-            "    c.main(['predict', *flags, '--micro-batch-size', '1', '--pipeline-model-parallel-size', '2'])\n"
-            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    code = (
+        "import sys, contextlib, io, ptd_jax.cli.plan as c\n"
+        "flags = ['--model-preset', 'paper-1.7b', '--num-gpus', '8', '--global-batch-size', '64']\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    c.main(['search', *flags])\n"
+        "    c.main(['predict', *flags, '--micro-batch-size', '1', '--pipeline-model-parallel-size', '2'])\n"
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -394,9 +483,12 @@ def test_break_even_reports_a_tie_at_the_preset_instead_of_a_crossing_next_to_it
     def rerun_with(slower_at_preset: float):
         def rerun(hw):  # t = 8 gets faster with the knob; t = 4 does not depend on it
             t8 = 1.0 + 2 * slower_at_preset * preset / knob.get(hw)  # ties t = 4 at twice the preset
-            rows = [{**layout, "tensor_model_parallel_size": 4, "iteration_time_s": 1.0 + slower_at_preset},
-                    {**layout, "tensor_model_parallel_size": 8, "iteration_time_s": t8}]
+            rows = [
+                {**layout, "tensor_model_parallel_size": 4, "iteration_time_s": 1.0 + slower_at_preset},
+                {**layout, "tensor_model_parallel_size": 8, "iteration_time_s": t8},
+            ]
             return {"layouts": sorted(rows, key=lambda r: r["iteration_time_s"])}
+
         return rerun
 
     tied = break_even(knob, rerun_with(0.0), A100, 8)
@@ -415,8 +507,11 @@ def test_the_run_check_counts_the_runs_dtypes():
 
     cfg, parallel = model_preset("1.3b"), make_parallel(model_preset("1.3b"), 1, 1, 1, 1, 1)
     planned = memory_per_gpu(cfg.replace(dtype="bfloat16"), parallel, "none")
-    for dtype, param_dtype, per_param, widths in (("bfloat16", "float32", 18, 1), ("float32", "float32", 16, 2),
-                                                  ("float64", "float64", 32, 4)):
+    for dtype, param_dtype, per_param, widths in (
+        ("bfloat16", "float32", 18, 1),
+        ("float32", "float32", 16, 2),
+        ("float64", "float64", 32, 4),
+    ):
         got = run_memory_bytes(cfg.replace(dtype=dtype, param_dtype=param_dtype), parallel, "none")
         assert got["state"] == pytest.approx(per_param * planned["params"])
         assert got["activations"] == pytest.approx(widths * planned["activations"])
@@ -424,5 +519,4 @@ def test_the_run_check_counts_the_runs_dtypes():
     shared = make_parallel(cfg, 8, 1, 1, 1, 8, use_distributed_optimizer=True)
     params = memory_per_gpu(cfg, shared, "none")["params"]
     for dtype, per_param in (("bfloat16", 6 + 12 / 8), ("float32", 8 + 12 / 8)):
-        assert run_memory_bytes(cfg.replace(dtype=dtype), shared, "none")["state"] == pytest.approx(
-            per_param * params)
+        assert run_memory_bytes(cfg.replace(dtype=dtype), shared, "none")["state"] == pytest.approx(per_param * params)

@@ -12,14 +12,16 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 README_MAX_LINES = 150
 ARCHITECTURE_MAX_WORDS = 4000
 INSTALL_AND_TRAIN = "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/ptd-train"
-INSTALL_AND_TEST = ("python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/ruff check && "
-                    ".venv/bin/python -m pytest -q")
+INSTALL_AND_TEST = (
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/ruff check && "
+    ".venv/bin/python -m pytest -q"
+)
 
 
 def readme_commands(text: str) -> list[str]:
     lines = text.splitlines()
     start = lines.index("```bash")
-    block = lines[start + 1: lines.index("```", start + 1)]
+    block = lines[start + 1 : lines.index("```", start + 1)]
     return [line for line in block if line.strip() and not line.startswith("#")]
 
 
@@ -54,8 +56,12 @@ def test_readme_is_short():
 
 
 def test_every_link_in_the_docs_points_at_a_file_in_the_repository():
-    missing = [f"{doc.relative_to(ROOT)}: {target}" for doc in (README, ARCHITECTURE)
-               for target in links(doc.read_text()) if not (doc.parent / target).exists()]
+    missing = [
+        f"{doc.relative_to(ROOT)}: {target}"
+        for doc in (README, ARCHITECTURE)
+        for target in links(doc.read_text())
+        if not (doc.parent / target).exists()
+    ]
     assert missing == []
 
 

@@ -37,7 +37,7 @@ CASES = {
 
 def run_case(name: str) -> dict:
     from ptd_jax.aot.compile import compile_steps
-    from ptd_jax.aot.targets import TARGETS
+    from ptd_jax.perf.hardware import TARGETS
     from ptd_jax.aot.verify import gpu_model_config
     from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
     from ptd_jax.perf.memory import memory_per_gpu
@@ -46,50 +46,71 @@ def run_case(name: str) -> dict:
     schedule = CASES[name][11] if len(CASES[name]) > 11 else "interleaved" if k else "1f1b"
     cfg = gpu_model_config(model_preset(preset).replace(dtype="bfloat16"))
     v = cfg.num_layers // (p * k) if k else 1
-    parallel = ParallelConfig.for_devices(n, tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
-                                          virtual_pipeline_stages=v, micro_batch_size=b, global_batch_size=B,
-                                          pipeline_schedule=schedule,
-                                          use_distributed_optimizer=distributed)
+    parallel = ParallelConfig.for_devices(
+        n,
+        tensor_model_parallel_size=t,
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_stages=v,
+        micro_batch_size=b,
+        global_batch_size=B,
+        pipeline_schedule=schedule,
+        use_distributed_optimizer=distributed,
+    )
     assert parallel.data_parallel_size == d, (name, parallel.data_parallel_size)
     predicted = memory_per_gpu(cfg, parallel, recompute)
-    parallel, (train,) = compile_steps(cfg, parallel, TrainConfig(recompute_granularity=recompute),
-                                       TARGETS[target], n, evaluation=False)
+    parallel, (train,) = compile_steps(
+        cfg, parallel, TrainConfig(recompute_granularity=recompute), TARGETS[target], n, evaluation=False
+    )
     compiled = train.memory
-    return {"case": name, "model": preset, "target": target, "num_gpus": n, "schedule": schedule,
-            "layout": {"d": d, "p": p, "t": t, "v": v, "b": b, "m": parallel.num_microbatches},
-            "recompute": recompute, "distributed_optimizer": distributed,
-            "branching": parallel.pipeline_branching,
-            "params_per_gpu": predicted["params"],
-            "predicted_gib": {k_: predicted[k_] / GIB for k_ in ("state", "activations", "total")},
-            "compiled_gib": {k_: v_ / GIB for k_, v_ in compiled.items()},
-            "compiled_bytes_per_param": {"arguments": compiled["arguments"] / predicted["params"],
-                                         "total": compiled["total"] / predicted["params"]},
-            "ratio_predicted_over_compiled": predicted["total"] / compiled["total"],
-            # XLA's temporaries against the prediction less the optimizer's arguments (fp32 master weights and
-            # Adam's moments: 12 bytes per parameter, 12/d with the distributed optimizer)
-            "ratio_temporaries": (predicted["total"] - predicted["params"] * 12 / (d if distributed else 1))
-            / compiled["temporaries"],
-            "compile_time_s": train.compile_time_s}
+    return {
+        "case": name,
+        "model": preset,
+        "target": target,
+        "num_gpus": n,
+        "schedule": schedule,
+        "layout": {"d": d, "p": p, "t": t, "v": v, "b": b, "m": parallel.num_microbatches},
+        "recompute": recompute,
+        "distributed_optimizer": distributed,
+        "branching": parallel.pipeline_branching,
+        "params_per_gpu": predicted["params"],
+        "predicted_gib": {k_: predicted[k_] / GIB for k_ in ("state", "activations", "total")},
+        "compiled_gib": {k_: v_ / GIB for k_, v_ in compiled.items()},
+        "compiled_bytes_per_param": {
+            "arguments": compiled["arguments"] / predicted["params"],
+            "total": compiled["total"] / predicted["params"],
+        },
+        "ratio_predicted_over_compiled": predicted["total"] / compiled["total"],
+        # XLA's temporaries against the prediction less the optimizer's arguments (fp32 master weights and
+        # Adam's moments: 12 bytes per parameter, 12/d with the distributed optimizer)
+        "ratio_temporaries": (predicted["total"] - predicted["params"] * 12 / (d if distributed else 1))
+        / compiled["temporaries"],
+        "compile_time_s": train.compile_time_s,
+    }
 
 
 def state_bytes_per_param(d: int, distributed: bool, target: str = "h100-sxm") -> dict:
     """Compiled bytes per parameter of the 1.3B train step at d data-parallel GPUs with the activations made
     negligible (sequence 16, one microbatch): the state — weights, gradients, optimizer — as XLA allocates it."""
     from ptd_jax.aot.compile import compile_steps
-    from ptd_jax.aot.targets import TARGETS
+    from ptd_jax.perf.hardware import TARGETS
     from ptd_jax.aot.verify import gpu_model_config
     from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
     from ptd_jax.perf.memory import memory_per_gpu
 
     cfg = gpu_model_config(model_preset("1.3b").replace(dtype="bfloat16", seq_length=16))
-    parallel = ParallelConfig.for_devices(d, micro_batch_size=1, global_batch_size=d,
-                                          use_distributed_optimizer=distributed)
+    parallel = ParallelConfig.for_devices(
+        d, micro_batch_size=1, global_batch_size=d, use_distributed_optimizer=distributed
+    )
     params = memory_per_gpu(cfg, parallel, "none")["params"]
     _, (train,) = compile_steps(cfg, parallel, TrainConfig(), TARGETS[target], d, evaluation=False)
-    return {"d": d, "distributed_optimizer": distributed, "params": params,
-            "compiled_bytes_per_param": train.memory["total"] / params,
-            "arguments_bytes_per_param": train.memory["arguments"] / params,
-            "megatron_bytes_per_param": 6 + 12 / d if distributed else 18}
+    return {
+        "d": d,
+        "distributed_optimizer": distributed,
+        "params": params,
+        "compiled_bytes_per_param": train.memory["total"] / params,
+        "arguments_bytes_per_param": train.memory["arguments"] / params,
+        "megatron_bytes_per_param": 6 + 12 / d if distributed else 18,
+    }
 
 
 def main(argv=None) -> None:
@@ -103,16 +124,24 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         row = run_case(name)
         rows.append(row)
-        print(f"{name}: predicted {row['predicted_gib']['total']:.2f} GiB, compiled {row['compiled_gib']['total']:.2f}"
-              f" GiB (args {row['compiled_gib']['arguments']:.2f}, temp {row['compiled_gib']['temporaries']:.2f}), "
-              f"ratio {row['ratio_predicted_over_compiled']:.3f}, temporaries {row['ratio_temporaries']:.3f} "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
-    state = [] if args.no_state else [state_bytes_per_param(d, distributed) for d in (2, 8)
-                                      for distributed in (False, True)]
+        print(
+            f"{name}: predicted {row['predicted_gib']['total']:.2f} GiB, compiled {row['compiled_gib']['total']:.2f}"
+            f" GiB (args {row['compiled_gib']['arguments']:.2f}, temp {row['compiled_gib']['temporaries']:.2f}), "
+            f"ratio {row['ratio_predicted_over_compiled']:.3f}, temporaries {row['ratio_temporaries']:.3f} "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+    state = (
+        []
+        if args.no_state
+        else [state_bytes_per_param(d, distributed) for d in (2, 8) for distributed in (False, True)]
+    )
     for row in state:
-        print(f"state at d={row['d']} distributed={row['distributed_optimizer']}: "
-              f"{row['compiled_bytes_per_param']:.2f} bytes/param compiled, "
-              f"Megatron {row['megatron_bytes_per_param']:.2f}")
+        print(
+            f"state at d={row['d']} distributed={row['distributed_optimizer']}: "
+            f"{row['compiled_bytes_per_param']:.2f} bytes/param compiled, "
+            f"Megatron {row['megatron_bytes_per_param']:.2f}"
+        )
     write_json(args.out, {"rows": rows, "state_bytes_per_param": state}, end="\n")
 
 

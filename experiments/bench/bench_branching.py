@@ -16,8 +16,10 @@ import argparse
 from experiments import common
 
 LAYOUTS = {
-    "compare_torch p2 1f1b": (dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128,
-                                   vocab_size=257), dict(schedule="1f1b-lockstep", p=2, v=1, t=1, d=1, b=2, m=4)),
+    "compare_torch p2 1f1b": (
+        dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257),
+        dict(schedule="1f1b-lockstep", p=2, v=1, t=1, d=1, b=2, m=4),
+    ),
     "demo d2 p2 t2 interleaved": ("tiny", dict(schedule="interleaved", p=2, v=2, t=2, d=2, b=2, m=4)),
 }
 
@@ -38,8 +40,9 @@ def main(argv=None) -> dict:
         cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
         if args.smoke:
             cfg = common.small_model(True)
-        out = common.measure_layouts(cfg, {br: dict(layout, branching=br) for br in ("uniform", "per-rank")},
-                                      args.rounds)
+        out = common.measure_layouts(
+            cfg, {br: dict(layout, branching=br) for br in ("uniform", "per-rank")}, args.rounds
+        )
         med = out["median_step_s"]
         result["layouts"][name] = {**out, "uniform_over_per_rank": med["uniform"] / med["per-rank"]}
         print(name, {k: round(v, 4) for k, v in med.items()}, round(med["uniform"] / med["per-rank"], 3))

@@ -33,9 +33,15 @@ from ptd_jax.train import checkpoint  # noqa: E402
 
 
 def layout(d, p, t, v):
-    return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                          virtual_pipeline_stages=v, pipeline_schedule="interleaved" if v > 1 else "1f1b",
-                          micro_batch_size=1, global_batch_size=8)
+    return ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        virtual_pipeline_stages=v,
+        pipeline_schedule="interleaved" if v > 1 else "1f1b",
+        micro_batch_size=1,
+        global_batch_size=8,
+    )
 
 
 def main() -> None:
@@ -44,8 +50,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=12, seq_length=128,
-                        vocab_size=50257)
+    model = ModelConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=12, seq_length=128, vocab_size=50257
+    )
     optimizer = make_optimizer(TrainConfig())
     source, target = layout(2, 2, 2, 1), layout(1, 4, 2, 2)
     mesh = make_mesh(source)
@@ -54,8 +61,9 @@ def main() -> None:
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     rounds = []
     with tempfile.TemporaryDirectory() as root:
-        with checkpoint.Checkpointer(Path(root) / "ckpt", optimizer=optimizer, model_cfg=model, parallel=source,
-                                     keep=1) as saver:
+        with checkpoint.Checkpointer(
+            Path(root) / "ckpt", optimizer=optimizer, model_cfg=model, parallel=source, keep=1
+        ) as saver:
             for step in range(1, args.rounds + 1):
                 t0 = time.perf_counter()
                 saver.save(step, state, {"bench": True})
@@ -65,8 +73,15 @@ def main() -> None:
         dest_mesh = make_mesh(target)
         like = init_sharded_state(jax.random.key(1), model, optimizer, dest_mesh, target)
         t0 = time.perf_counter()
-        restored = checkpoint.restore(Path(root) / "ckpt", args.rounds, like, optimizer=optimizer, model_cfg=model,
-                                      parallel=target, mesh=dest_mesh)
+        restored = checkpoint.restore(
+            Path(root) / "ckpt",
+            args.rounds,
+            like,
+            optimizer=optimizer,
+            model_cfg=model,
+            parallel=target,
+            mesh=dest_mesh,
+        )
         jax.block_until_ready(restored)
         restore_s = time.perf_counter() - t0
         # The same arrays handed to orbax as they lie (no canonical conversion): what the device-to-host copy costs.
@@ -75,21 +90,27 @@ def main() -> None:
             for step in range(1, args.rounds + 1):
                 body = {"params": state["params"], "opt_state": state["opt_state"]}
                 t0 = time.perf_counter()
-                manager.save(step, args=ocp.args.Composite(
-                    params=ocp.args.StandardSave(body["params"]), opt_state=ocp.args.StandardSave(body["opt_state"])))
+                manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        params=ocp.args.StandardSave(body["params"]), opt_state=ocp.args.StandardSave(body["opt_state"])
+                    ),
+                )
                 raw.append(time.perf_counter() - t0)
                 manager.wait_until_finished()
     later = rounds[1:] or rounds  # the first save also compiles the canonical conversion
     result = {
         "model": {"layers": args.layers, "hidden": args.hidden, "params": gpt.count_params(state["params"])},
         "state_bytes": state_bytes,
-        "save_from": "(d,p,t,v)=(2,2,2,1)", "restore_to": "(1,4,2,2)",
+        "save_from": "(d,p,t,v)=(2,2,2,1)",
+        "restore_to": "(1,4,2,2)",
         "rounds": rounds,
         "median_blocked_s": sorted(r["blocked_s"] for r in later)[len(later) // 2],
         "median_total_s": sorted(r["total_s"] for r in later)[len(later) // 2],
         "restore_resharded_s": restore_s,
         "orbax_only_blocked_s": sorted(raw[1:] or raw)[len(raw[1:] or raw) // 2],
-        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
     }
     result["blocked_fraction"] = result["median_blocked_s"] / result["median_total_s"]
     write_json(RESULTS / "checkpoint.json", result, indent=2, end="\n")

@@ -42,10 +42,14 @@ def make_corpus(prefix: Path, num_tokens: int, num_docs: int) -> dict:
     block = rng.integers(0, 50000, size=BLOCK, dtype=np.uint16)
     with open(f"{prefix}.bin", "wb") as f:
         for start in range(0, num_tokens, BLOCK):
-            f.write(block[:min(BLOCK, num_tokens - start)].tobytes())
+            f.write(block[: min(BLOCK, num_tokens - start)].tobytes())
     write_index(prefix, np.uint16, lengths, np.arange(num_docs + 1))
-    return {"tokens": num_tokens, "documents": num_docs, "bin_bytes": os.path.getsize(f"{prefix}.bin"),
-            "idx_bytes": os.path.getsize(f"{prefix}.idx")}
+    return {
+        "tokens": num_tokens,
+        "documents": num_docs,
+        "bin_bytes": os.path.getsize(f"{prefix}.bin"),
+        "idx_bytes": os.path.getsize(f"{prefix}.idx"),
+    }
 
 
 def drop_page_cache(prefix: Path) -> None:
@@ -62,9 +66,16 @@ def child(prefix: str) -> None:
     """One start-up in this (fresh) process; prints its timings as JSON."""
     t0 = time.perf_counter()
     from ptd_jax.data import GPTData
+
     t1 = time.perf_counter()
-    data = GPTData(prefix, seq_length=SEQ_LENGTH, global_batch_size=GLOBAL_BATCH, eval_iters=EVAL_ITERS, seed=SEED,
-                   vocab_size=VOCAB)
+    data = GPTData(
+        prefix,
+        seq_length=SEQ_LENGTH,
+        global_batch_size=GLOBAL_BATCH,
+        eval_iters=EVAL_ITERS,
+        seed=SEED,
+        vocab_size=VOCAB,
+    )
     t2 = time.perf_counter()
     data.train.epoch(0)  # built or loaded on first use; timed apart from the batch itself
     t3 = time.perf_counter()
@@ -74,16 +85,31 @@ def child(prefix: str) -> None:
     t5 = time.perf_counter()
     next(data.valid_batches())
     t6 = time.perf_counter()
-    print(json.dumps({"import_s": t1 - t0, "construct_s": t2 - t1, "epoch0_index_s": t3 - t2,
-                      "first_batch_s": t4 - t3, "second_batch_s": t5 - t4, "first_valid_batch_s": t6 - t5,
-                      "startup_s": t4 - t1,
-                      "batch_shape": list(first.tokens.shape), "samples_per_epoch": data.train.samples_per_epoch,
-                      "epoch_index_cached": data.train.cached}))
+    print(
+        json.dumps(
+            {
+                "import_s": t1 - t0,
+                "construct_s": t2 - t1,
+                "epoch0_index_s": t3 - t2,
+                "first_batch_s": t4 - t3,
+                "second_batch_s": t5 - t4,
+                "first_valid_batch_s": t6 - t5,
+                "startup_s": t4 - t1,
+                "batch_shape": list(first.tokens.shape),
+                "samples_per_epoch": data.train.samples_per_epoch,
+                "epoch_index_cached": data.train.cached,
+            }
+        )
+    )
 
 
 def run_child(prefix: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "experiments.bench.bench_data_startup", "--child", str(prefix)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.bench_data_startup", "--child", str(prefix)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -116,10 +142,18 @@ def main(argv=None) -> None:
         cache_files = {p.name: p.stat().st_size for p in sorted(cache.iterdir())}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    result = {"corpus": corpus, "seq_length": SEQ_LENGTH, "global_batch_size": GLOBAL_BATCH,
-              "eval_iters": EVAL_ITERS, "cold": cold, "warm": warm, "warm_page_cache": warm_in_memory,
-              "cache_files": cache_files, "cpu_count": os.cpu_count(),
-              "target": "warm start-up (construct + first batch) <= 5 s"}
+    result = {
+        "corpus": corpus,
+        "seq_length": SEQ_LENGTH,
+        "global_batch_size": GLOBAL_BATCH,
+        "eval_iters": EVAL_ITERS,
+        "cold": cold,
+        "warm": warm,
+        "warm_page_cache": warm_in_memory,
+        "cache_files": cache_files,
+        "cpu_count": os.cpu_count(),
+        "target": "warm start-up (construct + first batch) <= 5 s",
+    }
     write_json(args.out, result, end="\n")
     print(json.dumps(result, indent=1))
 

@@ -28,8 +28,10 @@ def steps(recompute: str):
     from ptd_jax.config import ModelConfig
 
     cfg = ModelConfig(**MODEL)
-    return {"executor": pipeline_step(cfg, "1f1b", 1, "uniform", recompute, p=1, m=M),
-            "reference": reference_step(cfg, recompute, m=M)}
+    return {
+        "executor": pipeline_step(cfg, "1f1b", 1, "uniform", recompute, p=1, m=M),
+        "reference": reference_step(cfg, recompute, m=M),
+    }
 
 
 def main(argv=None) -> None:
@@ -44,12 +46,31 @@ def main(argv=None) -> None:
     for r in args.recompute:
         ex, ref = (statistics.median(times[(r, n)]["wall"]) for n in ("executor", "reference"))
         ex_cpu, ref_cpu = (statistics.median(times[(r, n)]["cpu"]) for n in ("executor", "reference"))
-        result[r] = {"executor_s": ex, "reference_s": ref, "reference_over_executor": ref / ex,
-                     "executor_cpu_s": ex_cpu, "reference_cpu_s": ref_cpu,
-                     "reference_over_executor_cpu_time": ref_cpu / ex_cpu,
-                     "all_executor": times[(r, "executor")], "all_reference": times[(r, "reference")]}
-        print(json.dumps({r: {k: result[r][k] for k in ("executor_s", "reference_s", "reference_over_executor",
-                                                        "reference_over_executor_cpu_time")}}))
+        result[r] = {
+            "executor_s": ex,
+            "reference_s": ref,
+            "reference_over_executor": ref / ex,
+            "executor_cpu_s": ex_cpu,
+            "reference_cpu_s": ref_cpu,
+            "reference_over_executor_cpu_time": ref_cpu / ex_cpu,
+            "all_executor": times[(r, "executor")],
+            "all_reference": times[(r, "reference")],
+        }
+        print(
+            json.dumps(
+                {
+                    r: {
+                        k: result[r][k]
+                        for k in (
+                            "executor_s",
+                            "reference_s",
+                            "reference_over_executor",
+                            "reference_over_executor_cpu_time",
+                        )
+                    }
+                }
+            )
+        )
     write_json(args.out, result)
 
 

@@ -32,8 +32,12 @@ MODELS = {
 }
 SMOKE_MODEL = dict(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=257)
 ONE_F_ONE_B = "1f1b-lockstep"
-CASES = [(ONE_F_ONE_B, 1, "uniform"), ("interleaved", 2, "uniform"), (ONE_F_ONE_B, 1, "per-rank"),
-         ("interleaved", 2, "per-rank")]
+CASES = [
+    (ONE_F_ONE_B, 1, "uniform"),
+    ("interleaved", 2, "uniform"),
+    (ONE_F_ONE_B, 1, "per-rank"),
+    ("interleaved", 2, "per-rank"),
+]
 
 
 def measure(model_name, rounds, smoke=False, recompute="none"):
@@ -52,11 +56,17 @@ def measure(model_name, rounds, smoke=False, recompute="none"):
             one_f_one_b = med[f"{ONE_F_ONE_B} v=1 {branching}"]
             out[f"interleaved/1f1b ({branching})"] = med[f"interleaved v=2 {branching}"] / one_f_one_b
             out[f"1f1b/reference ({branching})"] = one_f_one_b / med["reference"]
-    return {"model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1}, "recompute": recompute,
-            "median_step_s": median, "median_cpu_s": median_cpu, "all_step_s": times, "ratios": ratios,
-            "ratios_cpu_time": ratios_cpu,
-            "ideal_interleaved_over_1f1b": (M + (P - 1) / 2) / (M + P - 1),
-            "bubble_only_1f1b_over_reference": (M + P - 1) / M}
+    return {
+        "model": {**shape, "seq_length": seq, "p": P, "m": M, "micro_batch_size": 1},
+        "recompute": recompute,
+        "median_step_s": median,
+        "median_cpu_s": median_cpu,
+        "all_step_s": times,
+        "ratios": ratios,
+        "ratios_cpu_time": ratios_cpu,
+        "ideal_interleaved_over_1f1b": (M + (P - 1) / 2) / (M + P - 1),
+        "bubble_only_1f1b_over_reference": (M + P - 1) / M,
+    }
 
 
 def main(argv=None) -> None:
@@ -73,8 +83,18 @@ def main(argv=None) -> None:
     result = {}
     for name in args.models:
         result[name] = measure(name, args.rounds, args.smoke, args.recompute)
-        print(json.dumps({name: {"median_step_s": result[name]["median_step_s"], "ratios": result[name]["ratios"],
-                                 "ratios_cpu_time": result[name]["ratios_cpu_time"]}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    name: {
+                        "median_step_s": result[name]["median_step_s"],
+                        "ratios": result[name]["ratios"],
+                        "ratios_cpu_time": result[name]["ratios_cpu_time"],
+                    }
+                }
+            ),
+            flush=True,
+        )
     write_json(args.out, result)
 
 

@@ -43,23 +43,28 @@ def attention_rows(seqs, batch, heads, head_dim, dtype, interpret, repeats):
             "xla": lambda q, k, v: flash_attention_reference(q, k, v),
         }
         if jax.default_backend() == "gpu":
-            impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                          implementation="cudnn")
+            impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn"
+            )
         row = {"seq": s}
         try:  # the compiled kernel against the float32 definition: output and all three gradients
             probe = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+
             def loss(fn, probe=probe):
                 return lambda q_, k_, v_: jnp.sum(fn(q_, k_, v_).astype(jnp.float32) * probe)
+
             got = jax.jit(jax.value_and_grad(loss(impls["pallas"]), argnums=(0, 1, 2)))(q, k, v)
             want = jax.jit(jax.value_and_grad(loss(impls["xla"]), argnums=(0, 1, 2)))(
-                *(a.astype(jnp.float32) for a in (q, k, v)))
+                *(a.astype(jnp.float32) for a in (q, k, v))
+            )
             row["pallas_max_rel_err"] = max_rel_error(got, want)
         except Exception as err:  # record and go on: one run on a lent GPU must bring back every number it can
             row["pallas_check_error"] = error_text(err)
         for name, fn in impls.items():
             fwd = jax.jit(fn)
-            fwd_bwd = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
-                                       argnums=(0, 1, 2)))
+            fwd_bwd = jax.jit(
+                jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+            )
             try:
                 row[f"{name}_fwd_ms"] = 1e3 * timed(fwd, q, k, v, repeats=repeats)
                 row[f"{name}_fwd_bwd_ms"] = 1e3 * timed(fwd_bwd, q, k, v, repeats=repeats)
@@ -87,8 +92,11 @@ def norm_and_loss_rows(tokens, hidden, vocab, dtype, interpret, repeats):
     out = {}
     cases = {
         "layer_norm": (lambda x: layer_norm(x, w, b, interpret=interpret), lambda x: layer_norm_reference(x, w, b), x),
-        "cross_entropy": (lambda z: softmax_cross_entropy(z, labels, interpret=interpret),
-                          lambda z: cross_entropy_reference(z, labels), logits),
+        "cross_entropy": (
+            lambda z: softmax_cross_entropy(z, labels, interpret=interpret),
+            lambda z: cross_entropy_reference(z, labels),
+            logits,
+        ),
     }
     for name, (pallas_fn, xla_fn, arg) in cases.items():
         grads = {}
@@ -107,8 +115,13 @@ def norm_and_loss_rows(tokens, hidden, vocab, dtype, interpret, repeats):
 
 
 def training_step_row(preset, micro_batch, dtype, attention_backend, fused_kernels, steps):
-    row = {"preset": preset, "micro_batch": micro_batch, "dtype": dtype, "attention_backend": attention_backend,
-           "fused_kernels": fused_kernels}
+    row = {
+        "preset": preset,
+        "micro_batch": micro_batch,
+        "dtype": dtype,
+        "attention_backend": attention_backend,
+        "fused_kernels": fused_kernels,
+    }
     try:
         row.update(_training_step(preset, micro_batch, dtype, attention_backend, fused_kernels, steps))
     except Exception as err:  # record and go on (see attention_rows)
@@ -125,10 +138,12 @@ def _training_step(preset, micro_batch, dtype, attention_backend, fused_kernels,
     from ptd_jax.optimizer import make_optimizer
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
-    from ptd_jax.train.flops import device_peak_tflops, flops_per_iteration, model_flops_per_iteration
+    from ptd_jax.perf.flops import flops_per_iteration, model_flops_per_iteration
+    from ptd_jax.perf.hardware import device_peak_tflops
 
-    cfg = model_preset(preset).replace(vocab_size=50257, dtype=dtype, attention_backend=attention_backend,
-                                       fused_kernels=fused_kernels)
+    cfg = model_preset(preset).replace(
+        vocab_size=50257, dtype=dtype, attention_backend=attention_backend, fused_kernels=fused_kernels
+    )
     parallel = ParallelConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch)
     tcfg = TrainConfig(recompute_granularity="selective")
     opt = make_optimizer(tcfg)
@@ -148,9 +163,15 @@ def _training_step(preset, micro_batch, dtype, attention_backend, fused_kernels,
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - start) / steps
     peak, source = device_peak_tflops(jax.devices()[0].device_kind, dtype == "bfloat16")
-    return {"seq": cfg.seq_length, "compile_s": compile_s, "step_s": step_s, "loss": float(metrics["lm_loss"]),
-            "tflops_per_device_eq3": flops_per_iteration(cfg, micro_batch) / step_s / 1e12,
-            "mfu": model_flops_per_iteration(cfg, micro_batch) / step_s / (peak * 1e12), "peak_source": source}
+    return {
+        "seq": cfg.seq_length,
+        "compile_s": compile_s,
+        "step_s": step_s,
+        "loss": float(metrics["lm_loss"]),
+        "tflops_per_device_eq3": flops_per_iteration(cfg, micro_batch) / step_s / 1e12,
+        "mfu": model_flops_per_iteration(cfg, micro_batch) / step_s / (peak * 1e12),
+        "peak_source": source,
+    }
 
 
 def main(argv=None) -> None:
@@ -167,8 +188,14 @@ def main(argv=None) -> None:
 
     on_gpu = jax.default_backend() == "gpu"
     smoke = args.smoke or not on_gpu
-    result = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "self_check": None,
-              "attention": [], "norm_and_loss": None, "training_step": []}
+    result = {
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "self_check": None,
+        "attention": [],
+        "norm_and_loss": None,
+        "training_step": [],
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -177,8 +204,9 @@ def main(argv=None) -> None:
 
     preset = "tiny" if smoke else "1.3b"
     dtype = "float32" if smoke else "bfloat16"
-    result["self_check"] = self_check_model(model_preset(preset).replace(vocab_size=50257, dtype=dtype),
-                                            interpret=not on_gpu)
+    result["self_check"] = self_check_model(
+        model_preset(preset).replace(vocab_size=50257, dtype=dtype), interpret=not on_gpu
+    )
     print(json.dumps({"self_check": result["self_check"]}), flush=True)
     save()
     if smoke:

@@ -20,8 +20,15 @@ import statistics
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
-from experiments.common import (BENCH_MODEL, RESULTS, TIMING_NOTE, alternate, pipeline_step,  # noqa: E402
-                                reference_step, write_json)
+from experiments.common import (
+    BENCH_MODEL,
+    RESULTS,
+    TIMING_NOTE,
+    alternate,
+    pipeline_step,  # noqa: E402
+    reference_step,
+    write_json,
+)
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
 
@@ -48,16 +55,36 @@ def main(argv=None) -> None:
     rows = []
     for name, t in times.items():
         wall, cpu = statistics.median(t["wall"]), statistics.median(t["cpu"])
-        row = {"schedule": name, "median_wall_s": wall, "median_cpu_s": cpu,
-               "wall_vs_single": wall / single["wall"], "cpu_vs_single": cpu / single["cpu"], "all": t}
+        row = {
+            "schedule": name,
+            "median_wall_s": wall,
+            "median_cpu_s": cpu,
+            "wall_vs_single": wall / single["wall"],
+            "cpu_vs_single": cpu / single["cpu"],
+            "all": t,
+        }
         if name in tables:
             row["ticks"] = tables[name].ticks
             row["simulated_bubble"] = tables[name].simulate(times=(1.0, 1.0, 1.0))["bubble_fraction"]
         rows.append(row)
-        print(f"{name:12s} wall {wall:.3f} s ({wall / single['wall']:.2f}x single)  cpu {cpu:.3f} s "
-              f"({cpu / single['cpu']:.2f}x)", flush=True)
-    write_json(args.out, {"model": BENCH_MODEL, "p": 4, "m": 8, "branching": "per-rank", "recompute": "none",
-                          "rounds": args.rounds, "note": TIMING_NOTE, "rows": rows})
+        print(
+            f"{name:12s} wall {wall:.3f} s ({wall / single['wall']:.2f}x single)  cpu {cpu:.3f} s "
+            f"({cpu / single['cpu']:.2f}x)",
+            flush=True,
+        )
+    write_json(
+        args.out,
+        {
+            "model": BENCH_MODEL,
+            "p": 4,
+            "m": 8,
+            "branching": "per-rank",
+            "recompute": "none",
+            "rounds": args.rounds,
+            "note": TIMING_NOTE,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

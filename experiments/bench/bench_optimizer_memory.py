@@ -58,8 +58,9 @@ def compiled_memory(dtype: str, d: int, distributed: bool, m: int, seq_length: i
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
 
     cfg = ModelConfig(**model, seq_length=seq_length, dtype=dtype)
-    parallel = ParallelConfig(data_parallel_size=d, micro_batch_size=1, global_batch_size=d * m,
-                              use_distributed_optimizer=distributed)
+    parallel = ParallelConfig(
+        data_parallel_size=d, micro_batch_size=1, global_batch_size=d * m, use_distributed_optimizer=distributed
+    )
     train_cfg = TrainConfig()
     opt = make_optimizer(train_cfg)
     mesh = make_mesh(parallel)
@@ -67,8 +68,11 @@ def compiled_memory(dtype: str, d: int, distributed: bool, m: int, seq_length: i
     step = make_parallel_train_step(mesh, cfg, parallel, train_cfg, opt, state)
     batch = jax.ShapeDtypeStruct((m, d, seq_length), jnp.int32)
     mem = step.lower(state, batch, batch, batch, jax.random.key(0)).compile().memory_analysis()
-    return {"params": gpt.count_params(state["params"]), "argument_bytes": mem.argument_size_in_bytes,
-            "temp_bytes": mem.temp_size_in_bytes}
+    return {
+        "params": gpt.count_params(state["params"]),
+        "argument_bytes": mem.argument_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+    }
 
 
 def measure(dtype: str, d: int, distributed: bool, m: int, model: dict = MODEL) -> dict:
@@ -78,19 +82,28 @@ def measure(dtype: str, d: int, distributed: bool, m: int, model: dict = MODEL) 
     temp = 2 * short["temp_bytes"] - long["temp_bytes"]  # activations extrapolated to zero
     per_param = (short["argument_bytes"] + temp) / n
     megatron = megatron_bytes(dtype, d, distributed)
-    return {"dtype": dtype, "d": d, "m": m, "distributed_optimizer": distributed, "params": n,
-            "argument_bytes": short["argument_bytes"],
-            "temp_bytes": {str(s): r["temp_bytes"] for s, r in zip(SEQ_LENGTHS, (short, long))},
-            "activation_bytes_per_param_at_s16": (short["temp_bytes"] - temp) / n,
-            "state_bytes_per_param": short["argument_bytes"] / n, "temp_bytes_per_param": temp / n,
-            "bytes_per_param": per_param, "megatron_bytes_per_param": megatron,
-            "relative_error": per_param / megatron - 1}
+    return {
+        "dtype": dtype,
+        "d": d,
+        "m": m,
+        "distributed_optimizer": distributed,
+        "params": n,
+        "argument_bytes": short["argument_bytes"],
+        "temp_bytes": {str(s): r["temp_bytes"] for s, r in zip(SEQ_LENGTHS, (short, long))},
+        "activation_bytes_per_param_at_s16": (short["temp_bytes"] - temp) / n,
+        "state_bytes_per_param": short["argument_bytes"] / n,
+        "temp_bytes_per_param": temp / n,
+        "bytes_per_param": per_param,
+        "megatron_bytes_per_param": megatron,
+        "relative_error": per_param / megatron - 1,
+    }
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"],
-                        choices=["float16", "bfloat16", "float32"])
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float16", "bfloat16", "float32"], choices=["float16", "bfloat16", "float32"]
+    )
     parser.add_argument("--data-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--microbatches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--out", default="experiments/results/optimizer_memory.json")
@@ -106,10 +119,13 @@ def main(argv=None) -> dict:
                 for distributed in (False, True) if d > 1 else (False,):
                     r = measure(dtype, d, distributed, m)
                     rows.append(r)
-                    print(f"{dtype} m={m} d={d} distributed={distributed!s:5}: {r['bytes_per_param']:6.2f} bytes/param "
-                          f"(state {r['state_bytes_per_param']:.2f} + temp {r['temp_bytes_per_param']:.2f}; "
-                          f"activations at s=16 {r['activation_bytes_per_param_at_s16']:.2f} taken out); Megatron "
-                          f"{r['megatron_bytes_per_param']:.2f} ({100 * r['relative_error']:+.1f}%)", flush=True)
+                    print(
+                        f"{dtype} m={m} d={d} distributed={distributed!s:5}: {r['bytes_per_param']:6.2f} bytes/param "
+                        f"(state {r['state_bytes_per_param']:.2f} + temp {r['temp_bytes_per_param']:.2f}; "
+                        f"activations at s=16 {r['activation_bytes_per_param_at_s16']:.2f} taken out); Megatron "
+                        f"{r['megatron_bytes_per_param']:.2f} ({100 * r['relative_error']:+.1f}%)",
+                        flush=True,
+                    )
     out = {"backend": backend, "model": MODEL, "seq_lengths": SEQ_LENGTHS, "micro_batch_size": 1, "rows": rows}
     write_json(args.out, out, end="\n")
     return out

@@ -44,12 +44,23 @@ def grad_step(mesh, cfg, parallel, params_specs, sched):
     from ptd_jax.parallel.step import loss_and_grads
 
     def body(params, tokens, labels, mask):
-        return loss_and_grads(params, tokens, labels, mask, None, model_cfg=cfg, parallel=parallel, recompute="none",
-                              param_specs=params_specs, sched=sched)
+        return loss_and_grads(
+            params,
+            tokens,
+            labels,
+            mask,
+            None,
+            model_cfg=cfg,
+            parallel=parallel,
+            recompute="none",
+            param_specs=params_specs,
+            sched=sched,
+        )
 
     batch = sharding.BATCH_SPEC
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(params_specs, batch, batch, batch),
-                                 out_specs=(P(), params_specs, P())))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(params_specs, batch, batch, batch), out_specs=(P(), params_specs, P()))
+    )
 
 
 def run_case(name, p, v, m, cfg, repeats):
@@ -63,8 +74,13 @@ def run_case(name, p, v, m, cfg, repeats):
     from ptd_jax.parallel.pipeline import build
     from ptd_jax.parallel.step import accumulation_schedule
 
-    parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v,
-                              pipeline_schedule=name if p > 1 else "1f1b", micro_batch_size=1, global_batch_size=m)
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=name if p > 1 else "1f1b",
+        micro_batch_size=1,
+        global_batch_size=m,
+    )
     sched = build(name, p, v, m) if p > 1 else accumulation_schedule(parallel)  # p = 1: what the training step runs
     mesh = make_mesh(parallel)
     params = gpt.init_params(jax.random.key(0), cfg)
@@ -75,11 +91,21 @@ def run_case(name, p, v, m, cfg, repeats):
     step = grad_step(mesh, cfg, parallel, specs, sched)
     compile_s, temp, step_s = compile_and_time(step, (params, tokens, tokens, np.ones_like(tokens)), repeats)
     sim = sched.simulate()
-    return {"schedule": name, "p": p, "v": v, "m": m, "ticks": sched.ticks, "bubble": sim["bubble_fraction"],
-            "formula_bubble": sched.formula_bubble(), "peak_stash": sched.peak_stash,
-            "peak_in_flight": sched.peak_in_flight,
-            "record_slots": sched.slots, "temp_bytes_per_device": temp, "compile_s": compile_s,
-            "step_s": step_s}
+    return {
+        "schedule": name,
+        "p": p,
+        "v": v,
+        "m": m,
+        "ticks": sched.ticks,
+        "bubble": sim["bubble_fraction"],
+        "formula_bubble": sched.formula_bubble(),
+        "peak_stash": sched.peak_stash,
+        "peak_in_flight": sched.peak_in_flight,
+        "record_slots": sched.slots,
+        "temp_bytes_per_device": temp,
+        "compile_s": compile_s,
+        "step_s": step_s,
+    }
 
 
 def reference_case(m, cfg, repeats, recompute="full"):
@@ -93,8 +119,15 @@ def reference_case(m, cfg, repeats, recompute="full"):
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
     step = jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=recompute))
     compile_s, temp, step_s = compile_and_time(step, (params, tokens, tokens, np.ones_like(tokens)), repeats)
-    return {"schedule": f"reference (recompute={recompute})", "p": 1, "v": 1, "m": m,
-            "temp_bytes_per_device": temp, "compile_s": compile_s, "step_s": step_s}
+    return {
+        "schedule": f"reference (recompute={recompute})",
+        "p": 1,
+        "v": 1,
+        "m": m,
+        "temp_bytes_per_device": temp,
+        "compile_s": compile_s,
+        "step_s": step_s,
+    }
 
 
 def main(argv=None) -> None:
@@ -110,8 +143,15 @@ def main(argv=None) -> None:
     cfg = ModelConfig(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
     grid = [("gpipe", 4, 1, 16), ("1f1b", 4, 1, 16), ("interleaved", 4, 2, 16)]
     if not args.quick:
-        grid += [("gpipe", 2, 1, 8), ("1f1b", 2, 1, 8), ("interleaved", 2, 2, 8), ("interleaved", 2, 4, 8),
-                 ("interleaved", 4, 2, 8), ("1f1b", 8, 1, 16), ("gpipe", 8, 1, 16)]
+        grid += [
+            ("gpipe", 2, 1, 8),
+            ("1f1b", 2, 1, 8),
+            ("interleaved", 2, 2, 8),
+            ("interleaved", 2, 4, 8),
+            ("interleaved", 4, 2, 8),
+            ("1f1b", 8, 1, 16),
+            ("gpipe", 8, 1, 16),
+        ]
     rows = []
     for case in grid:
         rows.append(run_case(*case, cfg, args.repeats))
@@ -125,13 +165,20 @@ def main(argv=None) -> None:
     gpipe = by[("gpipe", 4, 1, 16)]["temp_bytes_per_device"]
     summary = {
         "temp_ratio_1f1b_over_gpipe_p4_m16": by[("1f1b", 4, 1, 16)]["temp_bytes_per_device"] / gpipe if gpipe else None,
-        "temp_ratio_interleaved_over_gpipe_p4_m16":
-            by[("interleaved", 4, 2, 16)]["temp_bytes_per_device"] / gpipe if gpipe else None,
+        "temp_ratio_interleaved_over_gpipe_p4_m16": by[("interleaved", 4, 2, 16)]["temp_bytes_per_device"] / gpipe
+        if gpipe
+        else None,
         "compile_ratio_m64_over_m8": compile_rows[1]["compile_s"] / compile_rows[0]["compile_s"],
         "executor_p1_speed_over_reference_full_recompute": ref["step_s"] / p1["step_s"],
     }
-    result = {"model": {"num_layers": 8, "hidden_size": 128, "seq_length": 128, "micro_batch_size": 1},
-              "grid": rows, "compile_m8_m64": compile_rows, "executor_p1": p1, "reference": ref, "summary": summary}
+    result = {
+        "model": {"num_layers": 8, "hidden_size": 128, "seq_length": 128, "micro_batch_size": 1},
+        "grid": rows,
+        "compile_m8_m64": compile_rows,
+        "executor_p1": p1,
+        "reference": ref,
+        "summary": summary,
+    }
     write_json(args.out, result)
     print(json.dumps(summary))
     if args.plot:

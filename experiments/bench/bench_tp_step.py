@@ -46,10 +46,14 @@ def main(argv=None) -> None:
     key = jax.random.key(1)
 
     mesh = make_mesh(parallel)
-    states = {"reference": init_state(jax.random.key(0), cfg, opt),
-              "shard_map": init_sharded_state(jax.random.key(0), cfg, opt, mesh)}
-    steps = {"reference": make_train_step(cfg, tcfg, opt),
-             "shard_map": make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, states["shard_map"])}
+    states = {
+        "reference": init_state(jax.random.key(0), cfg, opt),
+        "shard_map": init_sharded_state(jax.random.key(0), cfg, opt, mesh),
+    }
+    steps = {
+        "reference": make_train_step(cfg, tcfg, opt),
+        "shard_map": make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, states["shard_map"]),
+    }
     compile_s = {}
     for name in steps:
         start = time.perf_counter()
@@ -66,14 +70,18 @@ def main(argv=None) -> None:
             times[name].append((time.perf_counter() - start) / args.steps)
     median = {name: statistics.median(v) for name, v in times.items()}
     result = {
-        "preset": args.preset, "global_batch_size": args.global_batch_size, "micro_batch_size": b,
-        "recompute": args.recompute_granularity, "device": jax.devices()[0].device_kind,
-        "median_step_s": median, "all_step_s": times, "first_call_s": compile_s,
+        "preset": args.preset,
+        "global_batch_size": args.global_batch_size,
+        "micro_batch_size": b,
+        "recompute": args.recompute_granularity,
+        "device": jax.devices()[0].device_kind,
+        "median_step_s": median,
+        "all_step_s": times,
+        "first_call_s": compile_s,
         "speed_ratio_shard_map_over_reference": median["reference"] / median["shard_map"],
     }
     write_json(args.out, result)
-    print(json.dumps({k: result[k] for k in ("median_step_s", "first_call_s",
-                                             "speed_ratio_shard_map_over_reference")}))
+    print(json.dumps({k: result[k] for k in ("median_step_s", "first_call_s", "speed_ratio_shard_map_over_reference")}))
 
 
 if __name__ == "__main__":

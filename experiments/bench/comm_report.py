@@ -32,8 +32,13 @@ def report(L: int, h: int, heads: int, s: int, b: int, m: int, d: int, t: int, s
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
 
     cfg = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=heads, seq_length=s)
-    parallel = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=b,
-                              global_batch_size=b * d * m, sequence_parallel=sp)
+    parallel = ParallelConfig(
+        data_parallel_size=d,
+        tensor_model_parallel_size=t,
+        micro_batch_size=b,
+        global_batch_size=b * d * m,
+        sequence_parallel=sp,
+    )
     tcfg = TrainConfig()
     opt = make_optimizer(tcfg)
     mesh = make_mesh(parallel)
@@ -45,8 +50,12 @@ def report(L: int, h: int, heads: int, s: int, b: int, m: int, d: int, t: int, s
     itemsize = 4
     act_bytes = b * s * h * itemsize  # one [b, s, h] float32 activation
     ring = 2 * (t - 1) / t
-    tensor_ops = [op | {"op": kind} for kind, entry in measured.items() for op in entry["ops"]
-                  if group_size(op["replica_groups"]) == t and t > 1]
+    tensor_ops = [
+        op | {"op": kind}
+        for kind, entry in measured.items()
+        for op in entry["ops"]
+        if group_size(op["replica_groups"]) == t and t > 1
+    ]
     if sp:
         # all-gather results and reduce-scatter inputs are full [b, s, h]; each moves (t-1)/t of it per device.
         full = [op for op in tensor_ops if op["op"] in ("all-gather", "reduce-scatter")]
@@ -86,11 +95,28 @@ def main(argv=None) -> None:
     rows = []
     for d, t in [(1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]:
         for sp in (False, True):
-            row = report(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-                         args.micro_batch_size, args.num_microbatches, d, t, sp)
+            row = report(
+                args.num_layers,
+                args.hidden_size,
+                args.num_attention_heads,
+                args.seq_length,
+                args.micro_batch_size,
+                args.num_microbatches,
+                d,
+                t,
+                sp,
+            )
             rows.append(row)
-            print(json.dumps({**row["layout"], "measured": row["measured_layer_bytes_per_layer_per_microbatch"],
-                              "analytic": row["analytic_bytes_per_layer_per_microbatch"], "ratio": row["ratio"]}))
+            print(
+                json.dumps(
+                    {
+                        **row["layout"],
+                        "measured": row["measured_layer_bytes_per_layer_per_microbatch"],
+                        "analytic": row["analytic_bytes_per_layer_per_microbatch"],
+                        "ratio": row["ratio"],
+                    }
+                )
+            )
     write_json(args.out, rows)
 
 

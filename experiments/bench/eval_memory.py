@@ -36,8 +36,13 @@ def measure(schedule, v, m):
     from ptd_jax.parallel.step import make_parallel_eval_step
 
     cfg = ModelConfig(**MODEL)
-    parallel = ParallelConfig(pipeline_model_parallel_size=P, virtual_pipeline_stages=v, pipeline_schedule=schedule,
-                              micro_batch_size=1, global_batch_size=m)
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=P,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=schedule,
+        micro_batch_size=1,
+        global_batch_size=m,
+    )
     sched = build_forward_only(schedule, P, v, m)
     abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg), jax.random.key(0))
     abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, P, v), abstract["layers"])}
@@ -49,8 +54,15 @@ def measure(schedule, v, m):
     batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
     temp = step.lower(params, batch, batch, batch).compile().memory_analysis().temp_size_in_bytes
     slot_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # one chunk input, b = 1
-    return {"schedule": schedule, "v": v, "m": m, "table": "freed", "slots": sched.slots,
-            "slot_bytes": slot_bytes, "temp_bytes_per_device": temp}
+    return {
+        "schedule": schedule,
+        "v": v,
+        "m": m,
+        "table": "freed",
+        "slots": sched.slots,
+        "slot_bytes": slot_bytes,
+        "temp_bytes_per_device": temp,
+    }
 
 
 def main(argv=None) -> None:

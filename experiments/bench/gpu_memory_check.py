@@ -29,7 +29,7 @@ def main(argv=None) -> None:
 
     from ptd_jax import model as gpt
     from ptd_jax.aot.compile import compile_steps, plugin_installed
-    from ptd_jax.aot.targets import TARGETS
+    from ptd_jax.perf.hardware import TARGETS
     from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
     from ptd_jax.optimizer import make_optimizer
     from ptd_jax.parallel.mesh import make_mesh
@@ -37,12 +37,17 @@ def main(argv=None) -> None:
     from ptd_jax.perf.memory import memory_per_gpu
 
     on_gpu = jax.default_backend() == "gpu"
-    cfg = model_preset("1.3b").replace(num_layers=args.layers, dtype="bfloat16", attention_backend="pallas",
-                                       fused_kernels=True)
+    cfg = model_preset("1.3b").replace(
+        num_layers=args.layers, dtype="bfloat16", attention_backend="pallas", fused_kernels=True
+    )
     parallel = ParallelConfig(micro_batch_size=1, global_batch_size=4)
     train_cfg = TrainConfig(recompute_granularity="none")
-    record = {"device": jax.devices()[0].device_kind, "target": args.target, "layers": args.layers,
-              "predicted_gib": memory_per_gpu(cfg, parallel, "none")["total"] / GIB}
+    record = {
+        "device": jax.devices()[0].device_kind,
+        "target": args.target,
+        "layers": args.layers,
+        "predicted_gib": memory_per_gpu(cfg, parallel, "none")["total"] / GIB,
+    }
     if plugin_installed():
         _, (aot,) = compile_steps(cfg, parallel, train_cfg, TARGETS[args.target], 1, evaluation=False)
         record["aot_compiled_gib"] = {k: v / GIB for k, v in aot.memory.items()}
@@ -55,9 +60,11 @@ def main(argv=None) -> None:
             tokens = jax.numpy.zeros((4, 1, cfg.seq_length), jax.numpy.int32)
             compiled = step.lower(state, tokens, tokens, tokens + 1, jax.random.key(0)).compile()
         stats = compiled.memory_analysis()
-        record["device_compiled_gib"] = {"arguments": stats.argument_size_in_bytes / GIB,
-                                         "temporaries": stats.temp_size_in_bytes / GIB,
-                                         "outputs": stats.output_size_in_bytes / GIB}
+        record["device_compiled_gib"] = {
+            "arguments": stats.argument_size_in_bytes / GIB,
+            "temporaries": stats.temp_size_in_bytes / GIB,
+            "outputs": stats.output_size_in_bytes / GIB,
+        }
         start = time.perf_counter()
         for _ in range(2):
             state, metrics = compiled(state, tokens, tokens, tokens + 1, jax.random.key(0))

@@ -22,8 +22,15 @@ from experiments.common import RESULTS, write_json
 
 GIB = 2**30
 # the old executors' temporaries (GiB) at the base layout (results/aot_memory_split.json, before the rewrite)
-OLD = {"1f1b-uniform": 7.672, "1f1b-per-rank": 10.4, "1f1b-split": 6.137, "interleaved-uniform": 6.866,
-       "interleaved-per-rank": 9.31, "zb-h1": 8.387, "zb-v": 7.505}
+OLD = {
+    "1f1b-uniform": 7.672,
+    "1f1b-per-rank": 10.4,
+    "1f1b-split": 6.137,
+    "interleaved-uniform": 6.866,
+    "interleaved-per-rank": 9.31,
+    "zb-h1": 8.387,
+    "zb-v": 7.505,
+}
 NOTES = [
     "record = the executor's stash buffers (stash.Record: pools rec F->I, hold F->W, w I->W), each pool allocated at "
     "its peak slot count over ranks x bytes per layer x layers per chunk; concurrent_peak: the most any one rank holds "
@@ -97,7 +104,7 @@ def run_case(layout: str, schedule: str, v: int, branching: str, target: str = "
     import jax.numpy as jnp
 
     from ptd_jax.aot.compile import compile_steps
-    from ptd_jax.aot.targets import TARGETS
+    from ptd_jax.perf.hardware import TARGETS
     from ptd_jax.aot.verify import gpu_model_config
     from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
     from ptd_jax.parallel import pipeline
@@ -105,9 +112,16 @@ def run_case(layout: str, schedule: str, v: int, branching: str, target: str = "
 
     preset, n, t, p, b, B, overrides = LAYOUTS[layout]
     cfg = gpu_model_config(model_preset(preset).replace(dtype="bfloat16", **overrides))
-    parallel = ParallelConfig.for_devices(n, tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
-                                          virtual_pipeline_stages=v, micro_batch_size=b, global_batch_size=B,
-                                          pipeline_schedule=schedule, pipeline_branching=branching)
+    parallel = ParallelConfig.for_devices(
+        n,
+        tensor_model_parallel_size=t,
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_stages=v,
+        micro_batch_size=b,
+        global_batch_size=B,
+        pipeline_schedule=schedule,
+        pipeline_branching=branching,
+    )
     m = parallel.num_microbatches
     table = pipeline.build(schedule, p, v, m)
     seen = []  # the executor's record layout, observed (stash.Record.layout wrapped for this compile only)
@@ -120,8 +134,9 @@ def run_case(layout: str, schedule: str, v: int, branching: str, target: str = "
 
     stash.Record.layout = staticmethod(observe)
     try:
-        parallel, (train,) = compile_steps(cfg, parallel, TrainConfig(recompute_granularity="none"),
-                                           TARGETS[target], n, evaluation=False)
+        parallel, (train,) = compile_steps(
+            cfg, parallel, TrainConfig(recompute_granularity="none"), TARGETS[target], n, evaluation=False
+        )
     finally:
         stash.Record.layout = layout_fn
     per_layer = {}
@@ -130,20 +145,35 @@ def run_case(layout: str, schedule: str, v: int, branching: str, target: str = "
     k = cfg.num_layers // (p * v)
     peaks = record_peaks(table, per_layer)
     mem = train.memory
-    return {"case": case_name(layout, schedule, v, branching), "layout_name": layout, "model": preset,
-            "target": target, "num_gpus": n, "schedule": schedule, "branching": parallel.pipeline_branching,
-            "layout": {"d": parallel.data_parallel_size, "p": p, "t": t, "v": v, "b": b, "m": m},
-            "recompute": "none", "ticks": table.ticks, "slots": dict(table.slots),
-            "temp_gib": mem["temporaries"] / GIB, "total_gib": mem["total"] / GIB,
-            "compiled_gib": {key: x / GIB for key, x in mem.items()},
-            "record_mib_per_layer": {pool: x / 2**20 for pool, x in per_layer.items()}, "layers_per_chunk": k,
-            "record_gib": {"allocated": peaks["allocated"] * k / GIB,
-                           "concurrent_peak": max(peaks["concurrent_peak_per_rank"]) * k / GIB,
-                           "concurrent_peak_per_rank": [x * k / GIB for x in peaks["concurrent_peak_per_rank"]]},
-            # estimate, not compiled: the temporaries with the record sized by the concurrent peak (one arena per rank)
-            "temp_gib_record_at_peak": (mem["temporaries"] - peaks["allocated"] * k
-                                        + max(peaks["concurrent_peak_per_rank"]) * k) / GIB,
-            "compile_time_s": train.compile_time_s}
+    return {
+        "case": case_name(layout, schedule, v, branching),
+        "layout_name": layout,
+        "model": preset,
+        "target": target,
+        "num_gpus": n,
+        "schedule": schedule,
+        "branching": parallel.pipeline_branching,
+        "layout": {"d": parallel.data_parallel_size, "p": p, "t": t, "v": v, "b": b, "m": m},
+        "recompute": "none",
+        "ticks": table.ticks,
+        "slots": dict(table.slots),
+        "temp_gib": mem["temporaries"] / GIB,
+        "total_gib": mem["total"] / GIB,
+        "compiled_gib": {key: x / GIB for key, x in mem.items()},
+        "record_mib_per_layer": {pool: x / 2**20 for pool, x in per_layer.items()},
+        "layers_per_chunk": k,
+        "record_gib": {
+            "allocated": peaks["allocated"] * k / GIB,
+            "concurrent_peak": max(peaks["concurrent_peak_per_rank"]) * k / GIB,
+            "concurrent_peak_per_rank": [x * k / GIB for x in peaks["concurrent_peak_per_rank"]],
+        },
+        # estimate, not compiled: the temporaries with the record sized by the concurrent peak (one arena per rank)
+        "temp_gib_record_at_peak": (
+            mem["temporaries"] - peaks["allocated"] * k + max(peaks["concurrent_peak_per_rank"]) * k
+        )
+        / GIB,
+        "compile_time_s": train.compile_time_s,
+    }
 
 
 def ratios(rows: list[dict]) -> dict:
@@ -156,15 +186,22 @@ def ratios(rows: list[dict]) -> dict:
         if num is not None and den:
             value = num / den
             ok = value <= limit if cmp == "<=" else abs(value - 1) <= limit
-            out[key] = {"value": value, "target": f"{cmp} {limit}" if cmp == "<=" else f"|x - 1| <= {limit}",
-                        "met": ok}
+            out[key] = {"value": value, "target": f"{cmp} {limit}" if cmp == "<=" else f"|x - 1| <= {limit}", "met": ok}
 
     base = "1.3b-d2p4t1-b1"
     put("1f1b_per-rank/old_1f1b-split", by.get((base, "1f1b", "per-rank")), OLD["1f1b-split"], 1.05)
-    put("interleaved_uniform/old_interleaved_uniform", by.get((base, "interleaved", "uniform")),
-        OLD["interleaved-uniform"], 1.0)
-    put("interleaved_per-rank/old_interleaved_uniform", by.get((base, "interleaved", "per-rank")),
-        OLD["interleaved-uniform"], 1.0)
+    put(
+        "interleaved_uniform/old_interleaved_uniform",
+        by.get((base, "interleaved", "uniform")),
+        OLD["interleaved-uniform"],
+        1.0,
+    )
+    put(
+        "interleaved_per-rank/old_interleaved_uniform",
+        by.get((base, "interleaved", "per-rank")),
+        OLD["interleaved-uniform"],
+        1.0,
+    )
     put("zb-h1/old_zb-h1", by.get((base, "zb-h1", "per-rank")), OLD["zb-h1"], 1.0)
     put("zb-v/old_zb-v", by.get((base, "zb-v", "per-rank")), OLD["zb-v"], 1.0)
     for layout in sorted({r["layout_name"] for r in rows}):
@@ -172,11 +209,20 @@ def ratios(rows: list[dict]) -> dict:
         for zb in ("zb-h1", "zb-v"):
             put(f"{layout}:{zb}/1f1b", by.get((layout, zb, "per-rank")), one, 1.05)
             # estimate: both with the record at its concurrent peak (`temp_gib_record_at_peak`)
-            put(f"{layout}:{zb}/1f1b (estimate, record at its concurrent peak)",
-                at_peak.get((layout, zb, "per-rank")), at_peak.get((layout, "1f1b", "per-rank")), 1.05)
+            put(
+                f"{layout}:{zb}/1f1b (estimate, record at its concurrent peak)",
+                at_peak.get((layout, zb, "per-rank")),
+                at_peak.get((layout, "1f1b", "per-rank")),
+                1.05,
+            )
         for sched in ("interleaved", "gpipe"):
-            put(f"{layout}:{sched}_per-rank/uniform", by.get((layout, sched, "per-rank")),
-                by.get((layout, sched, "uniform")), 0.02, cmp="within")
+            put(
+                f"{layout}:{sched}_per-rank/uniform",
+                by.get((layout, sched, "per-rank")),
+                by.get((layout, sched, "uniform")),
+                0.02,
+                cmp="within",
+            )
     return out
 
 
@@ -194,10 +240,13 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         row = run_case(*CASES[names.index(name)])
         rows[name] = row
-        print(f"{name}: temp {row['temp_gib']:.3f} GiB, total {row['total_gib']:.3f} GiB, ticks {row['ticks']}, "
-              f"slots {row['slots']}, record {row['record_gib']['allocated']:.3f} GiB (concurrent peak "
-              f"{row['record_gib']['concurrent_peak']:.3f}), compile {row['compile_time_s']:.0f} s "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"{name}: temp {row['temp_gib']:.3f} GiB, total {row['total_gib']:.3f} GiB, ticks {row['ticks']}, "
+            f"slots {row['slots']}, record {row['record_gib']['allocated']:.3f} GiB (concurrent peak "
+            f"{row['record_gib']['concurrent_peak']:.3f}), compile {row['compile_time_s']:.0f} s "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
         ordered = [rows[n] for n in names if n in rows]
         write_json(args.out, {"old_gib": OLD, "notes": NOTES, "rows": ordered, "ratios": ratios(ordered)}, end="\n")
     for key, r in ratios([rows[n] for n in names if n in rows]).items():

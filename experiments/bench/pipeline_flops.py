@@ -64,19 +64,37 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
     from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
 
     cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
-    row = {"case": name, "recompute": recompute, "p": p, "v": v, "m": m, "t": t, "num_layers": cfg.num_layers,
-           "hidden": cfg.hidden_size, "seq": cfg.seq_length, "vocab_padded": cfg.padded_vocab_size(t)}
+    row = {
+        "case": name,
+        "recompute": recompute,
+        "p": p,
+        "v": v,
+        "m": m,
+        "t": t,
+        "num_layers": cfg.num_layers,
+        "hidden": cfg.hidden_size,
+        "seq": cfg.seq_length,
+        "vocab_padded": cfg.padded_vocab_size(t),
+    }
     megatron = megatron_flops(cfg, p, v, m, t, recompute)
     lockstep = SCHEDULE_SPECS[schedule].rows == "lockstep"
     for branching in ("uniform", "per-rank") if lockstep else ("per-rank",):
-        parallel = ParallelConfig(pipeline_model_parallel_size=p, virtual_pipeline_stages=v, pipeline_schedule=schedule,
-                                  tensor_model_parallel_size=t, micro_batch_size=1, global_batch_size=m,
-                                  pipeline_branching=branching)
+        parallel = ParallelConfig(
+            pipeline_model_parallel_size=p,
+            virtual_pipeline_stages=v,
+            pipeline_schedule=schedule,
+            tensor_model_parallel_size=t,
+            micro_batch_size=1,
+            global_batch_size=m,
+            pipeline_branching=branching,
+        )
         sched = pipeline_schedule(parallel)
         v_shape = SCHEDULE_SPECS[schedule].stage_map == "v"
         abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t), jax.random.key(0))
-        abstract = {**abstract, "layers": jax.eval_shape(lambda x, turn=v_shape: sharding.stage_layers(x, p, v, turn),
-                                                         abstract["layers"])}
+        abstract = {
+            **abstract,
+            "layers": jax.eval_shape(lambda x, turn=v_shape: sharding.stage_layers(x, p, v, turn), abstract["layers"]),
+        }
         specs = sharding.param_specs(abstract, pipelined=True)
         step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
         batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
@@ -93,14 +111,25 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
             per_cell = np.array([[k * layer[tk]] * p for tk in tick_kind]) + head * cols["head"].any(axis=1)[:, None]
         else:
             per_cell = np.array([[k * layer[k_] if k_ else 0.0 for k_ in row] for row in kinds]) + head * cols["head"]
-        work = {name: layer[kind] for kind, name in (("F", "layer_forward"), ("B", "layer_backward"),
-                                                     ("I", "layer_input_backward"), ("W", "layer_weight_backward"))}
+        work = {
+            name: layer[kind]
+            for kind, name in (
+                ("F", "layer_forward"),
+                ("B", "layer_backward"),
+                ("I", "layer_input_backward"),
+                ("W", "layer_weight_backward"),
+            )
+        }
         executed = [float(x) for x in per_cell.sum(axis=0)]
         critical = float(per_cell.max(axis=1).sum())
-        row[branching] = {"ticks": sched.ticks, "executed_flops_per_rank": executed,
-                          "executed_over_megatron_per_rank": [e / g for e, g in zip(executed, megatron)],
-                          "executed_over_megatron_last_rank": executed[-1] / megatron[-1],
-                          "critical_path_flops": critical, "work_flops": {**work, "head_backward": head}}
+        row[branching] = {
+            "ticks": sched.ticks,
+            "executed_flops_per_rank": executed,
+            "executed_over_megatron_per_rank": [e / g for e, g in zip(executed, megatron)],
+            "executed_over_megatron_last_rank": executed[-1] / megatron[-1],
+            "critical_path_flops": critical,
+            "work_flops": {**work, "head_backward": head},
+        }
     row["megatron_flops_per_rank"] = megatron
     return row
 
@@ -109,17 +138,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results/pipeline_flops.json")
     parser.add_argument("--cases", nargs="+", default=[c[0] for c in CASES])
-    parser.add_argument("--recompute", nargs="+", choices=["none", "selective", "full"],
-                        default=["none", "selective", "full"])
+    parser.add_argument(
+        "--recompute", nargs="+", choices=["none", "selective", "full"], default=["none", "selective", "full"]
+    )
     args = parser.parse_args(argv)
     fake_devices(8)
     rows = [measure(*case, recompute=r) for r in args.recompute for case in CASES if case[0] in args.cases]
     summary = {}
     for row in rows:
-        summary[f'{row["case"]} ({row["recompute"]})'] = {
-            b: {"executed/megatron (last rank)": round(row[b]["executed_over_megatron_last_rank"], 4),
-                "critical_path_tflop": round(row[b]["critical_path_flops"] / 1e12, 4)}
-            for b in ("uniform", "per-rank") if b in row}
+        summary[f"{row['case']} ({row['recompute']})"] = {
+            b: {
+                "executed/megatron (last rank)": round(row[b]["executed_over_megatron_last_rank"], 4),
+                "critical_path_tflop": round(row[b]["critical_path_flops"] / 1e12, 4),
+            }
+            for b in ("uniform", "per-rank")
+            if b in row
+        }
     by = {(r["case"], r["recompute"]): r for r in rows}
     for model in ("bench", "1.3b"):
         for r in args.recompute:
@@ -130,7 +164,8 @@ def main(argv=None) -> None:
                 if b not in by[one] or b not in by[inter]:
                     continue
                 summary[f"{model} critical path interleaved/1f1b ({b}, {r})"] = round(
-                    by[inter][b]["critical_path_flops"] / by[one][b]["critical_path_flops"], 4)
+                    by[inter][b]["critical_path_flops"] / by[one][b]["critical_path_flops"], 4
+                )
     write_json(args.out, {"rows": rows, "summary": summary})
     print(json.dumps(summary, indent=1))
 

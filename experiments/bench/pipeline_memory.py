@@ -26,8 +26,9 @@ import json
 from experiments.common import BENCH_MODEL, fake_devices, write_json
 
 MODEL = BENCH_MODEL
-CASES = [(s, v, m, r) for r in ("none", "full") for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
-         for m in (8, 32)]
+CASES = [
+    (s, v, m, r) for r in ("none", "full") for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)) for m in (8, 32)
+]
 P = 4
 
 
@@ -60,8 +61,9 @@ def residual_slot_bytes(cfg, layers_per_chunk: int, recompute: str) -> int:
         found["bytes"] = layers_per_chunk * Residuals.trace(lambda lp, h: layer(lp, h, None), one, x).slot_bytes
         return x
 
-    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, PartitionSpec()),
-                                 out_specs=PartitionSpec("pipe")), layers, x)
+    jax.eval_shape(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, PartitionSpec()), out_specs=PartitionSpec("pipe")), layers, x
+    )
     return found["bytes"]
 
 
@@ -76,8 +78,13 @@ def measure(schedule, v, m, recompute):
     from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
 
     cfg = ModelConfig(**MODEL)
-    parallel = ParallelConfig(pipeline_model_parallel_size=P, virtual_pipeline_stages=v, pipeline_schedule=schedule,
-                              micro_batch_size=1, global_batch_size=m)
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=P,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=schedule,
+        micro_batch_size=1,
+        global_batch_size=m,
+    )
     sched = pipeline_schedule(parallel)
     abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg), jax.random.key(0))
     abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, P, v), abstract["layers"])}
@@ -93,15 +100,24 @@ def measure(schedule, v, m, recompute):
     act_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # one chunk input, b = 1
     slot_bytes = residual_slot_bytes(cfg, k, recompute)
     s_, h, a = cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
-    return {"schedule": schedule, "recompute": recompute, "p": P, "v": v, "m": m, "ticks": sched.ticks,
-            "peak_stash": sched.peak_stash, "peak_in_flight": sched.peak_in_flight, "slots": sched.slots,
-            "record_slots": sched.slots["rec"],
-            "gradient_slots": sched.slots["grad"], "slot_bytes": slot_bytes,
-            "megatron_16bit_bytes_per_chunk": k * s_ * h * (34 + 5 * a * s_ / h) if recompute != "full"
-            else k * 2 * s_ * h,
-            "stash_bytes_rank0": sched.peak_stash[0] * slot_bytes,
-            "buffer_bytes_rank0": sched.slots["rec"] * slot_bytes + sched.slots["act"] * act_bytes,
-            "temp_bytes_per_device": temp}
+    return {
+        "schedule": schedule,
+        "recompute": recompute,
+        "p": P,
+        "v": v,
+        "m": m,
+        "ticks": sched.ticks,
+        "peak_stash": sched.peak_stash,
+        "peak_in_flight": sched.peak_in_flight,
+        "slots": sched.slots,
+        "record_slots": sched.slots["rec"],
+        "gradient_slots": sched.slots["grad"],
+        "slot_bytes": slot_bytes,
+        "megatron_16bit_bytes_per_chunk": k * s_ * h * (34 + 5 * a * s_ / h) if recompute != "full" else k * 2 * s_ * h,
+        "stash_bytes_rank0": sched.peak_stash[0] * slot_bytes,
+        "buffer_bytes_rank0": sched.slots["rec"] * slot_bytes + sched.slots["act"] * act_bytes,
+        "temp_bytes_per_device": temp,
+    }
 
 
 def main(argv=None) -> None:
@@ -111,12 +127,28 @@ def main(argv=None) -> None:
     fake_devices(P)
     rows = [measure(*case) for case in CASES]
     by = {(r["schedule"], r["recompute"], r["m"]): r for r in rows}
-    summary = {f"{s} {r}: temp m=32 / m=8": by[(s, r, 32)]["temp_bytes_per_device"]
-               / by[(s, r, 8)]["temp_bytes_per_device"]
-               for s in ("gpipe", "1f1b", "interleaved") for r in ("none", "full")}
+    summary = {
+        f"{s} {r}: temp m=32 / m=8": by[(s, r, 32)]["temp_bytes_per_device"] / by[(s, r, 8)]["temp_bytes_per_device"]
+        for s in ("gpipe", "1f1b", "interleaved")
+        for r in ("none", "full")
+    }
     for r in rows:
-        print(json.dumps({k: r[k] for k in ("schedule", "recompute", "m", "peak_stash", "slot_bytes",
-                                             "stash_bytes_rank0", "temp_bytes_per_device")}))
+        print(
+            json.dumps(
+                {
+                    k: r[k]
+                    for k in (
+                        "schedule",
+                        "recompute",
+                        "m",
+                        "peak_stash",
+                        "slot_bytes",
+                        "stash_bytes_rank0",
+                        "temp_bytes_per_device",
+                    )
+                }
+            )
+        )
     print(json.dumps(summary))
     write_json(args.out, {"model": MODEL, "rows": rows, "summary": summary})
 

@@ -33,8 +33,9 @@ def profile(steps: dict, runs: int) -> dict:
         # One window per run: from the end of the previous run's wait to the end of its own (dispatch is async).
         with gzip.open(trace_file) as f:
             events = json.load(f)["traceEvents"]
-        waits = sorted((e for e in events if e.get("ph") == "X" and "block_until_ready" in e["name"]),
-                       key=lambda e: e["ts"])
+        waits = sorted(
+            (e for e in events if e.get("ph") == "X" and "block_until_ready" in e["name"]), key=lambda e: e["ts"]
+        )
         ends = [e["ts"] + e["dur"] for e in waits]
         windows = list(zip([waits[0]["ts"] - 1e6, *ends[:-1]], ends))
         names = [name for name in steps for _ in range(runs)]
@@ -43,16 +44,19 @@ def profile(steps: dict, runs: int) -> dict:
             mine = [w for w, n in zip(windows, names) if n == name][1:]  # the first run of each warms up
             ms, count = leaf_times(trace_file, mine)
             k = len(mine)
-            per_step[name] = {"wall_ms": sum(hi - lo for lo, hi in mine) / 1e3 / k,
-                              "leaf_ms": sum(ms.values()) / k,
-                              "ops": {kind: {"ms": ms[kind] / k, "count": count[kind] // k} for kind in ms}}
+            per_step[name] = {
+                "wall_ms": sum(hi - lo for lo, hi in mine) / 1e3 / k,
+                "leaf_ms": sum(ms.values()) / k,
+                "ops": {kind: {"ms": ms[kind] / k, "count": count[kind] // k} for kind in ms},
+            }
     return per_step
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                        help="recomputation policy of both steps")
+    parser.add_argument(
+        "--recompute", choices=["none", "selective", "full"], default="none", help="recomputation policy of both steps"
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="experiments/results/profile_executor.json")
     args = parser.parse_args(argv)
@@ -81,28 +85,50 @@ def main(argv=None) -> None:
     mask = np.ones_like(tokens)
 
     def body(prm, tok, lab, msk):
-        return loss_and_grads(prm, tok, lab, msk, None, model_cfg=cfg, parallel=parallel, recompute=args.recompute,
-                              param_specs=specs, sched=sched)
+        return loss_and_grads(
+            prm,
+            tok,
+            lab,
+            msk,
+            None,
+            model_cfg=cfg,
+            parallel=parallel,
+            recompute=args.recompute,
+            param_specs=specs,
+            sched=sched,
+        )
 
     batch = sharding.BATCH_SPEC
     steps = {
-        "executor": (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch),
-                                           out_specs=(P(), specs, P()))), (staged, tokens, tokens, mask)),
-        "reference": (jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg,
-                                                                             recompute=args.recompute)),
-                      (params, tokens, tokens, mask)),
+        "executor": (
+            jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch), out_specs=(P(), specs, P()))),
+            (staged, tokens, tokens, mask),
+        ),
+        "reference": (
+            jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=args.recompute)),
+            (params, tokens, tokens, mask),
+        ),
     }
     per_step = profile(steps, args.runs)
     ex, ref = per_step["executor"]["ops"], per_step["reference"]["ops"]
     kinds = sorted(set(ex) | set(ref), key=lambda kd: -(ex.get(kd, {}).get("ms", 0) - ref.get(kd, {}).get("ms", 0)))
-    extra = [{"op": kd, "executor_ms": ex.get(kd, {}).get("ms", 0.0), "executor_count": ex.get(kd, {}).get("count", 0),
-              "reference_ms": ref.get(kd, {}).get("ms", 0.0), "reference_count": ref.get(kd, {}).get("count", 0)}
-             for kd in kinds[:12]]
-    result = {"model": {"num_layers": 8, "hidden_size": 128, "seq_length": 128, "micro_batch_size": 1, "m": m},
-              "executor_recompute": args.recompute,
-              "wall_ms": {name: per_step[name]["wall_ms"] for name in steps},
-              "leaf_ms": {name: per_step[name]["leaf_ms"] for name in steps},
-              "largest_differences": extra}
+    extra = [
+        {
+            "op": kd,
+            "executor_ms": ex.get(kd, {}).get("ms", 0.0),
+            "executor_count": ex.get(kd, {}).get("count", 0),
+            "reference_ms": ref.get(kd, {}).get("ms", 0.0),
+            "reference_count": ref.get(kd, {}).get("count", 0),
+        }
+        for kd in kinds[:12]
+    ]
+    result = {
+        "model": {"num_layers": 8, "hidden_size": 128, "seq_length": 128, "micro_batch_size": 1, "m": m},
+        "executor_recompute": args.recompute,
+        "wall_ms": {name: per_step[name]["wall_ms"] for name in steps},
+        "leaf_ms": {name: per_step[name]["leaf_ms"] for name in steps},
+        "largest_differences": extra,
+    }
     write_json(args.out, result)
     print(json.dumps({k: result[k] for k in ("executor_recompute", "wall_ms", "leaf_ms")}))
     for row in extra:

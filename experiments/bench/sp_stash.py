@@ -17,8 +17,16 @@ import json
 
 from experiments.common import fake_devices, write_json
 
-MODEL = dict(num_layers=1, hidden_size=256, num_attention_heads=8, vocab_size=1024, seq_length=256,
-             dtype="bfloat16", attention_backend="pallas", fused_kernels=True)
+MODEL = dict(
+    num_layers=1,
+    hidden_size=256,
+    num_attention_heads=8,
+    vocab_size=1024,
+    seq_length=256,
+    dtype="bfloat16",
+    attention_backend="pallas",
+    fused_kernels=True,
+)
 TENSOR_SIZES = (1, 2, 4, 8)
 
 
@@ -39,8 +47,7 @@ def layer_stash(t: int, sequence_parallel: bool, recompute: str, model: dict = M
     cfg = ModelConfig(**model)
     s, h = cfg.seq_length, cfg.hidden_size
     mesh = jax.make_mesh((1, t), ("pipe", "tensor"), devices=jax.devices()[:t], axis_types=(AxisType.Auto,) * 2)
-    layers = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t)["layers"],
-                            jax.random.key(0))
+    layers = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t)["layers"], jax.random.key(0))
     specs = sharding.param_specs({"layers": layers})["layers"]
     layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(cfg.dtype)), layers)
     x = jax.ShapeDtypeStruct((1, s, h), jnp.dtype(cfg.dtype))
@@ -52,7 +59,8 @@ def layer_stash(t: int, sequence_parallel: bool, recompute: str, model: dict = M
         lc, x = jax.tree.map(lambda a: mark_varying(a, ("pipe",)), (lc, x))
         x = mark_varying(x, ("tensor",)) if sequence_parallel else x
         layer = gpt.remat_layer(
-            lambda lp, h_, k: tp.transformer_layer(lp, h_, cfg, sequence_parallel, k, recompute), recompute)
+            lambda lp, h_, k: tp.transformer_layer(lp, h_, cfg, sequence_parallel, k, recompute), recompute
+        )
         res = Residuals.trace(lambda lp, h_: layer(lp, h_, None), jax.tree.map(lambda a: a[0], lc), x)
         found["res"] = res
         return jnp.zeros((), jnp.int32)
@@ -61,8 +69,11 @@ def layer_stash(t: int, sequence_parallel: bool, recompute: str, model: dict = M
     jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, x_spec), out_specs=PartitionSpec()), layers, x)
     res = found["res"]
     unit = s * h * 2  # s·b·h bfloat16 elements, b = 1
-    return {"units": res.slot_bytes / unit, "bytes_per_sbh": res.slot_bytes / (s * h),
-            "leaves": sorted([list(st.shape), str(st.dtype)] for st in res.structs)}
+    return {
+        "units": res.slot_bytes / unit,
+        "bytes_per_sbh": res.slot_bytes / (s * h),
+        "leaves": sorted([list(st.shape), str(st.dtype)] for st in res.structs),
+    }
 
 
 def main(argv=None) -> None:
@@ -73,20 +84,32 @@ def main(argv=None) -> None:
     rows = []
     for recompute in ("none", "selective"):
         for t in TENSOR_SIZES:
-            for sp in ((False, True) if t > 1 else (False,)):
+            for sp in (False, True) if t > 1 else (False,):
                 got = layer_stash(t, sp, recompute)
                 rows.append({"recompute": recompute, "t": t, "sequence_parallel": sp, **got})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "leaves"}))
     base = {r["recompute"]: r["units"] for r in rows if r["t"] == 1}
-    done_when = {f"{r['recompute']} t={r['t']}": {"sp_bytes_per_sbh": r["bytes_per_sbh"],
-                                                  "sp_units": r["units"], "unsplit_units_over_t":
-                                                  base[r["recompute"]] / r["t"],
-                                                  "ratio_to_unsplit": r["units"] / base[r["recompute"]],
-                                                  "one_over_t": 1 / r["t"]}
-                 for r in rows if r["sequence_parallel"]}
+    done_when = {
+        f"{r['recompute']} t={r['t']}": {
+            "sp_bytes_per_sbh": r["bytes_per_sbh"],
+            "sp_units": r["units"],
+            "unsplit_units_over_t": base[r["recompute"]] / r["t"],
+            "ratio_to_unsplit": r["units"] / base[r["recompute"]],
+            "one_over_t": 1 / r["t"],
+        }
+        for r in rows
+        if r["sequence_parallel"]
+    }
     print(json.dumps(done_when, indent=1))
-    write_json(args.out, {"model": MODEL, "unit": "s*b*h elements of the compute dtype (2 bytes each)",
-                          "rows": rows, "done_when": done_when})
+    write_json(
+        args.out,
+        {
+            "model": MODEL,
+            "unit": "s*b*h elements of the compute dtype (2 bytes each)",
+            "rows": rows,
+            "done_when": done_when,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -32,10 +32,16 @@ from pathlib import Path
 from experiments.common import ROOT, write_json
 
 CASES = {
-    "wide": dict(model=dict(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=257),
-                 micro_batch=8, microbatches=1),
-    "small": dict(model=dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257),
-                  micro_batch=4, microbatches=4),
+    "wide": dict(
+        model=dict(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=257),
+        micro_batch=8,
+        microbatches=1,
+    ),
+    "small": dict(
+        model=dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257),
+        micro_batch=4,
+        microbatches=4,
+    ),
 }
 TRAIN = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=0, weight_decay=0.01, clip_grad=1.0, train_iters=1000)
 
@@ -84,8 +90,10 @@ def torch_step(case: dict, cfg, params, tokens, threads: int):
         to_hf(jax.tree.map(np.asarray, params), cfg, tmp)
         model = GPT2LMHeadModel.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32).train()
     named = list(model.named_parameters())
-    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": TRAIN["weight_decay"]},
-              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": TRAIN["weight_decay"]},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=TRAIN["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule_lr_factor(s, TRAIN, TRAIN["train_iters"]))
     x, y = torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:])
@@ -94,9 +102,13 @@ def torch_step(case: dict, cfg, params, tokens, threads: int):
     def run():
         total = 0.0
         for j in range(M):
-            logits = model(x[j * b:(j + 1) * b]).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[j * b:(j + 1) * b].flatten(),
-                                                     reduction="sum") / y.numel()
+            logits = model(x[j * b : (j + 1) * b]).logits
+            loss = (
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), y[j * b : (j + 1) * b].flatten(), reduction="sum"
+                )
+                / y.numel()
+            )
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN["clip_grad"])
@@ -141,10 +153,13 @@ def profile_jax(run, hlo_text: str, steps: int = 3, top: int = 15) -> dict:
     lines = {m[2]: m[0].strip() for m in re.finditer(r"^\s*(ROOT\s+)?%?([\w.-]+) = .*$", hlo_text, re.M)}
     by_name = sorted(names.items(), key=lambda kv: -kv[1])
     leaf = [(n, ms) for n, ms in by_name if n in lines][:top]
-    return {"wall_ms_per_step": wall * 1e3, "minor_page_faults_per_step": faults,
-            "leaf_ms_per_step": sum(kinds.values()) / steps,
-            "by_kind_ms_per_step": {k: round(v / steps, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top_ops": [{"name": n, "ms_per_step": round(ms, 3), "hlo": lines[n][:300]} for n, ms in leaf]}
+    return {
+        "wall_ms_per_step": wall * 1e3,
+        "minor_page_faults_per_step": faults,
+        "leaf_ms_per_step": sum(kinds.values()) / steps,
+        "by_kind_ms_per_step": {k: round(v / steps, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_ops": [{"name": n, "ms_per_step": round(ms, 3), "hlo": lines[n][:300]} for n, ms in leaf],
+    }
 
 
 def profile_torch(run, steps: int = 3, top: int = 15) -> dict:
@@ -154,8 +169,16 @@ def profile_torch(run, steps: int = 3, top: int = 15) -> dict:
         for _ in range(steps):
             run()
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-    return {"top_ops": [{"name": e.key, "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3),
-                         "calls_per_step": e.count / steps} for e in rows]}
+    return {
+        "top_ops": [
+            {
+                "name": e.key,
+                "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3),
+                "calls_per_step": e.count / steps,
+            }
+            for e in rows
+        ]
+    }
 
 
 def main(argv=None) -> dict:
@@ -174,11 +197,28 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("glibc_default", "kept"):
             out = Path(tmp) / f"{mode}.json"
-            subprocess.run([sys.executable, "-m", "experiments.compare_torch.bench_cpu_step", *rest, "--mode", mode,
-                            "--out", str(out)], check=True, cwd=ROOT)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "experiments.compare_torch.bench_cpu_step",
+                    *rest,
+                    "--mode",
+                    mode,
+                    "--out",
+                    str(out),
+                ],
+                check=True,
+                cwd=ROOT,
+            )
             result[mode] = json.loads(out.read_text())
-    result["summary"] = {name: {f"{mode}_jax_speedup_over_torch": result[mode]["cases"][name]["jax_speedup_over_torch"]
-                                for mode in ("glibc_default", "kept")} for name in result["kept"]["cases"]}
+    result["summary"] = {
+        name: {
+            f"{mode}_jax_speedup_over_torch": result[mode]["cases"][name]["jax_speedup_over_torch"]
+            for mode in ("glibc_default", "kept")
+        }
+        for name in result["kept"]["cases"]
+    }
     print(json.dumps(result["summary"]))
     write_json(known.out, result)
     return result
@@ -206,8 +246,15 @@ def run_mode(argv) -> dict:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     from experiments.compare_torch.common import make_data
 
-    result = {"mode": args.mode, "threads": args.threads, "rounds": args.rounds, "steps_per_round": args.steps,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "train": TRAIN, "cases": {}}
+    result = {
+        "mode": args.mode,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "train": TRAIN,
+        "cases": {},
+    }
     for name in args.cases:
         case = CASES[name]
         tokens = make_data(1, case["micro_batch"] * case["microbatches"], case["model"]["seq_length"], 0)[0]
@@ -230,15 +277,31 @@ def run_mode(argv) -> dict:
         jax_s, torch_s = statistics.median(rounds["jax"]), statistics.median(rounds["torch"])
         tokens_per_step = tokens.shape[0] * case["model"]["seq_length"]
         result["cases"][name] = {
-            **case, "jax_step_s": jax_s, "torch_step_s": torch_s, "jax_speedup_over_torch": torch_s / jax_s,
-            "jax_tokens_per_s": tokens_per_step / jax_s, "torch_tokens_per_s": tokens_per_step / torch_s,
-            "first_step_loss": first, "jax_compile_s": compile_s,
-            "round_s": rounds}
+            **case,
+            "jax_step_s": jax_s,
+            "torch_step_s": torch_s,
+            "jax_speedup_over_torch": torch_s / jax_s,
+            "jax_tokens_per_s": tokens_per_step / jax_s,
+            "torch_tokens_per_s": tokens_per_step / torch_s,
+            "first_step_loss": first,
+            "jax_compile_s": compile_s,
+            "round_s": rounds,
+        }
         if args.profile:
-            result["cases"][name]["profile"] = {"jax": profile_jax(run_jax, hlo_text),
-                                                "torch": profile_torch(run_torch)}
-        print(json.dumps({name: {k: result["cases"][name][k] for k in
-                                 ("jax_step_s", "torch_step_s", "jax_speedup_over_torch", "first_step_loss")}}))
+            result["cases"][name]["profile"] = {
+                "jax": profile_jax(run_jax, hlo_text),
+                "torch": profile_torch(run_torch),
+            }
+        print(
+            json.dumps(
+                {
+                    name: {
+                        k: result["cases"][name][k]
+                        for k in ("jax_step_s", "torch_step_s", "jax_speedup_over_torch", "first_step_loss")
+                    }
+                }
+            )
+        )
     write_json(args.out, result)
     return result
 

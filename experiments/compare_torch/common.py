@@ -15,7 +15,8 @@ softmax would count and ours does not."""
 TRAIN = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0)
 MICRO_BATCH, MICROBATCHES = 2, 4
 LAYOUT_NAME = re.compile(
-    r"^(serial|t(\d+)|p(\d+)(?:v(\d+))?(?:t(\d+))?-(gpipe|1f1b-lockstep|1f1b|interleaved)(?:-(uniform|per-rank))?)$")
+    r"^(serial|t(\d+)|p(\d+)(?:v(\d+))?(?:t(\d+))?-(gpipe|1f1b-lockstep|1f1b|interleaved)(?:-(uniform|per-rank))?)$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +37,21 @@ class Layout:
     def parse(cls, name: str) -> Layout:
         match = LAYOUT_NAME.match(name)
         if match is None:
-            raise SystemExit(f"layout {name!r}: expected 'serial', t<T> or "
-                             f"p<P>[v<V>][t<T>]-<gpipe|1f1b|1f1b-lockstep|interleaved>[-uniform|-per-rank]")
+            raise SystemExit(
+                f"layout {name!r}: expected 'serial', t<T> or "
+                f"p<P>[v<V>][t<T>]-<gpipe|1f1b|1f1b-lockstep|interleaved>[-uniform|-per-rank]"
+            )
         if match[1] == "serial":
             return cls(name)
         if match[2]:
             return cls(name, t=int(match[2]))
         layout = cls(name, int(match[3]), int(match[4] or 1), int(match[5] or 1), match[6], match[7] or "auto")
         if layout.branching == "uniform" and layout.p > 1 and not _lockstep(layout.schedule):
-            raise SystemExit(f"layout {name!r}: {layout.schedule} runs different kinds on different ranks in one tick "
-                             f"and needs per-rank branching; uniform runs a lockstep schedule (e.g. "
-                             f"{name.replace(layout.schedule + '-', '1f1b-lockstep-', 1)!r})")
+            raise SystemExit(
+                f"layout {name!r}: {layout.schedule} runs different kinds on different ranks in one tick "
+                f"and needs per-rank branching; uniform runs a lockstep schedule (e.g. "
+                f"{name.replace(layout.schedule + '-', '1f1b-lockstep-', 1)!r})"
+            )
         return layout
 
     @property
@@ -99,8 +104,7 @@ def torch_setup(spec: dict, threads: int):
     from transformers import GPT2LMHeadModel
 
     def load():
-        return GPT2LMHeadModel.from_pretrained(spec["weights"], attn_implementation="sdpa",
-                                               dtype=torch.float32).train()
+        return GPT2LMHeadModel.from_pretrained(spec["weights"], attn_implementation="sdpa", dtype=torch.float32).train()
 
     return torch, load, torch.from_numpy(np.load(spec["data"]))
 
@@ -108,8 +112,10 @@ def torch_setup(spec: dict, threads: int):
 def torch_optimizer(torch, named_params, spec: dict):
     """AdamW with ptd_jax's groups (no decay for biases and LayerNorms: the 1-D tensors) and schedule."""
     params = list(named_params)
-    groups = [{"params": [p for _, p in params if p.ndim >= 2], "weight_decay": spec["train"]["weight_decay"]},
-              {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": spec["train"]["weight_decay"]},
+        {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=spec["train"]["lr"], betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule_lr_factor(s, spec["train"], spec["iters"]))
     return opt, sched

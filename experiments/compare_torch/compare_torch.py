@@ -55,9 +55,11 @@ from pathlib import Path
 from experiments.common import ROOT, write_json
 from experiments.compare_torch.common import MICRO_BATCH, MICROBATCHES, MODEL, TRAIN, Layout, make_data
 
-MEGATRON_SCHEDULES = {"serial": "forward_backward_no_pipelining",
-                      "1f1b": "forward_backward_pipelining_without_interleaving",
-                      "interleaved": "forward_backward_pipelining_with_interleaving"}
+MEGATRON_SCHEDULES = {
+    "serial": "forward_backward_no_pipelining",
+    "1f1b": "forward_backward_pipelining_without_interleaving",
+    "interleaved": "forward_backward_pipelining_with_interleaving",
+}
 """megatron-core's schedule for each of ours (it has no GPipe)."""
 
 
@@ -84,11 +86,11 @@ def megatron_layouts(layouts: list[Layout]) -> dict:
 # The worker processes
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _worker_cmd(kind: str, spec_path: Path, world: int = 1) -> list[str]:
     module = ["-m", "experiments.compare_torch.workers", kind, str(spec_path)]
     if kind in ("torch-pipeline", "megatron"):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                *module]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *module]
     return [sys.executable, *module]
 
 
@@ -97,8 +99,13 @@ def _run_worker(kind: str, spec: dict, work: Path, world: int = 1) -> dict:
     spec = {**spec, "out": str(work / f"{tag}.json")}
     spec_path = work / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
     subprocess.run(_worker_cmd(kind, spec_path, world), check=True, cwd=ROOT, env=env)
     return json.loads(Path(spec["out"]).read_text())
 
@@ -118,16 +125,23 @@ def run_rounds(layouts: list[Layout], spec: dict, work: Path, rounds: int, megat
     for _ in range(rounds):
         run = {"jax": {}}
         for n in sorted({x.devices for x in layouts}):
-            run["jax"].update(_run_worker("jax", {
-                **spec, "layouts": _layouts_of(layouts, lambda x, n=n: x.devices == n)}, work, world=n))
+            run["jax"].update(
+                _run_worker(
+                    "jax", {**spec, "layouts": _layouts_of(layouts, lambda x, n=n: x.devices == n)}, work, world=n
+                )
+            )
         for p in by_p:
-            run[f"pipe{p}"] = _run_worker("torch-pipeline", {
-                **spec, "layouts": _layouts_of(layouts, lambda x, p=p: x.p == p and x.t == 1)}, work, world=p)
+            run[f"pipe{p}"] = _run_worker(
+                "torch-pipeline",
+                {**spec, "layouts": _layouts_of(layouts, lambda x, p=p: x.p == p and x.t == 1)},
+                work,
+                world=p,
+            )
         run["eager"] = _run_worker("torch-eager", spec, work)
         for p in megatron_p:
-            run[f"megatron{p}"] = _run_worker("megatron", {
-                **spec, "layouts": _layouts_of(megatron_ran, lambda x, p=p: x.devices == p)},
-                work, world=p)
+            run[f"megatron{p}"] = _run_worker(
+                "megatron", {**spec, "layouts": _layouts_of(megatron_ran, lambda x, p=p: x.devices == p)}, work, world=p
+            )
         runs.append(run)
     return runs
 
@@ -135,6 +149,7 @@ def run_rounds(layouts: list[Layout], spec: dict, work: Path, rounds: int, megat
 # ---------------------------------------------------------------------------------------------------------------
 # The comparison
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _max_rel_diff(a, b) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -150,15 +165,24 @@ def _jax_columns(layout: Layout, jax_runs, runs, tokens: int) -> dict:
     jax_tps, jax_rounds = _tokens_per_s(jax_runs, tokens)
     jax_cpu_tps, jax_cpu_rounds = _tokens_per_s(jax_runs, tokens, "cpu_s")
     return {
-        "data_parallel_size": 1, "pipeline_model_parallel_size": layout.p, "tensor_model_parallel_size": layout.t,
-        "virtual_pipeline_stages": layout.v, "schedule": layout.schedule if layout.p > 1 else None,
+        "data_parallel_size": 1,
+        "pipeline_model_parallel_size": layout.p,
+        "tensor_model_parallel_size": layout.t,
+        "virtual_pipeline_stages": layout.v,
+        "schedule": layout.schedule if layout.p > 1 else None,
         "pipeline_branching": jax_runs[0]["branching"] if layout.p > 1 else None,
-        "loss_max_rel_diff_jax_vs_eager": max(_max_rel_diff(j["losses"], r["eager"]["losses"])
-                                              for j, r in zip(jax_runs, runs)),
-        "jax_tokens_per_s": jax_tps, "jax_tokens_per_cpu_s": jax_cpu_tps,
-        "jax_compile_s": jax_runs[0]["compile_s"], "jax_step_s_per_round": jax_rounds,
-        "jax_cpu_s_per_round": jax_cpu_rounds, "loss_jax": jax_runs[0]["losses"],
-        "grad_norm_jax": jax_runs[0]["grad_norms"], "torch_engine": None}
+        "loss_max_rel_diff_jax_vs_eager": max(
+            _max_rel_diff(j["losses"], r["eager"]["losses"]) for j, r in zip(jax_runs, runs)
+        ),
+        "jax_tokens_per_s": jax_tps,
+        "jax_tokens_per_cpu_s": jax_cpu_tps,
+        "jax_compile_s": jax_runs[0]["compile_s"],
+        "jax_step_s_per_round": jax_rounds,
+        "jax_cpu_s_per_round": jax_cpu_rounds,
+        "loss_jax": jax_runs[0]["losses"],
+        "grad_norm_jax": jax_runs[0]["grad_norms"],
+        "torch_engine": None,
+    }
 
 
 def _torch_columns(layout: Layout, row: dict, jax_runs, runs, tokens: int) -> dict:
@@ -169,12 +193,17 @@ def _torch_columns(layout: Layout, row: dict, jax_runs, runs, tokens: int) -> di
     return {
         "torch_engine": "eager" if layout.p == 1 else f"torch.distributed.pipelining {layout.family}",
         "loss_max_rel_diff": max(_max_rel_diff(j["losses"], t["losses"]) for j, t in zip(jax_runs, torch_runs)),
-        "loss_max_rel_diff_torch_vs_eager": max(_max_rel_diff(t["losses"], r["eager"]["losses"])
-                                                for t, r in zip(torch_runs, runs)),
-        "torch_tokens_per_s": torch_tps, "jax_over_torch": row["jax_tokens_per_s"] / torch_tps,
-        "torch_tokens_per_cpu_s": torch_cpu_tps, "jax_over_torch_cpu": row["jax_tokens_per_cpu_s"] / torch_cpu_tps,
-        "torch_step_s_per_round": torch_rounds, "torch_cpu_s_per_round": torch_cpu_rounds,
-        "loss_torch": torch_runs[0]["losses"]}
+        "loss_max_rel_diff_torch_vs_eager": max(
+            _max_rel_diff(t["losses"], r["eager"]["losses"]) for t, r in zip(torch_runs, runs)
+        ),
+        "torch_tokens_per_s": torch_tps,
+        "jax_over_torch": row["jax_tokens_per_s"] / torch_tps,
+        "torch_tokens_per_cpu_s": torch_cpu_tps,
+        "jax_over_torch_cpu": row["jax_tokens_per_cpu_s"] / torch_cpu_tps,
+        "torch_step_s_per_round": torch_rounds,
+        "torch_cpu_s_per_round": torch_cpu_rounds,
+        "loss_torch": torch_runs[0]["losses"],
+    }
 
 
 def _megatron_columns(layout: Layout, ran: str, row: dict, jax_runs, runs, tokens: int) -> dict:
@@ -184,19 +213,26 @@ def _megatron_columns(layout: Layout, ran: str, row: dict, jax_runs, runs, token
     mc_cpu_tps, mc_cpu_rounds = _tokens_per_s(mc_runs, tokens, "cpu_s")
     return {
         "megatron_core_engine": "megatron.core.pipeline_parallel."
-                                + MEGATRON_SCHEDULES["serial" if layout.p == 1 else layout.family],
+        + MEGATRON_SCHEDULES["serial" if layout.p == 1 else layout.family],
         "megatron_core_run": ran,
-        "loss_max_rel_diff_jax_vs_megatron_core": max(_max_rel_diff(j["losses"], m["losses"])
-                                                      for j, m in zip(jax_runs, mc_runs)),
-        "loss_max_rel_diff_megatron_core_vs_eager": max(_max_rel_diff(m["losses"], r["eager"]["losses"])
-                                                        for m, r in zip(mc_runs, runs)),
-        "megatron_core_tokens_per_s": mc_tps, "jax_over_megatron_core": row["jax_tokens_per_s"] / mc_tps,
+        "loss_max_rel_diff_jax_vs_megatron_core": max(
+            _max_rel_diff(j["losses"], m["losses"]) for j, m in zip(jax_runs, mc_runs)
+        ),
+        "loss_max_rel_diff_megatron_core_vs_eager": max(
+            _max_rel_diff(m["losses"], r["eager"]["losses"]) for m, r in zip(mc_runs, runs)
+        ),
+        "megatron_core_tokens_per_s": mc_tps,
+        "jax_over_megatron_core": row["jax_tokens_per_s"] / mc_tps,
         "megatron_core_tokens_per_cpu_s": mc_cpu_tps,
         "jax_over_megatron_core_cpu": row["jax_tokens_per_cpu_s"] / mc_cpu_tps,
-        "megatron_core_step_s_per_round": mc_rounds, "megatron_core_cpu_s_per_round": mc_cpu_rounds,
-        "loss_megatron_core": mc_runs[0]["losses"], "grad_norm_megatron_core": mc_runs[0]["grad_norms"],
+        "megatron_core_step_s_per_round": mc_rounds,
+        "megatron_core_cpu_s_per_round": mc_cpu_rounds,
+        "loss_megatron_core": mc_runs[0]["losses"],
+        "grad_norm_megatron_core": mc_runs[0]["grad_norms"],
         "grad_norm_max_rel_diff_jax_vs_megatron_core": max(
-            _max_rel_diff(j["grad_norms"], m["grad_norms"]) for j, m in zip(jax_runs, mc_runs))}
+            _max_rel_diff(j["grad_norms"], m["grad_norms"]) for j, m in zip(jax_runs, mc_runs)
+        ),
+    }
 
 
 def layout_row(layout: Layout, runs: list[dict], tokens: int, megatron_core: bool, megatron_ran: str | None) -> dict:
@@ -215,8 +251,19 @@ def layout_row(layout: Layout, runs: list[dict], tokens: int, megatron_core: boo
     return row
 
 
-def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micro_batch: int, microbatches: int,
-            threads: int, torch_eager_threads: int = 1, seed: int = 1234, megatron_core: bool = True) -> dict:
+def compare(
+    layouts: list[Layout],
+    *,
+    model: dict,
+    iters: int,
+    rounds: int,
+    micro_batch: int,
+    microbatches: int,
+    threads: int,
+    torch_eager_threads: int = 1,
+    seed: int = 1234,
+    megatron_core: bool = True,
+) -> dict:
     import importlib.util
 
     import jax
@@ -230,30 +277,52 @@ def compare(layouts: list[Layout], *, model: dict, iters: int, rounds: int, micr
     alone = [x.name for x in layouts if x.t > 1 and not (megatron_core and megatron_runs(x))]
     if alone:  # t > 1: only megatron-core runs it beside ptd_jax (torch.distributed.pipelining has no t)
         why = "no GPipe there" if megatron_core else "megatron-core is not installed or --no-megatron-core"
-        raise SystemExit(f"compare_torch: error: layouts {alone} have t > 1, which only megatron-core runs beside "
-                         f"ptd_jax ({why}); drop them")
+        raise SystemExit(
+            f"compare_torch: error: layouts {alone} have t > 1, which only megatron-core runs beside "
+            f"ptd_jax ({why}); drop them"
+        )
     cfg = ModelConfig(**model)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         params = gpt.init_params(jax.random.key(seed), cfg)
         to_hf(jax.tree.map(np.asarray, params), cfg, work / "weights")
         np.save(work / "data.npy", make_data(iters, micro_batch * microbatches, cfg.seq_length, seed))
-        spec = {"model": model, "train": TRAIN, "iters": iters, "micro_batch": micro_batch,
-                "microbatches": microbatches, "threads": threads, "torch_eager_threads": torch_eager_threads,
-                "weights": str(work / "weights"),
-                "data": str(work / "data.npy"), "jax_cache": str(work / "jax_cache")}
+        spec = {
+            "model": model,
+            "train": TRAIN,
+            "iters": iters,
+            "micro_batch": micro_batch,
+            "microbatches": microbatches,
+            "threads": threads,
+            "torch_eager_threads": torch_eager_threads,
+            "weights": str(work / "weights"),
+            "data": str(work / "data.npy"),
+            "jax_cache": str(work / "jax_cache"),
+        }
         runs = run_rounds(layouts, spec, work, rounds, megatron_core)
 
     tokens = micro_batch * microbatches * cfg.seq_length
     eager_tps, eager_rounds = _tokens_per_s([r["eager"] for r in runs], tokens)
     eager_cpu_tps, eager_cpu_rounds = _tokens_per_s([r["eager"] for r in runs], tokens, "cpu_s")
-    result = {"model": model, "train": {**TRAIN, "train_iters": iters}, "micro_batch": micro_batch,
-              "microbatches": microbatches, "global_batch": micro_batch * microbatches, "iters": iters,
-              "rounds": rounds, "threads": threads, "torch_eager_threads": torch_eager_threads, "dtype": "float32",
-              "loss_torch_eager": runs[0]["eager"]["losses"], "torch_eager_tokens_per_s": eager_tps,
-              "torch_eager_step_s_per_round": eager_rounds, "torch_eager_tokens_per_cpu_s": eager_cpu_tps,
-              "torch_eager_cpu_s_per_round": eager_cpu_rounds, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "layouts": {}}
+    result = {
+        "model": model,
+        "train": {**TRAIN, "train_iters": iters},
+        "micro_batch": micro_batch,
+        "microbatches": microbatches,
+        "global_batch": micro_batch * microbatches,
+        "iters": iters,
+        "rounds": rounds,
+        "threads": threads,
+        "torch_eager_threads": torch_eager_threads,
+        "dtype": "float32",
+        "loss_torch_eager": runs[0]["eager"]["losses"],
+        "torch_eager_tokens_per_s": eager_tps,
+        "torch_eager_step_s_per_round": eager_rounds,
+        "torch_eager_tokens_per_cpu_s": eager_cpu_tps,
+        "torch_eager_cpu_s_per_round": eager_cpu_rounds,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "layouts": {},
+    }
     first_run = megatron_layouts(layouts)
     for layout in layouts:
         ran = first_run[megatron_key(layout)].name if megatron_core and megatron_runs(layout) else None
@@ -297,49 +366,88 @@ def _plot(result: dict, path: str) -> None:
     rows = [result["layouts"][n] for n in names]
     ax.bar([i - 0.27 for i in x], [r["jax_tokens_per_s"] for r in rows], 0.27, label="ptd_jax")
     ax.bar(list(x), [r.get("torch_tokens_per_s", 0.0) for r in rows], 0.27, label="torch")
-    ax.bar([i + 0.27 for i in x], [r.get("megatron_core_tokens_per_s", 0.0) for r in rows], 0.27,
-           label="megatron-core (CPU)")
+    ax.bar(
+        [i + 0.27 for i in x],
+        [r.get("megatron_core_tokens_per_s", 0.0) for r in rows],
+        0.27,
+        label="megatron-core (CPU)",
+    )
     ax.set_xticks(list(x), names, rotation=20, fontsize=8)
     ax.set(title="tokens/s (median of rounds)", ylabel="tokens/s")
     ax.legend(fontsize=8)
     axes[1][-1].axis("off")
     m = result["model"]
-    fig.suptitle(f"ptd_jax vs PyTorch: L={m['num_layers']} h={m['hidden_size']} s={m['seq_length']} "
-                 f"b={result['micro_batch']} m={result['microbatches']}, {result['rounds']} alternating rounds, "
-                 f"{result['threads']} CPU cores")
+    fig.suptitle(
+        f"ptd_jax vs PyTorch: L={m['num_layers']} h={m['hidden_size']} s={m['seq_length']} "
+        f"b={result['micro_batch']} m={result['microbatches']}, {result['rounds']} alternating rounds, "
+        f"{result['threads']} CPU cores"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=["serial", "p2-1f1b", "p2-1f1b-lockstep-uniform", "p2-gpipe",
-                                                          "p2v2-interleaved", "t2", "p2t2-1f1b"],
-                        help="t<T> layouts run ptd_jax and megatron-core only")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["serial", "p2-1f1b", "p2-1f1b-lockstep-uniform", "p2-gpipe", "p2v2-interleaved", "t2", "p2t2-1f1b"],
+        help="t<T> layouts run ptd_jax and megatron-core only",
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=MICRO_BATCH)
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--model", type=json.loads, default={}, help="ModelConfig overrides, as JSON")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--torch-eager-threads", type=int, default=1,
-                        help="eager torch's intra-op threads (1 was its fastest on the 2-core machine)")
+    parser.add_argument(
+        "--torch-eager-threads",
+        type=int,
+        default=1,
+        help="eager torch's intra-op threads (1 was its fastest on the 2-core machine)",
+    )
     parser.add_argument("--out", default="experiments/results/compare_torch.json")
     parser.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
-    parser.add_argument("--no-megatron-core", dest="megatron_core", action="store_false",
-                        help="skip megatron-core (by default it runs where it is installed)")
+    parser.add_argument(
+        "--no-megatron-core",
+        dest="megatron_core",
+        action="store_false",
+        help="skip megatron-core (by default it runs where it is installed)",
+    )
     args = parser.parse_args(argv)
-    result = compare([Layout.parse(x) for x in args.layouts], model={**MODEL, **args.model}, iters=args.iters,
-                     rounds=args.rounds, micro_batch=args.micro_batch_size, microbatches=args.microbatches,
-                     threads=args.threads, torch_eager_threads=args.torch_eager_threads,
-                     megatron_core=args.megatron_core)
+    result = compare(
+        [Layout.parse(x) for x in args.layouts],
+        model={**MODEL, **args.model},
+        iters=args.iters,
+        rounds=args.rounds,
+        micro_batch=args.micro_batch_size,
+        microbatches=args.microbatches,
+        threads=args.threads,
+        torch_eager_threads=args.torch_eager_threads,
+        megatron_core=args.megatron_core,
+    )
     write_json(args.out, result)
     _plot(result, args.plot or str(Path(args.out).with_suffix(".png")))
     for name, row in result["layouts"].items():
-        print(json.dumps({name: {k: row[k] for k in ("loss_max_rel_diff", "jax_tokens_per_s", "torch_tokens_per_s",
-                                                     "jax_over_torch", "jax_over_torch_cpu",
-                                                     "loss_max_rel_diff_jax_vs_megatron_core",
-                                                     "jax_over_megatron_core") if k in row}}))
+        print(
+            json.dumps(
+                {
+                    name: {
+                        k: row[k]
+                        for k in (
+                            "loss_max_rel_diff",
+                            "jax_tokens_per_s",
+                            "torch_tokens_per_s",
+                            "jax_over_torch",
+                            "jax_over_torch_cpu",
+                            "loss_max_rel_diff_jax_vs_megatron_core",
+                            "jax_over_megatron_core",
+                        )
+                        if k in row
+                    }
+                }
+            )
+        )
     print(json.dumps({"torch_eager_tokens_per_s": result["torch_eager_tokens_per_s"]}))
     return result
 

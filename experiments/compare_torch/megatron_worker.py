@@ -42,8 +42,14 @@ def point_megatron_at_the_cpu(torch) -> None:
     torch.zeros = cpu_zeros
 
 
-COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
-                   "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight")
+COLUMN_PARALLEL = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+)
 """Split over t along dim 0 (output rows; the QKV rows go head by head, so each rank gets whole heads; the
 vocabulary rows of the embedding and the output layer)."""
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -87,17 +93,28 @@ def _transformer_config(torch, cfg, p: int, v: int, t: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        ffn_hidden_size=cfg.ffn_size, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         layernorm_epsilon=cfg.layernorm_epsilon,
-        activation_func=lambda x: torch.nn.functional.gelu(x, approximate="tanh" if cfg.gelu_approximate
-                                                           else "none"),
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
-        perform_initialization=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+        activation_func=lambda x: torch.nn.functional.gelu(x, approximate="tanh" if cfg.gelu_approximate else "none"),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=t,
+        pipeline_model_parallel_size=p,
         virtual_pipeline_model_parallel_size=v if v > 1 else None,
-        batch_p2p_comm=False)
+        batch_p2p_comm=False,
+    )
 
 
 def _build_chunks(config, cfg, full: dict, layout: Layout, tp_rank: int, pp_rank: int) -> list:
@@ -111,12 +128,21 @@ def _build_chunks(config, cfg, full: dict, layout: Layout, tp_rank: int, pp_rank
     for c in range(v):
         stage = c * p + pp_rank
         first, last = stage == 0, stage == num_stages - 1
-        chunk = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=cfg.vocab_size,
-                         max_sequence_length=cfg.seq_length, pre_process=first, post_process=last,
-                         share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
-                         vp_stage=c if v > 1 else None)
-        state = {name: tensor_shard(name, value, tp_rank, t)
-                 for name, value in _stage_state(full, stage, cfg.num_layers // num_stages, first, last).items()}
+        chunk = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.seq_length,
+            pre_process=first,
+            post_process=last,
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="learned_absolute",
+            vp_stage=c if v > 1 else None,
+        )
+        state = {
+            name: tensor_shard(name, value, tp_rank, t)
+            for name, value in _stage_state(full, stage, cfg.num_layers // num_stages, first, last).items()
+        }
         missing, unexpected = chunk.load_state_dict(state, strict=False)
         assert not unexpected and all(x.endswith("_extra_state") for x in missing), (missing, unexpected)
         chunks.append(chunk.train())
@@ -126,6 +152,7 @@ def _build_chunks(config, cfg, full: dict, layout: Layout, tp_rank: int, pp_rank
 def _forward_step(M: int, total: int, positions, mask):
     """megatron-core's forward_step_func: per-token losses on the last stage, summed over the global tokens (the
     schedule divides by M: the global-token normalisation survives it)."""
+
     def forward_step(iterator, model):
         tokens, labels = next(iterator)
         losses = model(tokens, positions, mask, labels=labels)
@@ -165,11 +192,17 @@ def _train_layout(torch, dist, layout: Layout, cfg, full: dict, data, spec: dict
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         tokens, labels = batch[:, :-1], batch[:, 1:]
-        micro = [(tokens[j * b:(j + 1) * b], labels[j * b:(j + 1) * b]) for j in range(M)]
+        micro = [(tokens[j * b : (j + 1) * b], labels[j * b : (j + 1) * b]) for j in range(M)]
         iterators = [iter(micro) for _ in range(v)] if v > 1 else iter(micro)
-        reduced = forward_backward(forward_step_func=forward_step, data_iterator=iterators,
-                                   model=chunks if v > 1 else chunks[0], num_microbatches=M, seq_length=S,
-                                   micro_batch_size=b, forward_only=False)
+        reduced = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=chunks if v > 1 else chunks[0],
+            num_microbatches=M,
+            seq_length=S,
+            micro_batch_size=b,
+            forward_only=False,
+        )
         if p > 1 and (embed is not None or head is not None):  # the tied copies, per tensor rank
             tied = embed if embed is not None else head
             dist.all_reduce(tied.grad, group=parallel_state.get_embedding_group())
@@ -177,8 +210,7 @@ def _train_layout(torch, dist, layout: Layout, cfg, full: dict, data, spec: dict
         # each weight once: a tensor-parallel shard on every tensor rank, a replicated one on tensor rank 0 only
         counted = [w for w in grads if w is not head and (id(w) in sharded or tp_rank == 0)]
         local_loss = sum(float(x["loss"]) for x in reduced) if reduced and tp_rank == 0 else 0.0  # once per t
-        loss, norm = distributed_update(torch, dist, grads, counted, local_loss, opt, sched,
-                                        spec["train"]["clip_grad"])
+        loss, norm = distributed_update(torch, dist, grads, counted, local_loss, opt, sched, spec["train"]["clip_grad"])
         dist.barrier()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)

@@ -19,6 +19,7 @@ from experiments.compare_torch.common import Layout, clip_grads, distributed_upd
 # ptd_jax
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def run_jax(spec: dict) -> dict:
     from ptd_jax.runtime.host_memory import keep_freed_host_memory
     from ptd_jax.parallel.mesh import set_fake_devices
@@ -48,25 +49,34 @@ def run_jax(spec: dict) -> dict:
     data = np.load(spec["data"])
     out = {}
     for layout in layouts:
-        parallel = ParallelConfig(pipeline_model_parallel_size=layout.p, virtual_pipeline_stages=layout.v,
-                                  tensor_model_parallel_size=layout.t,
-                                  pipeline_schedule=layout.schedule, pipeline_branching=layout.branching,
-                                  micro_batch_size=spec["micro_batch"],
-                                  global_batch_size=spec["micro_batch"] * spec["microbatches"])
+        parallel = ParallelConfig(
+            pipeline_model_parallel_size=layout.p,
+            virtual_pipeline_stages=layout.v,
+            tensor_model_parallel_size=layout.t,
+            pipeline_schedule=layout.schedule,
+            pipeline_branching=layout.branching,
+            micro_batch_size=spec["micro_batch"],
+            global_batch_size=spec["micro_batch"] * spec["microbatches"],
+        )
         parallel.check_model(cfg)
         mesh = make_mesh(parallel)
-        params = sharding.from_canonical(optimizer, {"params": canonical}, cfg.padded_vocab_size(layout.t), layout.p,
-                                         layout.v)["params"]
+        params = sharding.from_canonical(
+            optimizer, {"params": canonical}, cfg.padded_vocab_size(layout.t), layout.p, layout.v
+        )["params"]
         abstract = init_sharded_state(jax.random.key(0), cfg, optimizer, mesh, parallel, shapes_only=True)
         state = jax.device_put(new_state(params, optimizer), jax.tree.map(lambda x: x.sharding, abstract))
         M, b = spec["microbatches"], spec["micro_batch"]
-        batches = [(x[:, :-1].reshape(M, b, -1).astype(np.int32), x[:, 1:].reshape(M, b, -1).astype(np.int32))
-                   for x in data]
+        batches = [
+            (x[:, :-1].reshape(M, b, -1).astype(np.int32), x[:, 1:].reshape(M, b, -1).astype(np.int32)) for x in data
+        ]
         mask = np.ones_like(batches[0][0], dtype=np.float32)
         key = jax.random.key(0)
         start = time.perf_counter()
-        step = make_parallel_train_step(mesh, cfg, parallel, train_cfg, optimizer, state).lower(
-            state, *batches[0], mask, key).compile()
+        step = (
+            make_parallel_train_step(mesh, cfg, parallel, train_cfg, optimizer, state)
+            .lower(state, *batches[0], mask, key)
+            .compile()
+        )
         compile_s = time.perf_counter() - start
         losses, norms, times, cpu = [], [], [], []
         for tokens, labels in batches:
@@ -76,14 +86,21 @@ def run_jax(spec: dict) -> dict:
             cpu.append(time.process_time() - start_cpu)
             losses.append(float(metrics["lm_loss"]))
             norms.append(float(metrics["grad_norm"]))
-        out[layout.name] = {"losses": losses, "grad_norms": norms, "step_s": times, "cpu_s": cpu,
-                            "compile_s": compile_s, "branching": on_mesh(parallel, mesh).pipeline_branching}  # what ran
+        out[layout.name] = {
+            "losses": losses,
+            "grad_norms": norms,
+            "step_s": times,
+            "cpu_s": cpu,
+            "compile_s": compile_s,
+            "branching": on_mesh(parallel, mesh).pipeline_branching,
+        }  # what ran
     return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # PyTorch
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def run_torch_eager(spec: dict) -> dict:
     torch, load, data = torch_setup(spec, spec["torch_eager_threads"])
@@ -97,9 +114,13 @@ def run_torch_eager(spec: dict) -> dict:
         total = labels.numel()
         loss_sum = 0.0
         for j in range(M):
-            logits = model(tokens[j * b:(j + 1) * b]).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[j * b:(j + 1) * b].flatten(),
-                                                     reduction="sum") / total
+            logits = model(tokens[j * b : (j + 1) * b]).logits
+            loss = (
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), labels[j * b : (j + 1) * b].flatten(), reduction="sum"
+                )
+                / total
+            )
             loss.backward()
             loss_sum += loss.item()
         params = [p for p in model.parameters() if p.grad is not None]
@@ -119,7 +140,7 @@ def stage_module(torch, model, stage: int, num_stages: int, layers_per_stage: in
     layer (this rank's copy of the word embedding) on the last."""
     nn = torch.nn
     first, last = stage == 0, stage == num_stages - 1
-    blocks = model.transformer.h[stage * layers_per_stage:(stage + 1) * layers_per_stage]
+    blocks = model.transformer.h[stage * layers_per_stage : (stage + 1) * layers_per_stage]
 
     class Stage(nn.Module):
         def __init__(self):
@@ -167,8 +188,7 @@ def run_torch_pipeline(spec: dict) -> dict:
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / total
 
         cls = schedules[layout.family]
-        schedule = cls(stages if layout.v > 1 else stages[0], spec["microbatches"], loss_fn=loss_fn,
-                       scale_grads=False)
+        schedule = cls(stages if layout.v > 1 else stages[0], spec["microbatches"], loss_fn=loss_fn, scale_grads=False)
         named = [(n, p) for m in modules for n, p in m.named_parameters()]
         opt, sched = torch_optimizer(torch, named, spec)
         head = model.transformer.wte.weight  # on the last rank, the output layer's copy
@@ -191,8 +211,16 @@ def run_torch_pipeline(spec: dict) -> dict:
                 dist.all_reduce(head.grad, group=embedding_group)
             params = [p for _, p in named if p.grad is not None]
             counted = [p for p in params if not (last_rank and not first_rank and p is head)]
-            loss, _ = distributed_update(torch, dist, params, counted, sum(x.item() for x in micro_losses), opt,
-                                         sched, spec["train"]["clip_grad"])
+            loss, _ = distributed_update(
+                torch,
+                dist,
+                params,
+                counted,
+                sum(x.item() for x in micro_losses),
+                opt,
+                sched,
+                spec["train"]["clip_grad"],
+            )
             dist.barrier()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)

@@ -22,9 +22,11 @@ from experiments import common
 from experiments.paper import figures
 
 PAPER_BEST_B_FIG16 = 2
-PAPER_TEXT = ("Fig. 16 (91B, (t, p) = (8, 8), 64 GPUs, two batch sizes): the best micro-batch size is 2 for this "
-              "model; Takeaway #3: the optimal micro-batch size depends on the model's throughput and memory, the "
-              "pipeline depth p, the data-parallel size d and the batch size B")
+PAPER_TEXT = (
+    "Fig. 16 (91B, (t, p) = (8, 8), 64 GPUs, two batch sizes): the best micro-batch size is 2 for this "
+    "model; Takeaway #3: the optimal micro-batch size depends on the model's throughput and memory, the "
+    "pipeline depth p, the data-parallel size d and the batch size B"
+)
 FIG8_P, FIG8_BATCHES = 8, (128, 512)
 
 
@@ -40,15 +42,31 @@ def predicted() -> dict:
     fig7 = {b: figures.predict(one, 1, 1, 1, b, 128) for b in (1, 2, 4, 8, 16)}
     slots = {b: r["microbatch_slot_s"] for b, r in fig7.items()}
     big = figures.paper_model("91b-standin")
-    fig16 = [{"batch": batch, "b": b, "tflops_per_gpu": r["tflops_per_gpu"], "fits": r["fits"],
-              "bubble": r["bubble_fraction"]}
-             for batch in (128, 512) for b in (1, 2, 4, 8) for r in [figures.predict(big, 64, 8, 8, b, batch)]]
-    best = {batch: max((r for r in fig16 if r["batch"] == batch and r["fits"]), key=lambda r: r["tflops_per_gpu"])["b"]
-            for batch in (128, 512)}
-    return {"fig7": {b: {"tflops_per_gpu": r["tflops_per_gpu"], "microbatch_slot_s": r["microbatch_slot_s"]}
-                     for b, r in fig7.items()},
-            "fig8": {batch: estimate(slots, FIG8_P, batch) for batch in FIG8_BATCHES},
-            "fig16": fig16, "fig16_best_b": best}
+    fig16 = [
+        {
+            "batch": batch,
+            "b": b,
+            "tflops_per_gpu": r["tflops_per_gpu"],
+            "fits": r["fits"],
+            "bubble": r["bubble_fraction"],
+        }
+        for batch in (128, 512)
+        for b in (1, 2, 4, 8)
+        for r in [figures.predict(big, 64, 8, 8, b, batch)]
+    ]
+    best = {
+        batch: max((r for r in fig16 if r["batch"] == batch and r["fits"]), key=lambda r: r["tflops_per_gpu"])["b"]
+        for batch in (128, 512)
+    }
+    return {
+        "fig7": {
+            b: {"tflops_per_gpu": r["tflops_per_gpu"], "microbatch_slot_s": r["microbatch_slot_s"]}
+            for b, r in fig7.items()
+        },
+        "fig8": {batch: estimate(slots, FIG8_P, batch) for batch in FIG8_BATCHES},
+        "fig16": fig16,
+        "fig16_best_b": best,
+    }
 
 
 def measured(rounds, smoke) -> dict:
@@ -70,33 +88,50 @@ def plot(result, plt):
     pred, meas = result["predicted"], result["measured"]
     bs = sorted(pred["fig7"], key=int)
     axes[0][0].plot([int(b) for b in bs], [pred["fig7"][b]["tflops_per_gpu"] for b in bs], "o-")
-    axes[0][0].set(xscale="log", xlabel="micro-batch size b", ylabel="TFLOP/s per GPU (eq. 3)",
-                   title="Fig. 7 predicted: 1B model, one A100")
+    axes[0][0].set(
+        xscale="log",
+        xlabel="micro-batch size b",
+        ylabel="TFLOP/s per GPU (eq. 3)",
+        title="Fig. 7 predicted: 1B model, one A100",
+    )
     for batch, est in pred["fig8"].items():
         ks = sorted(est, key=int)
         axes[0][1].plot([int(b) for b in ks], [est[b] for b in ks], "o-", label=f"B'={batch}")
-    axes[0][1].set(xscale="log", xlabel="b", ylabel="normalized throughput",
-                   title=f"Fig. 8 estimate from predicted t_f+t_b, p={FIG8_P}")
+    axes[0][1].set(
+        xscale="log",
+        xlabel="b",
+        ylabel="normalized throughput",
+        title=f"Fig. 8 estimate from predicted t_f+t_b, p={FIG8_P}",
+    )
     axes[0][1].legend(fontsize=8)
     for batch in (128, 512):
         rows = [r for r in pred["fig16"] if r["batch"] == batch]
         axes[0][2].plot([r["b"] for r in rows], [r["tflops_per_gpu"] for r in rows], "o-", label=f"batch {batch}")
     axes[0][2].axvline(PAPER_BEST_B_FIG16, color="C3", ls="--", label="paper: best b = 2 (text)")
-    axes[0][2].set(xscale="log", xlabel="b", ylabel="TFLOP/s per GPU (eq. 3)",
-                   title="Fig. 16 predicted: ~91B stand-in, t=8 p=8, 64 A100s")
+    axes[0][2].set(
+        xscale="log",
+        xlabel="b",
+        ylabel="TFLOP/s per GPU (eq. 3)",
+        title="Fig. 16 predicted: ~91B stand-in, t=8 p=8, 64 A100s",
+    )
     axes[0][2].legend(fontsize=8)
     seq = meas["fig7_sequences_per_s"]
     axes[1][0].plot([int(b) for b in seq], list(seq.values()), "s-")
     axes[1][0].set(xscale="log", xlabel="b", ylabel="sequences/s", title="Fig. 7 measured: small model, one CPU device")
     for batch, est in meas["fig8"].items():
         axes[1][1].plot([int(b) for b in est], list(est.values()), "s-", label=f"B'={batch}")
-    axes[1][1].set(xscale="log", xlabel="b", ylabel="normalized throughput",
-                   title=f"Fig. 8 estimate from measured t_f+t_b, p={FIG8_P}")
+    axes[1][1].set(
+        xscale="log",
+        xlabel="b",
+        ylabel="normalized throughput",
+        title=f"Fig. 8 estimate from measured t_f+t_b, p={FIG8_P}",
+    )
     axes[1][1].legend(fontsize=8)
     seq = meas["fig16_sequences_per_s"]
     axes[1][2].plot([int(b) for b in seq], list(seq.values()), "s-")
-    axes[1][2].set(xscale="log", xlabel="b", ylabel="sequences/s",
-                   title="Fig. 16 measured: p=4 1F1B, batch 16, fake CPU devices")
+    axes[1][2].set(
+        xscale="log", xlabel="b", ylabel="sequences/s", title="Fig. 16 measured: p=4 1F1B, batch 16, fake CPU devices"
+    )
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     for ax in fig.axes:  # b on a log-2 axis with plain labels
@@ -109,13 +144,24 @@ def plot(result, plt):
 def main(argv=None) -> None:
     args = figures.parse_args(__doc__.splitlines()[0], argv)
     common.fake_devices(4)
-    result = {"predicted": predicted(), "measured": measured(args.rounds, args.smoke), "paper_text": PAPER_TEXT,
-              "paper_best_b_fig16": PAPER_BEST_B_FIG16, "timing_note": common.TIMING_NOTE}
+    result = {
+        "predicted": predicted(),
+        "measured": measured(args.rounds, args.smoke),
+        "paper_text": PAPER_TEXT,
+        "paper_best_b_fig16": PAPER_BEST_B_FIG16,
+        "timing_note": common.TIMING_NOTE,
+    }
     figures.write("fig07_08_16_microbatch", result, plot, args.out)
     meas = result["measured"]
-    print(json.dumps({"measured_fig7_sequences_per_s": meas["fig7_sequences_per_s"],
-                      "measured_fig16_best_b": meas["fig16_best_b"],
-                      "predicted_fig16_best_b": result["predicted"]["fig16_best_b"]}))
+    print(
+        json.dumps(
+            {
+                "measured_fig7_sequences_per_s": meas["fig7_sequences_per_s"],
+                "measured_fig16_best_b": meas["fig16_best_b"],
+                "predicted_fig16_best_b": result["predicted"]["fig16_best_b"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

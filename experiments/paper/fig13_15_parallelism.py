@@ -29,14 +29,17 @@ import json
 from experiments import common
 from experiments.paper import figures
 
-MEASURED = {"fig13": [(1, 4, 1), (2, 2, 1), (4, 1, 1)], "fig14": [(1, 4, 1), (1, 2, 2), (1, 1, 4)],
-            "fig15": [(4, 1, 1), (2, 1, 2), (1, 1, 4)]}
+MEASURED = {
+    "fig13": [(1, 4, 1), (2, 2, 1), (4, 1, 1)],
+    "fig14": [(1, 4, 1), (1, 2, 2), (1, 1, 4)],
+    "fig15": [(4, 1, 1), (2, 1, 2), (1, 1, 4)],
+}
 PAIRS = [(2, 32), (4, 16), (8, 8), (16, 4), (32, 2)]
 PAPER_TEXT = {
     "fig13": "tensor vs pipeline, 162.2B on 64 GPUs: tensor parallelism is best within a node (t = 8), pipeline "
-             "parallelism across nodes (Takeaway #1)",
+    "parallelism across nodes (Takeaway #1)",
     "fig14": "pipeline vs data, 5.9B on 64 GPUs: throughput decreases as the pipeline-parallel size grows "
-             "(Takeaway #2)",
+    "(Takeaway #2)",
     "fig15": "tensor vs data, 5.9B on 64 GPUs: throughput decreases as the tensor-parallel size grows (Takeaway #2)",
 }
 
@@ -56,17 +59,28 @@ def fig13_model():
 def predicted() -> dict:
     out = {}
     big, small = fig13_model(), figures.paper_model("5.9b").replace(dtype="float16")
-    specs = {"fig13": (big, (32, 128), lambda a, b: (a, b, 1)),
-             "fig14": (small, (32, 128, 512), lambda a, b: (1, a, b)),
-             "fig15": (small, (32, 128, 512), lambda a, b: (a, 1, b))}
+    specs = {
+        "fig13": (big, (32, 128), lambda a, b: (a, b, 1)),
+        "fig14": (small, (32, 128, 512), lambda a, b: (1, a, b)),
+        "fig15": (small, (32, 128, 512), lambda a, b: (a, 1, b)),
+    }
     for fig, (cfg, batches, tpd) in specs.items():
         rows = []
         for batch in batches:
             for a, b in PAIRS:
                 t, p, d = tpd(a, b)
                 r = figures.predict(cfg, 64, t, p, 1, batch)
-                rows.append({"batch": batch, "t": t, "p": p, "d": d, "tflops_per_gpu": r["tflops_per_gpu"],
-                             "fits": r["fits"], "memory_gb_per_gpu": r["memory_gb_per_gpu"]})
+                rows.append(
+                    {
+                        "batch": batch,
+                        "t": t,
+                        "p": p,
+                        "d": d,
+                        "tflops_per_gpu": r["tflops_per_gpu"],
+                        "fits": r["fits"],
+                        "memory_gb_per_gpu": r["memory_gb_per_gpu"],
+                    }
+                )
         out[fig] = rows
     return out
 
@@ -100,8 +114,11 @@ def plot(result, plt):
             for xi, r in zip(xs, rs):
                 if not r["fits"]:
                     ax.plot([xi], [r["tflops_per_gpu"]], "kx", ms=9)
-        ax.set(xlabel=f"({x1}, {x2})", ylabel="TFLOP/s per GPU (eq. 3)",
-               title=f"{name}: predicted, 64 A100s (x: does not fit)")
+        ax.set(
+            xlabel=f"({x1}, {x2})",
+            ylabel="TFLOP/s per GPU (eq. 3)",
+            title=f"{name}: predicted, 64 A100s (x: does not fit)",
+        )
         ax.legend(fontsize=7)
         ax.text(0.01, 0.01, "paper: " + PAPER_TEXT[name][:70] + "...", transform=ax.transAxes, fontsize=6)
         ax = axes[1][col]
@@ -120,14 +137,26 @@ def main(argv=None) -> None:
         return measured(args.rounds, args.smoke)
 
     measured_half, timing_note = figures.measured_or_kept("fig13_15_parallelism", args, measure)
-    result = {"predicted": predicted(), "measured": measured_half, "paper_text": PAPER_TEXT,
-              "timing_note": timing_note, "fig13_model": {**FIG13_SHAPE, "source": "paper §5.4.1"}}
+    result = {
+        "predicted": predicted(),
+        "measured": measured_half,
+        "paper_text": PAPER_TEXT,
+        "timing_note": timing_note,
+        "fig13_model": {**FIG13_SHAPE, "source": "paper §5.4.1"},
+    }
     figures.write("fig13_15_parallelism", result, plot, args.out)
-    best = {fig: max(rows, key=lambda r: r["tflops_per_gpu"] if r["fits"] else -1) for fig, rows in
-            result["predicted"].items()}
-    print(json.dumps({"measured": result["measured"]["relative_throughput"],
-                      "predicted_best": {f: f"t={r['t']} p={r['p']} d={r['d']} batch={r['batch']}"
-                                         for f, r in best.items()}}))
+    best = {
+        fig: max(rows, key=lambda r: r["tflops_per_gpu"] if r["fits"] else -1)
+        for fig, rows in result["predicted"].items()
+    }
+    print(
+        json.dumps(
+            {
+                "measured": result["measured"]["relative_throughput"],
+                "predicted_best": {f: f"t={r['t']} p={r['p']} d={r['d']} batch={r['batch']}" for f, r in best.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

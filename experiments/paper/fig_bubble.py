@@ -34,8 +34,14 @@ def simulated(ms=range(1, 33)) -> dict:
                 sched = build(schedule, P, v, m)
             except ScheduleError:
                 continue  # interleaved: m a multiple of p (Megatron's rule with G = p)
-            rows.append({"m": m, "bubble": sched.simulate()["bubble_fraction"], "formula": sched.formula_bubble(),
-                         "ticks": sched.ticks})
+            rows.append(
+                {
+                    "m": m,
+                    "bubble": sched.simulate()["bubble_fraction"],
+                    "formula": sched.formula_bubble(),
+                    "ticks": sched.ticks,
+                }
+            )
         out[f"{schedule} v={v}"] = rows
     return out
 
@@ -54,8 +60,11 @@ def measured(ms, rounds: int, smoke: bool) -> dict:
         name = f"{schedule} v={v}"
         ts = [out["median_step_s"][f"{name} m={m}"] for m in ms]
         c, t_mb = fit_line(list(ms), ts)
-        out["fits"][name] = {"fixed_s": c, "per_microbatch_s": t_mb,
-                             "bubble": [{"m": m, "measured": (t - m * t_mb) / (m * t_mb)} for m, t in zip(ms, ts)]}
+        out["fits"][name] = {
+            "fixed_s": c,
+            "per_microbatch_s": t_mb,
+            "bubble": [{"m": m, "measured": (t - m * t_mb) / (m * t_mb)} for m, t in zip(ms, ts)],
+        }
     return out
 
 
@@ -66,34 +75,54 @@ def plot(result, plt):
         ms = [r["m"] for r in rows]
         a1.plot(ms, [r["bubble"] for r in rows], "o-", ms=3, color=colors[name], label=f"{name}: lockstep simulated")
         a1.plot(ms, [r["formula"] for r in rows], ":", color=colors[name], label=f"{name}: formula")
-    a1.set(xlabel="microbatches m", ylabel="bubble fraction t_pb / t_id", ylim=(-0.4, 1.6),
-           title=f"simulated, p={P} (GPipe and 1F1B coincide)")
+    a1.set(
+        xlabel="microbatches m",
+        ylabel="bubble fraction t_pb / t_id",
+        ylim=(-0.4, 1.6),
+        title=f"simulated, p={P} (GPipe and 1F1B coincide)",
+    )
     a1.legend(fontsize=7)
     meas = result["measured"]
     for name, fit in meas["fits"].items():
         rows = fit["bubble"]
-        a2.plot([r["m"] for r in rows], [r["measured"] for r in rows], "s-", color=colors[name],
-                label=f"{name}: measured (fit T = c + m·t_mb)")
+        a2.plot(
+            [r["m"] for r in rows],
+            [r["measured"] for r in rows],
+            "s-",
+            color=colors[name],
+            label=f"{name}: measured (fit T = c + m·t_mb)",
+        )
         sim = {r["m"]: r["bubble"] for r in result["simulated"][name]}
-        a2.plot([r["m"] for r in rows], [sim.get(r["m"]) for r in rows], "x:", color=colors[name],
-                label=f"{name}: simulated")
+        a2.plot(
+            [r["m"] for r in rows],
+            [sim.get(r["m"]) for r in rows],
+            "x:",
+            color=colors[name],
+            label=f"{name}: simulated",
+        )
     a2.axhline(0, color="gray", lw=0.6)
     a2.set(xlabel="microbatches m", title=f"measured on {P} fake CPU devices (uniform branching)")
     a2.legend(fontsize=7)
-    fig.suptitle("Pipeline bubble vs microbatches (paper §2.2: (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) "
-                 "interleaved)",
-                 fontsize=10)
+    fig.suptitle(
+        "Pipeline bubble vs microbatches (paper §2.2: (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) interleaved)", fontsize=10
+    )
 
 
 def main(argv=None) -> None:
-    args = figures.parse_args(__doc__.splitlines()[0], argv, extra=lambda parser: parser.add_argument(
-        "--ms", type=int, nargs="+", default=[4, 8, 16, 24]))
+    args = figures.parse_args(
+        __doc__.splitlines()[0],
+        argv,
+        extra=lambda parser: parser.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16, 24]),
+    )
     if args.smoke:
         args.ms = [4, 8]
     common.fake_devices(P)
-    result = {"simulated": simulated(), "measured": measured(args.ms, args.rounds, args.smoke),
-              "timing_note": common.TIMING_NOTE,
-              "paper": "bubble (p−1)/m (GPipe, 1F1B) and (p−1)/(v·m) (interleaved), §2.2.1-2.2.2"}
+    result = {
+        "simulated": simulated(),
+        "measured": measured(args.ms, args.rounds, args.smoke),
+        "timing_note": common.TIMING_NOTE,
+        "paper": "bubble (p−1)/m (GPipe, 1F1B) and (p−1)/(v·m) (interleaved), §2.2.1-2.2.2",
+    }
     figures.write("fig_bubble", result, plot, args.out)
     fits = result["measured"]["fits"]
     summary = {name: [round(r["measured"], 3) for r in fit["bubble"]] for name, fit in fits.items()}

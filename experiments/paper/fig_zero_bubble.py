@@ -37,14 +37,25 @@ def summary(scheds: dict) -> dict:
     rows = {}
     for name, sched in scheds.items():
         sim = sched.simulate(times=TIMES)
-        rows[name] = {"v": sched.v, "ticks": sched.ticks, "makespan": sim["makespan"],
-                      "bubble_fraction": sim["bubble_fraction"], "formula_bubble": sched.formula_bubble(TIMES),
-                      "peak_stash": sched.peak_stash, "peak_in_flight": sched.peak_in_flight,
-                      "peak_w_stash": sched.peak_w_stash, "slots": sched.slots}
-    return {"p": P, "m": M, "times": {"f": TIMES[0], "b": TIMES[1], "w": TIMES[2]},
-            "note": "simulated: a tick lasts as long as its longest cell; bubble = (makespan - m(f+b+w)) / m(f+b+w); "
-                    "peak_stash in chunk-microbatches per rank (a ZB-V or interleaved chunk is half a stage)",
-            "schedules": rows}
+        rows[name] = {
+            "v": sched.v,
+            "ticks": sched.ticks,
+            "makespan": sim["makespan"],
+            "bubble_fraction": sim["bubble_fraction"],
+            "formula_bubble": sched.formula_bubble(TIMES),
+            "peak_stash": sched.peak_stash,
+            "peak_in_flight": sched.peak_in_flight,
+            "peak_w_stash": sched.peak_w_stash,
+            "slots": sched.slots,
+        }
+    return {
+        "p": P,
+        "m": M,
+        "times": {"f": TIMES[0], "b": TIMES[1], "w": TIMES[2]},
+        "note": "simulated: a tick lasts as long as its longest cell; bubble = (makespan - m(f+b+w)) / m(f+b+w); "
+        "peak_stash in chunk-microbatches per rank (a ZB-V or interleaved chunk is half a stage)",
+        "schedules": rows,
+    }
 
 
 def figure(scheds: dict, path: Path) -> None:
@@ -60,10 +71,15 @@ def figure(scheds: dict, path: Path) -> None:
     for ax, (name, sched) in zip(axes, scheds.items()):
         sim = sched.simulate(times=TIMES)
         formula = sched.formula_bubble(TIMES)
-        draw(ax, sched, TIMES, title=f"{name} (v={sched.v}): makespan {sim['makespan']:g}, bubble "
-                                     f"{sim['bubble_fraction']:.3f}" + ("" if formula is None else
-                                                                         f" (formula {formula:.3f})")
-                                     + f", peak stash {max(sched.peak_stash)} chunk-microbatches")
+        draw(
+            ax,
+            sched,
+            TIMES,
+            title=f"{name} (v={sched.v}): makespan {sim['makespan']:g}, bubble "
+            f"{sim['bubble_fraction']:.3f}"
+            + ("" if formula is None else f" (formula {formula:.3f})")
+            + f", peak stash {max(sched.peak_stash)} chunk-microbatches",
+        )
         ax.set_xlim(0, makespan)
     axes[-1].set_xlabel("time (one stage: F = B = W = 1); light = F, dark = B or I, xx = W, // = second chunk")
     fig.suptitle(f"p={P}, m={M}, f=b=w=1: 1F1B, ZB-H1, ZB-V and interleaved 1F1B (zero-bubble paper Figure 3 style)")

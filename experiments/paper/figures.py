@@ -11,8 +11,10 @@ from pathlib import Path
 
 from experiments.common import RESULTS, TIMING_NOTE
 
-PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM "
-         "(arXiv 2104.04473)")
+PAPER = (
+    "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM "
+    "(arXiv 2104.04473)"
+)
 
 
 def paper_model(name: str):
@@ -23,18 +25,35 @@ def paper_model(name: str):
     "162b-standin" (Fig. 13) and "91b-standin" (Fig. 16)."""
     from ptd_jax.config import model_preset
 
-    shapes = {"gpt3-175b": (96, 12288, 96), "5.9b": (32, 3840, 32), "1b": (4, 4096, 128), "145b": (80, 12288, 96),
-              "162b-standin": (96, 11776, 64), "91b-standin": (72, 10240, 80)}
+    shapes = {
+        "gpt3-175b": (96, 12288, 96),
+        "5.9b": (32, 3840, 32),
+        "1b": (4, 4096, 128),
+        "145b": (80, 12288, 96),
+        "162b-standin": (96, 11776, 64),
+        "91b-standin": (72, 10240, 80),
+    }
     layers, hidden, heads = shapes[name]
-    return model_preset("paper-1.7b").replace(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                              dtype="bfloat16")
+    return model_preset("paper-1.7b").replace(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, dtype="bfloat16"
+    )
 
 
 PAPERS_1F1B = "1f1b-lockstep"
 
 
-def predict(cfg, num_gpus: int, t: int, p: int, b: int, global_batch_size: int, k: int | None = None,
-            recompute: str = "full", hardware: str = "a100-80gb", **flags) -> dict:
+def predict(
+    cfg,
+    num_gpus: int,
+    t: int,
+    p: int,
+    b: int,
+    global_batch_size: int,
+    k: int | None = None,
+    recompute: str = "full",
+    hardware: str = "a100-80gb",
+    **flags,
+) -> dict:
     """The planner's record of one layout at the paper's scale (`ptd-plan predict`'s numbers): tflops_per_gpu
     (eq. 3), iteration_time_s, bubble_fraction, memory_gb_per_gpu, fits, terms_s, ...; sequences_per_s and
     microbatch_slot_s (one microbatch's forward and backward on the last stage) added."""
@@ -97,15 +116,19 @@ def parse_args(description: str, argv=None, rounds: int = 5, extra=None, predict
     if extra is not None:
         extra(parser)
     try:
-        parser.add_argument("--predicted-only", action="store_true",
-                            help="recompute the predicted part (ptd_jax.perf) and keep the measured part of the "
-                                 "existing JSON (--out, default experiments/results/<name>.json); measures nothing")
+        parser.add_argument(
+            "--predicted-only",
+            action="store_true",
+            help="recompute the predicted part (ptd_jax.perf) and keep the measured part of the "
+            "existing JSON (--out, default experiments/results/<name>.json); measures nothing",
+        )
     except argparse.ArgumentError:  # the script defines its own
         predicted_only = True
     args = parser.parse_args(argv)
     if args.predicted_only and not predicted_only:
-        parser.error("--predicted-only is not implemented by this script "
-                     f"(only by {', '.join(PREDICTED_ONLY_SCRIPTS)})")
+        parser.error(
+            f"--predicted-only is not implemented by this script (only by {', '.join(PREDICTED_ONLY_SCRIPTS)})"
+        )
     if args.predicted_only and (args.smoke or args.rounds is not None):
         dropped = "--smoke" if args.smoke else f"--rounds {args.rounds}"
         parser.error(f"--predicted-only measures nothing: drop {dropped}")
@@ -121,8 +144,10 @@ def kept_results(name: str, out: str | None) -> dict:
     file when it is missing or has no measured part."""
     path = Path(out) if out else RESULTS / f"{name}.json"
     if not path.is_file():
-        raise SystemExit(f"{name}: error: --predicted-only keeps the measured part of {path}, which does not exist "
-                         f"(run without --predicted-only first)")
+        raise SystemExit(
+            f"{name}: error: --predicted-only keeps the measured part of {path}, which does not exist "
+            f"(run without --predicted-only first)"
+        )
     old = json.loads(path.read_text())
     if not old.get("measured"):
         raise SystemExit(f"{name}: error: {path} has no measured part for --predicted-only to keep")

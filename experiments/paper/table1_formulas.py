@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ptd_jax.config import PAPER_TABLE_1, PAPER_VOCAB_SIZE, model_preset
-from ptd_jax.train.flops import flops_per_iteration, model_flops_per_iteration, num_params, training_days
+from ptd_jax.perf.flops import flops_per_iteration, model_flops_per_iteration, num_params, training_days
 
 
 def rows(tokens: float) -> list[dict]:
@@ -21,18 +21,25 @@ def rows(tokens: float) -> list[dict]:
         vocab = PAPER_VOCAB_SIZE  # Table 1's V (Megatron's padding of GPT-2's 50,257 at t = 8)
         params = num_params(cfg, vocab)
         flops = flops_per_iteration(cfg, row.global_batch_size, vocab)
-        out.append({
-            "model": row.name,
-            "heads": row.num_attention_heads, "hidden": row.hidden_size, "layers": row.num_layers,
-            "t": row.tensor_model_parallel_size, "p": row.pipeline_model_parallel_size, "gpus": row.num_gpus,
-            "batch": row.global_batch_size,
-            "params_eq2_billion": params / 1e9, "published_params_billion": row.published_params_billion,
-            "flops_per_iteration_eq3": flops,
-            "model_flops_per_iteration": model_flops_per_iteration(cfg, row.global_batch_size, vocab),
-            "published_tflops_per_gpu": row.published_tflops_per_gpu,
-            "implied_iteration_time_s": flops / (row.num_gpus * row.published_tflops_per_gpu * 1e12),
-            "training_days_eq4": training_days(tokens, params, row.num_gpus, row.published_tflops_per_gpu),
-        })
+        out.append(
+            {
+                "model": row.name,
+                "heads": row.num_attention_heads,
+                "hidden": row.hidden_size,
+                "layers": row.num_layers,
+                "t": row.tensor_model_parallel_size,
+                "p": row.pipeline_model_parallel_size,
+                "gpus": row.num_gpus,
+                "batch": row.global_batch_size,
+                "params_eq2_billion": params / 1e9,
+                "published_params_billion": row.published_params_billion,
+                "flops_per_iteration_eq3": flops,
+                "model_flops_per_iteration": model_flops_per_iteration(cfg, row.global_batch_size, vocab),
+                "published_tflops_per_gpu": row.published_tflops_per_gpu,
+                "implied_iteration_time_s": flops / (row.num_gpus * row.published_tflops_per_gpu * 1e12),
+                "training_days_eq4": training_days(tokens, params, row.num_gpus, row.published_tflops_per_gpu),
+            }
+        )
     return out
 
 
@@ -45,9 +52,11 @@ def main(argv=None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     for r in result["rows"]:
-        print(f"{r['model']:>7}  P={r['params_eq2_billion']:8.2f}B (published {r['published_params_billion']})  "
-              f"F/iter={r['flops_per_iteration_eq3']:.3e}  iter={r['implied_iteration_time_s']:6.2f}s  "
-              f"days@{args.tokens:.0e} tokens={r['training_days_eq4']:6.1f}")
+        print(
+            f"{r['model']:>7}  P={r['params_eq2_billion']:8.2f}B (published {r['published_params_billion']})  "
+            f"F/iter={r['flops_per_iteration_eq3']:.3e}  iter={r['implied_iteration_time_s']:6.2f}s  "
+            f"days@{args.tokens:.0e} tokens={r['training_days_eq4']:6.1f}"
+        )
 
 
 if __name__ == "__main__":

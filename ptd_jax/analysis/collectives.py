@@ -16,8 +16,16 @@ from collections import Counter, defaultdict
 from ptd_jax.analysis.jaxpr import tally
 
 COLLECTIVE_PRIMITIVES = {
-    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "reduce_scatter",
-    "psum_scatter", "ppermute", "all_to_all",
+    "psum",
+    "psum_invariant",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "all_gather_invariant",
+    "reduce_scatter",
+    "psum_scatter",
+    "ppermute",
+    "all_to_all",
 }
 
 
@@ -30,6 +38,7 @@ def jaxpr_collectives(jaxpr) -> dict:
     """{(primitive, axes): {"count": n, "elements": e}} over the whole program, loops unrolled by count.
 
     `cond` branches are counted once (the one with most collectives): exactly one runs per execution."""
+
     def count(eqn):
         if eqn.primitive.name not in COLLECTIVE_PRIMITIVES:
             return None
@@ -53,8 +62,21 @@ def summarize(counts) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 _HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1,
-                "u8": 1, "pred": 1, "s16": 2, "u16": 2}
+_DTYPE_BYTES = {
+    "f64": 8,
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "s16": 2,
+    "u16": 2,
+}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s32|u32|s64|u64|s8|u8|pred|s16|u16)\[([\d,]*)\]")
 
@@ -82,8 +104,7 @@ def _shape_bytes(text: str, op: str = "", started: bool = False) -> int:
     if started and op != "all-reduce" and text.startswith("("):
         elements = _tuple_elements(text)
         text = elements[1] if len(elements) >= 2 else text
-    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in
-               _SHAPE.findall(text))
+    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(text))
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:

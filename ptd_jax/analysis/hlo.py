@@ -58,6 +58,11 @@ def group_size(replica_groups: str) -> int:
 
 def collective_summary(hlo_text: str) -> dict[str, dict]:
     """{op: {"count", "bytes", "group_sizes"}} per execution of the program (loop bodies times their trip count)."""
-    return {op: {"count": entry["count"], "bytes": entry["bytes"],
-                 "group_sizes": sorted({group_size(g) for g in entry["replica_groups"]})}
-            for op, entry in sorted(hlo_collectives(hlo_text).items())}
+    return {
+        op: {
+            "count": entry["count"],
+            "bytes": entry["bytes"],
+            "group_sizes": sorted({group_size(g) for g in entry["replica_groups"]}),
+        }
+        for op, entry in sorted(hlo_collectives(hlo_text).items())
+    }

@@ -72,6 +72,7 @@ def named_calls(jaxpr, name: str) -> Iterator:
 def dot_flops(jaxpr) -> float:
     """Matmul FLOPs as the program runs (`tally`). Loops without a static trip count (`while`) and Pallas kernels
     (counted per block) are refused."""
+
     def count(eqn):
         name = eqn.primitive.name
         if name in ("while", "pallas_call"):
@@ -81,4 +82,5 @@ def dot_flops(jaxpr) -> float:
         (contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         return Counter(flops=2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract))
+
     return float(tally(jaxpr, count)["flops"])

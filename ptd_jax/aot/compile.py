@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ptd_jax import model as gpt
-from ptd_jax.aot.targets import GpuTarget
+from ptd_jax.perf.hardware import Hardware
 from ptd_jax.analysis.hlo import collective_summary, hlo_kernels
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.optimizer import make_optimizer
@@ -54,20 +54,23 @@ def allocator_fraction() -> float:
 def topology_name(num_gpus: int) -> str:
     """`slices x hosts x devices per host`, hosts of 8 GPUs as in a DGX."""
     if num_gpus < 1 or (num_gpus > GPUS_PER_HOST and num_gpus % GPUS_PER_HOST):
-        raise ConfigError(f"num_gpus={num_gpus} must be 1..{GPUS_PER_HOST} or a multiple of {GPUS_PER_HOST} "
-                          f"(hosts of {GPUS_PER_HOST} GPUs)")
+        raise ConfigError(
+            f"num_gpus={num_gpus} must be 1..{GPUS_PER_HOST} or a multiple of {GPUS_PER_HOST} "
+            f"(hosts of {GPUS_PER_HOST} GPUs)"
+        )
     per_host = min(num_gpus, GPUS_PER_HOST)
     return f"1x{num_gpus // per_host}x{per_host}"
 
 
-def virtual_devices(target: GpuTarget, num_gpus: int) -> list:
+def virtual_devices(target: Hardware, num_gpus: int) -> list:
     """`num_gpus` devices of `target` that XLA:GPU can compile for and no program can run on."""
     if not plugin_installed():
         raise ConfigError(f"compiling for GPUs needs the CUDA plugin: {INSTALL_HINT}")
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=target.target_config(),
-                                            topology=topology_name(num_gpus))
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=target.target_config(), topology=topology_name(num_gpus)
+    )
     return list(topology.devices)
 
 
@@ -86,12 +89,17 @@ def _compile(name: str, fn, *args) -> Compiled:
     compiled = fn.lower(*args).compile()
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
-    memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
-              "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes,
-              "generated_code": stats.generated_code_size_in_bytes}
+    memory = {
+        "arguments": stats.argument_size_in_bytes,
+        "outputs": stats.output_size_in_bytes,
+        "aliased": stats.alias_size_in_bytes,
+        "temporaries": stats.temp_size_in_bytes,
+        "generated_code": stats.generated_code_size_in_bytes,
+    }
     # donated state aliases its outputs: count those bytes once
-    memory["total"] = (memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
-                       + memory["generated_code"])
+    memory["total"] = (
+        memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"] + memory["generated_code"]
+    )
     return Compiled(name, seconds, memory, compiled.as_text())
 
 
@@ -102,15 +110,23 @@ def _batch_shapes(mesh, parallel: ParallelConfig, seq_length: int):
     return batch, batch, batch
 
 
-def compile_steps(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig, target: GpuTarget,
-                  num_gpus: int, *, evaluation: bool = True) -> tuple[ParallelConfig, list[Compiled]]:
+def compile_steps(
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    train_cfg: TrainConfig,
+    target: Hardware,
+    num_gpus: int,
+    *,
+    evaluation: bool = True,
+) -> tuple[ParallelConfig, list[Compiled]]:
     """The layout's train step (and eval step) compiled for `num_gpus` of `target`; nothing is computed."""
     mesh = make_mesh(parallel, virtual_devices(target, num_gpus))
     parallel = on_mesh(parallel, mesh)
     optimizer = make_optimizer(train_cfg)
     with gpt.kernels_for("gpu"):
-        state = init_sharded_state(jax.random.key(0), model_cfg, optimizer, mesh, parallel, shapes_only=True,
-                                   train_cfg=train_cfg)
+        state = init_sharded_state(
+            jax.random.key(0), model_cfg, optimizer, mesh, parallel, shapes_only=True, train_cfg=train_cfg
+        )
         batch = _batch_shapes(mesh, parallel, model_cfg.seq_length)
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.named(mesh, PartitionSpec()))
         step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state)
@@ -122,8 +138,9 @@ def compile_steps(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: T
     return parallel, programs
 
 
-def summary(model_cfg: ModelConfig, parallel: ParallelConfig, target: GpuTarget, num_gpus: int,
-            programs: list[Compiled]) -> dict:
+def summary(
+    model_cfg: ModelConfig, parallel: ParallelConfig, target: Hardware, num_gpus: int, programs: list[Compiled]
+) -> dict:
     """The JSON object `ptd-train --compile-only --json` prints: the train step's memory and contents, the
     evaluation step's memory beside it."""
     train = programs[0]
@@ -134,13 +151,22 @@ def summary(model_cfg: ModelConfig, parallel: ParallelConfig, target: GpuTarget,
         "target": target.name,
         "device": target.description,
         "num_gpus": num_gpus,
-        "layout": {"data": parallel.data_parallel_size, "pipe": parallel.pipeline_model_parallel_size,
-                   "tensor": parallel.tensor_model_parallel_size, "virtual": parallel.virtual_pipeline_stages,
-                   "schedule": parallel.pipeline_schedule, "micro_batch_size": parallel.micro_batch_size,
-                   "num_microbatches": parallel.num_microbatches},
-        "resolved": {"pipeline_branching": parallel.pipeline_branching,
-                     "attention_backend": model_cfg.attention_backend, "fused_kernels": model_cfg.fused_kernels,
-                     "dtype": model_cfg.dtype, "vocab_size": model_cfg.vocab_size},
+        "layout": {
+            "data": parallel.data_parallel_size,
+            "pipe": parallel.pipeline_model_parallel_size,
+            "tensor": parallel.tensor_model_parallel_size,
+            "virtual": parallel.virtual_pipeline_stages,
+            "schedule": parallel.pipeline_schedule,
+            "micro_batch_size": parallel.micro_batch_size,
+            "num_microbatches": parallel.num_microbatches,
+        },
+        "resolved": {
+            "pipeline_branching": parallel.pipeline_branching,
+            "attention_backend": model_cfg.attention_backend,
+            "fused_kernels": model_cfg.fused_kernels,
+            "dtype": model_cfg.dtype,
+            "vocab_size": model_cfg.vocab_size,
+        },
         "memory_bytes_per_gpu": peak,
         "memory": {p.name: p.memory for p in programs},
         "device_memory_bytes": target.memory_bytes,

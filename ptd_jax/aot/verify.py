@@ -4,7 +4,7 @@ the predicted one, and any layout the planner says fits that the compiled progra
 from __future__ import annotations
 
 from ptd_jax.aot.compile import compile_steps
-from ptd_jax.aot.targets import target as gpu_target
+from ptd_jax.perf.hardware import target as gpu_target
 from ptd_jax.config import ModelConfig, TrainConfig
 from ptd_jax.perf.hardware import GIB, HARDWARE
 from ptd_jax.perf.search import make_parallel
@@ -21,8 +21,15 @@ def planned_model_config(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(fused_kernels=True)
 
 
-def verify(cfg: ModelConfig, layouts: list[dict], hardware: str, num_gpus: int, global_batch_size: int,
-           recompute: str, flags: dict) -> list[dict]:
+def verify(
+    cfg: ModelConfig,
+    layouts: list[dict],
+    hardware: str,
+    num_gpus: int,
+    global_batch_size: int,
+    recompute: str,
+    flags: dict,
+) -> list[dict]:
     """Each layout record with `compiled_gb_per_gpu`, `compiled_fits` and `fits_mismatch` (predicted to fit, does
     not once compiled) added; the train step is compiled for `num_gpus` of the target named like the hardware, and
     both figures are held against the planner's usable memory (`Hardware.usable_memory_bytes`)."""
@@ -31,13 +38,25 @@ def verify(cfg: ModelConfig, layouts: list[dict], hardware: str, num_gpus: int, 
     train_cfg = TrainConfig(recompute_granularity=recompute)
     checked = []
     for record in layouts:
-        parallel = make_parallel(cfg, num_gpus, record["tensor_model_parallel_size"],
-                                 record["pipeline_model_parallel_size"], record["micro_batch_size"],
-                                 global_batch_size, record["num_layers_per_virtual_pipeline_stage"], **flags)
+        parallel = make_parallel(
+            cfg,
+            num_gpus,
+            record["tensor_model_parallel_size"],
+            record["pipeline_model_parallel_size"],
+            record["micro_batch_size"],
+            global_batch_size,
+            record["num_layers_per_virtual_pipeline_stage"],
+            **flags,
+        )
         _, (train,) = compile_steps(planned_model_config(cfg), parallel, train_cfg, target, num_gpus, evaluation=False)
         compiled = train.memory["total"]
-        checked.append({**record, "compiled_gb_per_gpu": compiled / GIB,
-                        "compiled_fits": compiled <= usable,
-                        "compile_time_s": train.compile_time_s,
-                        "fits_mismatch": record["fits"] and compiled > usable})
+        checked.append(
+            {
+                **record,
+                "compiled_gb_per_gpu": compiled / GIB,
+                "compiled_fits": compiled <= usable,
+                "compile_time_s": train.compile_time_s,
+                "fits_mismatch": record["fits"] and compiled > usable,
+            }
+        )
     return checked

@@ -46,9 +46,9 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
     return value
 
+
 def add_tokenizer_args(parser, default: str | None = "ByteTokenizer", help_default: str = "") -> None:
     """Megatron's tokenizer flags on an argparse parser."""
-    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default,
-                        help=help_default or None)
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default, help=help_default or None)
     parser.add_argument("--vocab-file", help="GPT-2's vocab.json (GPT2BPETokenizer)")
     parser.add_argument("--merge-file", help="GPT-2's merges.txt (GPT2BPETokenizer)")

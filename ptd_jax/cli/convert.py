@@ -44,8 +44,17 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as err:
         print(f"ptd-convert: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps({"direction": args.direction, "output": str(out), "num_layers": cfg.num_layers,
-                      "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}))
+    print(
+        json.dumps(
+            {
+                "direction": args.direction,
+                "output": str(out),
+                "num_layers": cfg.num_layers,
+                "hidden_size": cfg.hidden_size,
+                "vocab_size": cfg.vocab_size,
+            }
+        )
+    )
     return 0
 
 

@@ -1,8 +1,8 @@
 """`ptd-generate`: text from a checkpoint, with the tokenizer it records (`inference/generate.py` does the work).
 
-    ptd-generate --load CKPT --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --seed S]
-                 [--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file F --merge-file F]
-                 [--tensor-model-parallel-size T --fake-devices N]
+ptd-generate --load CKPT --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --seed S]
+             [--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file F --merge-file F]
+             [--tensor-model-parallel-size T --fake-devices N]
 """
 
 from __future__ import annotations
@@ -31,11 +31,15 @@ def pick_tokenizer(args, cfg: ModelConfig, meta: dict):
     elif cfg.vocab_size == ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
     else:
-        raise ConfigError(f"--load {args.load} records no tokenizer and has vocab_size={cfg.vocab_size}: give "
-                          f"--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ..., or --prompt-ids")
+        raise ConfigError(
+            f"--load {args.load} records no tokenizer and has vocab_size={cfg.vocab_size}: give "
+            f"--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ..., or --prompt-ids"
+        )
     if tokenizer.vocab_size != cfg.vocab_size:
-        raise ConfigError(f"the {tokenizer.name} has {tokenizer.vocab_size} tokens but --load {args.load} has "
-                          f"vocab_size={cfg.vocab_size}")
+        raise ConfigError(
+            f"the {tokenizer.name} has {tokenizer.vocab_size} tokens but --load {args.load} has "
+            f"vocab_size={cfg.vocab_size}"
+        )
     return tokenizer
 
 
@@ -47,9 +51,11 @@ def tensor_parallel_size(args, cfg: ModelConfig, meta: dict) -> int:
         return args.tensor_model_parallel_size
     saved = (meta.get("parallel") or {}).get("tensor_model_parallel_size", 1)
     if saved > 1 and len(jax.devices()) < saved:
-        print(f"ptd-generate: the checkpoint was trained at tensor_model_parallel_size={saved}; {len(jax.devices())}"
-              f" device(s) here: generating on one device (--fake-devices {saved} simulates them on CPU)",
-              file=sys.stderr)
+        print(
+            f"ptd-generate: the checkpoint was trained at tensor_model_parallel_size={saved}; {len(jax.devices())}"
+            f" device(s) here: generating on one device (--fake-devices {saved} simulates them on CPU)",
+            file=sys.stderr,
+        )
         return 1
     return saved
 
@@ -71,10 +77,14 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=finite_float)
     parser.add_argument("--seed", type=int, default=0)
-    add_tokenizer_args(parser, default=None, help_default="default: the checkpoint's (as ptd-train recorded it), "
-                       "else ByteTokenizer")
-    parser.add_argument("--tensor-model-parallel-size", type=int,
-                        help="t: heads and KV cache split over t devices (default: the checkpoint's t, if present)")
+    add_tokenizer_args(
+        parser, default=None, help_default="default: the checkpoint's (as ptd-train recorded it), else ByteTokenizer"
+    )
+    parser.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        help="t: heads and KV cache split over t devices (default: the checkpoint's t, if present)",
+    )
     parser.add_argument("--fake-devices", type=int, help="simulate N CPU devices (before JAX starts)")
     args = parser.parse_args(argv)
     try:
@@ -92,13 +102,21 @@ def main(argv=None) -> int:
                 raise ConfigError(f"prompt_ids={args.prompt_ids!r} is not a comma-separated list of ids") from None
             if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
                 raise ConfigError(f"prompt_ids hold ids outside [0, {cfg.vocab_size})")
-        out = generate(params, ids[None], cfg, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       tensor_parallel_size=tensor_parallel_size(args, cfg, meta))[0]
+        out = generate(
+            params,
+            ids[None],
+            cfg,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            tensor_parallel_size=tensor_parallel_size(args, cfg, meta),
+        )[0]
     except (ConfigError, DataError) as err:
         print(f"ptd-generate: error: {err}", file=sys.stderr)
         return 2
-    new = out[len(ids):]
+    new = out[len(ids) :]
     if tokenizer is not None:
         print(tokenizer.decode(out))
     print(json.dumps({"prompt_tokens": int(len(ids)), "new_tokens": [int(t) for t in new]}))

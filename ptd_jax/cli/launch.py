@@ -30,14 +30,21 @@ PROG = "ptd-launch"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description="Run N local processes of one multi-process ptd-train run.",
-                      usage="ptd-launch --nproc N [options] -- COMMAND [ARGS ...]",
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(
+        prog=PROG,
+        description="Run N local processes of one multi-process ptd-train run.",
+        usage="ptd-launch --nproc N [options] -- COMMAND [ARGS ...]",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--nproc", type=positive_int, required=True, help="number of processes")
     p.add_argument("--coordinator-host", default="127.0.0.1", help="where process 0's coordination service listens")
     p.add_argument("--coordinator-port", type=int, default=0, help="its port (0: a free one)")
-    p.add_argument("--grace-period", type=positive_float, default=10.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping the others after a failure")
+    p.add_argument(
+        "--grace-period",
+        type=positive_float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping the others after a failure",
+    )
     return p
 
 
@@ -67,7 +74,7 @@ def run(argv=None) -> int:
         parser.parse_args(argv)  # --help, or a bad flag: argparse's line
         parser.error("no command given: ptd-launch --nproc N [options] -- COMMAND [ARGS ...]")
     split = argv.index("--")
-    args, command = build_parser().parse_args(argv[:split]), argv[split + 1:]
+    args, command = build_parser().parse_args(argv[:split]), argv[split + 1 :]
     if not command:
         build_parser().error("no command given after --")
     if not 0 <= args.coordinator_port < 65536:
@@ -87,8 +94,12 @@ def run(argv=None) -> int:
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         for rank in range(args.nproc):
-            env = {**os.environ, "PTD_COORDINATOR_ADDRESS": address, "PTD_NUM_PROCESSES": str(args.nproc),
-                   "PTD_PROCESS_ID": str(rank)}
+            env = {
+                **os.environ,
+                "PTD_COORDINATOR_ADDRESS": address,
+                "PTD_NUM_PROCESSES": str(args.nproc),
+                "PTD_PROCESS_ID": str(rank),
+            }
             try:
                 children.append(subprocess.Popen(command, env=env, start_new_session=True))
             except OSError as err:
@@ -116,8 +127,11 @@ def _watch(children: list[subprocess.Popen], grace: float, signalled: list) -> i
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 others = sum(c is None for c in codes)
-                print(f"{PROG}: error: process {rank} (pid {children[rank].pid}) {_describe(code)}"
-                      + (f"; stopping the other {others}" if others else ""), file=sys.stderr)
+                print(
+                    f"{PROG}: error: process {rank} (pid {children[rank].pid}) {_describe(code)}"
+                    + (f"; stopping the other {others}" if others else ""),
+                    file=sys.stderr,
+                )
                 _stop(children, grace)
                 return _exit_code(code)
         if all(code == 0 for code in codes):

@@ -21,8 +21,14 @@ import json
 import sys
 
 from ptd_jax.cli.args import OneLineParser, positive_int
-from ptd_jax.config import (MODEL_PRESETS, PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, ConfigError, ModelConfig,
-                            model_preset)
+from ptd_jax.config import (
+    MODEL_PRESETS,
+    PIPELINE_SCHEDULES,
+    RECOMPUTE_GRANULARITIES,
+    ConfigError,
+    ModelConfig,
+    model_preset,
+)
 from ptd_jax.perf.hardware import GIB, HARDWARE
 from ptd_jax.perf.search import describe, layout_record, make_parallel, search
 from ptd_jax.perf.timing import predict
@@ -35,8 +41,16 @@ LOCKSTEP_CELL_LIMIT = 40_000
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (unset flags come from --model-preset)")
     g.add_argument("--model-preset", default=DEFAULT_PRESET, choices=sorted(MODEL_PRESETS))
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
-                 "--max-position-embeddings", "--vocab-size", "--make-vocab-size-divisible-by"):
+    for flag in (
+        "--num-layers",
+        "--hidden-size",
+        "--num-attention-heads",
+        "--ffn-hidden-size",
+        "--seq-length",
+        "--max-position-embeddings",
+        "--vocab-size",
+        "--make-vocab-size-divisible-by",
+    ):
         g.add_argument(flag, type=positive_int)
 
 
@@ -45,17 +59,30 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpus", type=positive_int, required=True)
     g.add_argument("--global-batch-size", type=positive_int, required=True)
     g.add_argument("--hardware", choices=sorted(HARDWARE), default="a100-80gb")
-    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default="full",
-                   help="full: the paper's runs (eq. 3 counts it)")
+    g.add_argument(
+        "--recompute-granularity",
+        choices=RECOMPUTE_GRANULARITIES,
+        default="full",
+        help="full: the paper's runs (eq. 3 counts it)",
+    )
     precision = g.add_mutually_exclusive_group()
-    precision.add_argument("--fp16", action="store_true",
-                           help="Megatron's fp16 of the paper: fp16 params and grads, 20 bytes per parameter, fp16 "
-                                "gradient all-reduce (ptd-train --fp16 keeps float32 gradients: plan it with --bf16)")
-    precision.add_argument("--bf16", action="store_true",
-                           help="bf16 params, fp32 grads: 18 bytes per parameter, fp32 gradient all-reduce (default)")
-    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
-                   help="predict: ptd-train's schedule (default: interleaved with "
-                        "--num-layers-per-virtual-pipeline-stage, else 1f1b)")
+    precision.add_argument(
+        "--fp16",
+        action="store_true",
+        help="Megatron's fp16 of the paper: fp16 params and grads, 20 bytes per parameter, fp16 "
+        "gradient all-reduce (ptd-train --fp16 keeps float32 gradients: plan it with --bf16)",
+    )
+    precision.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 params, fp32 grads: 18 bytes per parameter, fp32 gradient all-reduce (default)",
+    )
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=PIPELINE_SCHEDULES,
+        help="predict: ptd-train's schedule (default: interleaved with "
+        "--num-layers-per-virtual-pipeline-stage, else 1f1b)",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
@@ -77,31 +104,47 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(srch)
     add_run_flags(srch)
     srch.add_argument("--top", type=positive_int, default=10, help="rows of the table (the JSON lists all)")
-    srch.add_argument("--verify", type=positive_int, metavar="K",
-                      help="compile the K best layouts with XLA:GPU for --hardware (no GPU needed: the gpu-compile "
-                           "extra) and show the compiled memory per GPU beside the prediction")
+    srch.add_argument(
+        "--verify",
+        type=positive_int,
+        metavar="K",
+        help="compile the K best layouts with XLA:GPU for --hardware (no GPU needed: the gpu-compile "
+        "extra) and show the compiled memory per GPU beside the prediction",
+    )
     return parser
 
 
 def model_config(args) -> ModelConfig:
     base = model_preset(args.model_preset)
-    overrides = {name: getattr(args, name) for name in
-                 ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                  "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by")
-                 if getattr(args, name) is not None}
+    overrides = {
+        name: getattr(args, name)
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "seq_length",
+            "max_position_embeddings",
+            "vocab_size",
+            "make_vocab_size_divisible_by",
+        )
+        if getattr(args, name) is not None
+    }
     return base.replace(**overrides, dtype="float16" if args.fp16 else "bfloat16")
 
 
 def layout_flags(args) -> dict:
-    return {"sequence_parallel": args.sequence_parallel, "use_distributed_optimizer": args.use_distributed_optimizer,
-            "scatter_gather": not args.no_scatter_gather_tensors_in_pipeline}
+    return {
+        "sequence_parallel": args.sequence_parallel,
+        "use_distributed_optimizer": args.use_distributed_optimizer,
+        "scatter_gather": not args.no_scatter_gather_tensors_in_pipeline,
+    }
 
 
 def lockstep_bubble(parallel, recompute: str) -> float | None:
     """The bubble of ptd_jax's own lockstep table for this layout (backward = 3 forwards under full
     recomputation, 2 otherwise), or None when the table would be too large to build quickly."""
-    p, v, m = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages,
-               parallel.num_microbatches)
+    p, v, m = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches)
     if p == 1:
         return 0.0
     if p * v * m > LOCKSTEP_CELL_LIMIT:
@@ -114,50 +157,84 @@ def lockstep_bubble(parallel, recompute: str) -> float | None:
 
 def run_predict(args, cfg: ModelConfig) -> dict:
     hw = HARDWARE[args.hardware]
-    parallel = make_parallel(cfg, args.num_gpus, args.tensor_model_parallel_size,
-                             args.pipeline_model_parallel_size, args.micro_batch_size, args.global_batch_size,
-                             args.num_layers_per_virtual_pipeline_stage, schedule=args.pipeline_schedule,
-                             **layout_flags(args))
+    parallel = make_parallel(
+        cfg,
+        args.num_gpus,
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.micro_batch_size,
+        args.global_batch_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        schedule=args.pipeline_schedule,
+        **layout_flags(args),
+    )
     pred = predict(cfg, parallel, hw, args.recompute_granularity)
     record = layout_record(cfg, parallel, pred, hw)
-    record.update(hardware=hw.name, num_gpus=args.num_gpus, recompute_granularity=args.recompute_granularity,
-                  lockstep_bubble_fraction=lockstep_bubble(parallel, args.recompute_granularity),
-                  memory_stage=pred.memory["stage"], usable_memory_gb=hw.usable_memory_bytes / GIB)
+    record.update(
+        hardware=hw.name,
+        num_gpus=args.num_gpus,
+        recompute_granularity=args.recompute_granularity,
+        lockstep_bubble_fraction=lockstep_bubble(parallel, args.recompute_granularity),
+        memory_stage=pred.memory["stage"],
+        usable_memory_gb=hw.usable_memory_bytes / GIB,
+    )
     return record
 
 
 def print_predict(r: dict) -> None:
-    print(f"{describe(r)} ({r['pipeline_schedule']}, m={r['num_microbatches']}) on {r['num_gpus']} x {r['hardware']}, "
-          f"recompute={r['recompute_granularity']}")
-    print(f"  iteration {r['iteration_time_s']:.3f} s: " + ", ".join(
-        f"{name} {sec:.3f}" for name, sec in r["terms_s"].items() if sec))
-    print(f"  {r['tflops_per_gpu']:.1f} TFLOP/s per GPU (paper eq. 3); model {r['model_tflops_per_gpu']:.1f} "
-          f"(MFU {r['mfu']:.1%}); hardware {r['hardware_tflops_per_gpu']:.1f}")
+    print(
+        f"{describe(r)} ({r['pipeline_schedule']}, m={r['num_microbatches']}) on {r['num_gpus']} x {r['hardware']}, "
+        f"recompute={r['recompute_granularity']}"
+    )
+    print(
+        f"  iteration {r['iteration_time_s']:.3f} s: "
+        + ", ".join(f"{name} {sec:.3f}" for name, sec in r["terms_s"].items() if sec)
+    )
+    print(
+        f"  {r['tflops_per_gpu']:.1f} TFLOP/s per GPU (paper eq. 3); model {r['model_tflops_per_gpu']:.1f} "
+        f"(MFU {r['mfu']:.1%}); hardware {r['hardware_tflops_per_gpu']:.1f}"
+    )
     lock = r["lockstep_bubble_fraction"]
-    print(f"  bubble {r['bubble_fraction']:.3f} ((p-1)/(v*m)); ptd_jax lockstep table "
-          f"{'not built (too large)' if lock is None else f'{lock:.3f}'}")
+    print(
+        f"  bubble {r['bubble_fraction']:.3f} ((p-1)/(v*m)); ptd_jax lockstep table "
+        f"{'not built (too large)' if lock is None else f'{lock:.3f}'}"
+    )
     fits = "fits" if r["fits"] else "DOES NOT FIT"
-    print(f"  memory {r['memory_gb_per_gpu']:.1f} GiB per GPU ({r['memory_stage']} stage: state "
-          f"{r['memory_breakdown_gb']['state']:.1f}, activations {r['memory_breakdown_gb']['activations']:.1f}); "
-          f"{fits} in {r['usable_memory_gb']:.1f} GiB usable")
+    print(
+        f"  memory {r['memory_gb_per_gpu']:.1f} GiB per GPU ({r['memory_stage']} stage: state "
+        f"{r['memory_breakdown_gb']['state']:.1f}, activations {r['memory_breakdown_gb']['activations']:.1f}); "
+        f"{fits} in {r['usable_memory_gb']:.1f} GiB usable"
+    )
 
 
 def print_search(result: dict, top: int) -> None:
     rows = result["layouts"]
     if not rows:
-        print("no layout fits in memory" + (f"; the smallest needs {result['excluded'][0]['memory_gb_per_gpu']:.1f} "
-                                            f"GiB per GPU" if result["excluded"] else ""))
+        print(
+            "no layout fits in memory"
+            + (
+                f"; the smallest needs {result['excluded'][0]['memory_gb_per_gpu']:.1f} GiB per GPU"
+                if result["excluded"]
+                else ""
+            )
+        )
         return
-    print(f"{'rank':>4} {'t':>3} {'p':>3} {'d':>4} {'b':>3} {'k':>3} {'m':>5} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'iter s':>8} {'bubble':>7} {'GiB':>6}")
+    print(
+        f"{'rank':>4} {'t':>3} {'p':>3} {'d':>4} {'b':>3} {'k':>3} {'m':>5} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'iter s':>8} {'bubble':>7} {'GiB':>6}"
+    )
     for i, r in enumerate(rows[:top], 1):
         k = r["num_layers_per_virtual_pipeline_stage"]
-        print(f"{i:>4} {r['tensor_model_parallel_size']:>3} {r['pipeline_model_parallel_size']:>3} "
-              f"{r['data_parallel_size']:>4} {r['micro_batch_size']:>3} {k if k else '-':>3} "
-              f"{r['num_microbatches']:>5} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} "
-              f"{r['iteration_time_s']:>8.2f} {r['bubble_fraction']:>7.3f} {r['memory_gb_per_gpu']:>6.1f}")
-    print(f"({len(rows)} layouts fit, {len(result['excluded'])} do not; TFLOP/s = paper eq. 3; k = layers per "
-          f"virtual stage, '-' = plain 1F1B)")
+        print(
+            f"{i:>4} {r['tensor_model_parallel_size']:>3} {r['pipeline_model_parallel_size']:>3} "
+            f"{r['data_parallel_size']:>4} {r['micro_batch_size']:>3} {k if k else '-':>3} "
+            f"{r['num_microbatches']:>5} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} "
+            f"{r['iteration_time_s']:>8.2f} {r['bubble_fraction']:>7.3f} {r['memory_gb_per_gpu']:>6.1f}"
+        )
+    print(
+        f"({len(rows)} layouts fit, {len(result['excluded'])} do not; TFLOP/s = paper eq. 3; k = layers per "
+        f"virtual stage, '-' = plain 1F1B)"
+    )
     print(f"why {describe(rows[0])} wins:")
     for line in result["why"]:
         print(f"  - {line}")
@@ -178,17 +255,33 @@ def run(argv=None) -> dict:
         else:
             print_predict(result)
         return result
-    result = search(cfg, args.num_gpus, args.global_batch_size, HARDWARE[args.hardware],
-                    args.recompute_granularity, **layout_flags(args))
+    result = search(
+        cfg,
+        args.num_gpus,
+        args.global_batch_size,
+        HARDWARE[args.hardware],
+        args.recompute_granularity,
+        **layout_flags(args),
+    )
     if not result["layouts"] and not result["excluded"]:
-        raise ConfigError(f"no layout of num_gpus={args.num_gpus} GPUs suits global_batch_size="
-                          f"{args.global_batch_size}, num_layers={cfg.num_layers} and num_attention_heads="
-                          f"{cfg.num_attention_heads} (d = N/(t*p) must divide B, t the heads, p the layers)")
+        raise ConfigError(
+            f"no layout of num_gpus={args.num_gpus} GPUs suits global_batch_size="
+            f"{args.global_batch_size}, num_layers={cfg.num_layers} and num_attention_heads="
+            f"{cfg.num_attention_heads} (d = N/(t*p) must divide B, t the heads, p the layers)"
+        )
     if args.verify:
-        result["verified"] = verify_layouts(args, cfg, result["layouts"][:args.verify])
+        result["verified"] = verify_layouts(args, cfg, result["layouts"][: args.verify])
     if args.json:
-        print(json.dumps({"hardware": args.hardware, "num_gpus": args.num_gpus,
-                          "global_batch_size": args.global_batch_size, **result}))
+        print(
+            json.dumps(
+                {
+                    "hardware": args.hardware,
+                    "num_gpus": args.num_gpus,
+                    "global_batch_size": args.global_batch_size,
+                    **result,
+                }
+            )
+        )
     else:
         print_search(result, args.top)
         if args.verify:
@@ -203,16 +296,25 @@ def verify_layouts(args, cfg: ModelConfig, layouts: list[dict]) -> list[dict]:
         raise ConfigError(f"--verify compiles for GPUs and needs the CUDA plugin: {INSTALL_HINT}")
     from ptd_jax.aot.verify import verify
 
-    return verify(cfg, layouts, args.hardware, args.num_gpus, args.global_batch_size, args.recompute_granularity,
-                  layout_flags(args))
+    return verify(
+        cfg,
+        layouts,
+        args.hardware,
+        args.num_gpus,
+        args.global_batch_size,
+        args.recompute_granularity,
+        layout_flags(args),
+    )
 
 
 def print_verified(rows: list[dict], hardware: str) -> None:
     print(f"compiled by XLA:GPU for {hardware} (train step, per GPU):")
     for i, r in enumerate(rows, 1):
         mark = "  <- predicted to fit, does NOT fit compiled" if r["fits_mismatch"] else ""
-        print(f"{i:>4} {describe(r)}: predicted {r['memory_gb_per_gpu']:.1f} GiB, compiled "
-              f"{r['compiled_gb_per_gpu']:.1f} GiB ({'fits' if r['compiled_fits'] else 'does not fit'}){mark}")
+        print(
+            f"{i:>4} {describe(r)}: predicted {r['memory_gb_per_gpu']:.1f} GiB, compiled "
+            f"{r['compiled_gb_per_gpu']:.1f} GiB ({'fits' if r['compiled_fits'] else 'does not fit'}){mark}"
+        )
 
 
 def main(argv=None) -> int:

@@ -22,8 +22,12 @@ def main(argv=None) -> int:
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--extensions", nargs="+", default=list(DEFAULT_EXTENSIONS),
-                        help="file suffixes taken from folders (the dot is optional)")
+    parser.add_argument(
+        "--extensions",
+        nargs="+",
+        default=list(DEFAULT_EXTENSIONS),
+        help="file suffixes taken from folders (the dot is optional)",
+    )
     add_tokenizer_args(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
     args = parser.parse_args(argv)
@@ -33,8 +37,15 @@ def main(argv=None) -> int:
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
         check_output_prefix(args.output_prefix, prefix)
-        stats = build_indexed_dataset(args.input, prefix, json_keys=args.json_keys, append_eod=args.append_eod,
-                                      extensions=extensions, progress=not args.no_progress, tokenizer=tokenizer)
+        stats = build_indexed_dataset(
+            args.input,
+            prefix,
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            extensions=extensions,
+            progress=not args.no_progress,
+            tokenizer=tokenizer,
+        )
     except (DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-preprocess: error: {err}", file=sys.stderr)
         return 2
@@ -42,11 +53,17 @@ def main(argv=None) -> int:
         print("ptd-preprocess: interrupted; nothing was written", file=sys.stderr)
         return 130
     if "replaced_bytes" in stats:
-        print(f"ptd-preprocess: warning: {stats['replaced_bytes']} invalid UTF-8 byte(s) replaced by U+FFFD, "
-              f"e.g. in {stats['replaced_in'][0]}", file=sys.stderr)
+        print(
+            f"ptd-preprocess: warning: {stats['replaced_bytes']} invalid UTF-8 byte(s) replaced by U+FFFD, "
+            f"e.g. in {stats['replaced_in'][0]}",
+            file=sys.stderr,
+        )
     print(json.dumps(stats))
-    files = (f" --tokenizer-type {tokenizer.name} --vocab-file {tokenizer.vocab_file} --merge-file "
-             f"{tokenizer.merge_file}" if tokenizer.name == "GPT2BPETokenizer" else "")
+    files = (
+        f" --tokenizer-type {tokenizer.name} --vocab-file {tokenizer.vocab_file} --merge-file {tokenizer.merge_file}"
+        if tokenizer.name == "GPT2BPETokenizer"
+        else ""
+    )
     print(f"train with: ptd-train --data-path {prefix}{files}", file=sys.stderr)
     return 0
 

@@ -73,9 +73,11 @@ def summary(sched, times: tuple[float, float, float]) -> str:
     formula = sched.formula_bubble(times)
     law = sched.spec.bubble_formula
     formula_text = "no closed form" if formula is None else f"formula {law} = {formula:.4f}"
-    line = (f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} G={sched.group}: {sched.ticks} ticks, makespan "
-            f"{sim['makespan']:.4g} at f={times[0]:g} b={times[1]:g} w={times[2]:g}, bubble "
-            f"{sim['bubble_fraction']:.4f} ({formula_text}), peak stash per rank {sched.peak_stash}")
+    line = (
+        f"{sched.name}: p={sched.p} v={sched.v} m={sched.m} G={sched.group}: {sched.ticks} ticks, makespan "
+        f"{sim['makespan']:.4g} at f={times[0]:g} b={times[1]:g} w={times[2]:g}, bubble "
+        f"{sim['bubble_fraction']:.4f} ({formula_text}), peak stash per rank {sched.peak_stash}"
+    )
     if sched.split:
         line += f", in flight from F to W {sched.peak_in_flight}"
     return line
@@ -93,18 +95,26 @@ def run(argv) -> int:
     parser = OneLineParser(prog="ptd-schedule", description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="interleaved")
     parser.add_argument("--pipeline-model-parallel-size", "-p", type=positive_int, default=4)
-    parser.add_argument("--virtual-stages", "-v", type=positive_int,
-                        help="model chunks per rank (default: 2 for interleaved, else 1)")
+    parser.add_argument(
+        "--virtual-stages", "-v", type=positive_int, help="model chunks per rank (default: 2 for interleaved, else 1)"
+    )
     parser.add_argument("--num-microbatches", "-m", type=positive_int, default=8)
     parser.add_argument("--microbatch-group-size", type=positive_int, help="interleaved only (default: p)")
-    parser.add_argument("--backward-ratio", type=positive_float, default=2.0,
-                        help="backward time / forward time: b + w when --b-time/--w-time are not given")
+    parser.add_argument(
+        "--backward-ratio",
+        type=positive_float,
+        default=2.0,
+        help="backward time / forward time: b + w when --b-time/--w-time are not given",
+    )
     parser.add_argument("--f-time", type=positive_float, default=1.0, help="a whole stage's forward time")
-    parser.add_argument("--b-time", type=positive_float,
-                        help="a stage's input-gradient backward time (default: backward ratio / 2)")
-    parser.add_argument("--w-time", type=positive_float,
-                        help="a stage's weight-gradient time (default: backward ratio / 2); a fused schedule's "
-                             "backward lasts b + w")
+    parser.add_argument(
+        "--b-time", type=positive_float, help="a stage's input-gradient backward time (default: backward ratio / 2)"
+    )
+    parser.add_argument(
+        "--w-time",
+        type=positive_float,
+        help="a stage's weight-gradient time (default: backward ratio / 2); a fused schedule's backward lasts b + w",
+    )
     parser.add_argument("--json", action="store_true", help="print the schedule as JSON")
     parser.add_argument("--plot", help=f"write a timeline (paper Figure 4 style); {'/'.join(PLOT_FORMATS)}")
     args = parser.parse_args(argv)
@@ -115,16 +125,19 @@ def run(argv) -> int:
     actions = (3 if spec.split else 2) * p * v * m
     per = "3·p·v·m" if spec.split else "2·p·v·m"
     if args.microbatch_group_size is not None and not spec.grouped:
-        parser.error(f"argument --microbatch-group-size: G={args.microbatch_group_size} needs --schedule "
-                     f"interleaved (schedule={args.schedule!r} has no groups)")
+        parser.error(
+            f"argument --microbatch-group-size: G={args.microbatch_group_size} needs --schedule "
+            f"interleaved (schedule={args.schedule!r} has no groups)"
+        )
     if actions > MAX_ACTIONS:
-        parser.error(f"p={p}, v={v}, m={m} make {per} = {actions} actions, more than this tool builds "
-                     f"({MAX_ACTIONS})")
+        parser.error(f"p={p}, v={v}, m={m} make {per} = {actions} actions, more than this tool builds ({MAX_ACTIONS})")
     if args.plot is not None and (problem := plot_problem(args.plot)):
         parser.error(f"argument --plot: {problem}")
     if args.plot is not None and actions > MAX_PLOT_ACTIONS:
-        parser.error(f"argument --plot: p={p}, v={v}, m={m} make {actions} actions, more than a timeline "
-                     f"draws ({MAX_PLOT_ACTIONS}); leave out --plot or use fewer microbatches")
+        parser.error(
+            f"argument --plot: p={p}, v={v}, m={m} make {actions} actions, more than a timeline "
+            f"draws ({MAX_PLOT_ACTIONS}); leave out --plot or use fewer microbatches"
+        )
     try:
         sched = build(args.schedule, p, v, m, args.microbatch_group_size)
         validate(sched)

@@ -15,11 +15,35 @@ exports the reading side; `preprocess` and `corpus`, which write, are imported b
     corpus.py           the default corpus (this interpreter's standard library), built once into a cache
 """
 
-from ptd_jax.data.gpt_dataset import (Batch, Epoch, GPTData, GPTDataset, local_rows, make_batch, microbatches,
-                                      parse_split, split_documents, split_global_batch)
+from ptd_jax.data.gpt_dataset import (
+    Batch,
+    Epoch,
+    GPTData,
+    GPTDataset,
+    local_rows,
+    make_batch,
+    microbatches,
+    parse_split,
+    split_documents,
+    split_global_batch,
+)
 from ptd_jax.data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 from ptd_jax.data.loader import prefetch
 
-__all__ = ["Batch", "DataError", "Epoch", "GPTData", "GPTDataset", "IndexedDataset", "IndexedDatasetError",
-           "IndexedDatasetWriter", "local_rows", "make_batch", "microbatches", "parse_split", "prefetch",
-           "split_documents", "split_global_batch"]
+__all__ = [
+    "Batch",
+    "DataError",
+    "Epoch",
+    "GPTData",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetError",
+    "IndexedDatasetWriter",
+    "local_rows",
+    "make_batch",
+    "microbatches",
+    "parse_split",
+    "prefetch",
+    "split_documents",
+    "split_global_batch",
+]

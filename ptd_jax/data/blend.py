@@ -47,15 +47,19 @@ def parse_blend(flag: str, words) -> list[tuple[float, str]]:
     if len(words) == 1:
         return [(1.0, str(words[0]))]
     if not words or len(words) % 2:
-        raise DataError(f"{flag} needs one prefix or pairs of weight and prefix (w1 prefix1 w2 prefix2 ...), got "
-                        f"{len(words)} values: {' '.join(map(str, words))}")
+        raise DataError(
+            f"{flag} needs one prefix or pairs of weight and prefix (w1 prefix1 w2 prefix2 ...), got "
+            f"{len(words)} values: {' '.join(map(str, words))}"
+        )
     pairs = []
     for weight, prefix in zip(words[::2], words[1::2]):
         try:
             value = float(weight)
         except ValueError:
-            raise DataError(f"{flag}: weight {weight!r} (before {prefix!r}) is not a number; give pairs of weight "
-                            f"and prefix (w1 prefix1 w2 prefix2 ...)") from None
+            raise DataError(
+                f"{flag}: weight {weight!r} (before {prefix!r}) is not a number; give pairs of weight "
+                f"and prefix (w1 prefix1 w2 prefix2 ...)"
+            ) from None
         if not math.isfinite(value):
             raise DataError(f"{flag}: weight {weight!r} of {prefix!r} is not a finite number")
         if value < 0:
@@ -149,8 +153,7 @@ class BlendIndex:
         known = max(k for k in self._starts if k <= b)
         for k in range(known + 1, b + 1):
             before = self._get(k - 1)
-            self._starts[k] = np.asarray(before.counts) + np.bincount(before.dataset_index,
-                                                                      minlength=len(self.weights))
+            self._starts[k] = np.asarray(before.counts) + np.bincount(before.dataset_index, minlength=len(self.weights))
         return self._starts[b]
 
     def _load(self, b: int) -> Block | None:
@@ -160,8 +163,11 @@ class BlendIndex:
             arrays = {name: np.load(path, mmap_mode="r") for name, path in self.cache_paths(b).items()}
         except (OSError, ValueError, EOFError):
             return None
-        shapes = {"dataset_index": ((self.block,), np.int16), "dataset_sample_index": ((self.block,), np.int64),
-                  "counts": ((len(self.weights),), np.int64)}
+        shapes = {
+            "dataset_index": ((self.block,), np.int16),
+            "dataset_sample_index": ((self.block,), np.int64),
+            "counts": ((len(self.weights),), np.int64),
+        }
         if any((a.shape, a.dtype) != shapes[n] for n, a in arrays.items()):
             return None
         return Block(**arrays)
@@ -185,8 +191,10 @@ class BlendIndex:
             parts.append((block.dataset_index[lo:hi], block.dataset_sample_index[lo:hi]))
         if not parts:
             return np.zeros(0, np.int16), np.zeros(0, np.int64)
-        return (np.concatenate([p[0] for p in parts]).astype(np.int16),
-                np.concatenate([p[1] for p in parts]).astype(np.int64))
+        return (
+            np.concatenate([p[0] for p in parts]).astype(np.int16),
+            np.concatenate([p[1] for p in parts]).astype(np.int64),
+        )
 
 
 class BlendedDataset:
@@ -195,8 +203,9 @@ class BlendedDataset:
 
     def __init__(self, datasets, weights, cache_dir=None):
         if len(datasets) != len(weights) or not datasets:
-            raise DataError(f"a blend needs one weight per dataset, got {len(datasets)} datasets and {len(weights)} "
-                            f"weights")
+            raise DataError(
+                f"a blend needs one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights"
+            )
         lengths = {d.seq_length for d in datasets}
         if len(lengths) != 1:
             raise DataError(f"the blended datasets have different seq_length: {sorted(lengths)}")

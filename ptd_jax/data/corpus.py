@@ -32,8 +32,7 @@ def cache_dir() -> Path:
 def default_corpus(progress: bool = True) -> str:
     """Prefix of the default corpus, preprocessing the standard library once into the cache (no download)."""
     files = stdlib_files()
-    fingerprint = hashlib.sha1(
-        "\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:10]
+    fingerprint = hashlib.sha1("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:10]
     version = ".".join(map(str, sys.version_info[:3]))
     prefix = cache_dir() / "corpus" / f"stdlib-py{version}-{fingerprint}_text_document"
     try:

@@ -102,32 +102,52 @@ class GPTDataset:
     """The endless sample stream of documents `doc_ids` (a contiguous range) of `indexed`; `self[k]` is sample
     k, int32 [seq_length + 1], for any k >= 0 (see the module docstring for the rule)."""
 
-    def __init__(self, indexed: IndexedDataset, doc_ids, seq_length: int, seed: int, stream: int = 0,
-                 cache_dir=None, cache_min_size: int = CACHE_MIN_SIZE):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        doc_ids,
+        seq_length: int,
+        seed: int,
+        stream: int = 0,
+        cache_dir=None,
+        cache_min_size: int = CACHE_MIN_SIZE,
+    ):
         if seq_length < 1:
             raise DataError(f"seq_length={seq_length} must be positive")
         if seed < 0 or stream < 0:
             raise DataError(f"seed={seed} and stream={stream} must be >= 0")
         doc_ids = np.asarray(doc_ids, dtype=np.int64)
         if len(doc_ids) and np.any(doc_ids != doc_ids[0] + np.arange(len(doc_ids))):
-            raise DataError(f"doc_ids must be a contiguous range, got {len(doc_ids)} ids from {doc_ids[0]} "
-                            f"to {doc_ids.max()}")
+            raise DataError(
+                f"doc_ids must be a contiguous range, got {len(doc_ids)} ids from {doc_ids[0]} to {doc_ids.max()}"
+            )
         self.indexed, self.seq_length, self.seed, self.stream = indexed, seq_length, seed, stream
         first_doc = int(doc_ids[0]) if len(doc_ids) else 0
         self.first_sequence = int(indexed.doc_index[first_doc]) if len(doc_ids) else 0
         stop = int(indexed.doc_index[first_doc + len(doc_ids)]) if len(doc_ids) else 0
         self.num_sequences = stop - self.first_sequence
-        lengths = indexed.lengths[self.first_sequence:stop]
+        lengths = indexed.lengths[self.first_sequence : stop]
         self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
         if self.tokens_per_epoch < seq_length + 1:
-            raise DataError(f"the split holds {self.tokens_per_epoch} tokens in {self.num_sequences} sequences, "
-                            f"fewer than one sample of seq_length+1={seq_length + 1}")
+            raise DataError(
+                f"the split holds {self.tokens_per_epoch} tokens in {self.num_sequences} sequences, "
+                f"fewer than one sample of seq_length+1={seq_length + 1}"
+            )
         self.samples_per_epoch = (self.tokens_per_epoch - 1) // seq_length
         self.cache_dir = Path(cache_dir) if cache_dir is not None else indexed.cache_dir
         self.cached = max(self.num_sequences, self.samples_per_epoch) >= cache_min_size
-        key = [INDEX_FORMAT, Path(indexed.prefix).name, indexed.bin_bytes, indexed.idx_bytes,
-               hashlib.sha1(np.ascontiguousarray(lengths)).hexdigest(), self.first_sequence, stop, seq_length,
-               seed, stream]
+        key = [
+            INDEX_FORMAT,
+            Path(indexed.prefix).name,
+            indexed.bin_bytes,
+            indexed.idx_bytes,
+            hashlib.sha1(np.ascontiguousarray(lengths)).hexdigest(),
+            self.first_sequence,
+            stop,
+            seq_length,
+            seed,
+            stream,
+        ]
         self.key = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
         self._epochs: OrderedDict[int, Epoch] = OrderedDict()
         self._lock = threading.Lock()
@@ -205,7 +225,7 @@ class GPTDataset:
         n = self.samples_per_epoch
         for e in range(first // n, (first + size - 1) // n + 1 if size else first // n):
             lo, hi = max(first, e * n), min(first + size, (e + 1) * n)
-            out[lo - first:hi - first] = self.windows(e, np.arange(lo - e * n, hi - e * n))
+            out[lo - first : hi - first] = self.windows(e, np.arange(lo - e * n, hi - e * n))
         return out
 
     def __getitem__(self, index: int) -> np.ndarray:
@@ -226,8 +246,9 @@ def make_batch(samples: np.ndarray) -> Batch:
     return Batch(tokens=samples[..., :-1], labels=samples[..., 1:], loss_mask=np.ones_like(samples[..., 1:]))
 
 
-def split_global_batch(array: np.ndarray, num_microbatches: int, data_parallel_size: int,
-                       micro_batch_size: int) -> np.ndarray:
+def split_global_batch(
+    array: np.ndarray, num_microbatches: int, data_parallel_size: int, micro_batch_size: int
+) -> np.ndarray:
     """[B, ...] -> [M, d, b, ...]: microbatch j of data rank r = rows j·b·d + r·b ... + b (Megatron's order)."""
     return array.reshape(num_microbatches, data_parallel_size, micro_batch_size, *array.shape[1:])
 
@@ -245,16 +266,31 @@ class GPTData:
     streams 0, 1 and 2 of each dataset. In a blend, a dataset whose validation range is empty is left out of the
     validation blend (the others' weights renormalised)."""
 
-    def __init__(self, prefix=None, *, seq_length: int, global_batch_size: int, eval_iters: int, seed: int,
-                 split: str = "969,30,1", vocab_size: int | None = None, cache_dir=None, train_path=None,
-                 valid_path=None, test_path=None, mock: bool = False):
+    def __init__(
+        self,
+        prefix=None,
+        *,
+        seq_length: int,
+        global_batch_size: int,
+        eval_iters: int,
+        seed: int,
+        split: str = "969,30,1",
+        vocab_size: int | None = None,
+        cache_dir=None,
+        train_path=None,
+        valid_path=None,
+        test_path=None,
+        mock: bool = False,
+    ):
         self.split, self.seed, self.seq_length = split, seed, seq_length
         self.global_batch_size, self.eval_iters = global_batch_size, eval_iters
         self.vocab_size, self.cache_dir, self.mock = vocab_size, cache_dir, mock
         self.valid = self.test = None
         if sum([prefix is not None, train_path is not None, bool(mock)]) != 1:
-            raise DataError(f"give one of a data path, a train data path and mock data: got data_path={prefix!r}, "
-                            f"train_data_path={train_path!r}, mock_data={mock}")
+            raise DataError(
+                f"give one of a data path, a train data path and mock data: got data_path={prefix!r}, "
+                f"train_data_path={train_path!r}, mock_data={mock}"
+            )
         if mock:
             self.name = f"mock data (random tokens of V={vocab_size})"
             self.train = MockDataset(vocab_size, seq_length, seed, TRAIN_STREAM)
@@ -278,8 +314,13 @@ class GPTData:
             self.indexed = sources[0]
             self.prefix, self.num_documents = os.path.abspath(blend[0][1]), len(sources[0].doc_index) - 1
             self.name = self.prefix
-            self._config = {"data_path": self.prefix, "split": self.split, "num_documents": self.num_documents,
-                            "num_tokens": self.indexed.num_tokens, "bin_bytes": self.indexed.bin_bytes}
+            self._config = {
+                "data_path": self.prefix,
+                "split": self.split,
+                "num_documents": self.num_documents,
+                "num_tokens": self.indexed.num_tokens,
+                "bin_bytes": self.indexed.bin_bytes,
+            }
         else:
             self.name = " ".join(f"{w:g} {os.path.abspath(p)}" for w, p in blend)
             self._config = {"data_path": None, "split": self.split, "blend": _describe(weights, sources)}
@@ -288,8 +329,11 @@ class GPTData:
         """--train-data-path / --valid-data-path / --test-data-path: each a prefix or a blend, used whole."""
         self._config = {"data_path": None}
         names = []
-        for key, words, stream in (("train", train_path, TRAIN_STREAM), ("valid", valid_path, VALID_STREAM),
-                                   ("test", test_path, TEST_STREAM)):
+        for key, words, stream in (
+            ("train", train_path, TRAIN_STREAM),
+            ("valid", valid_path, VALID_STREAM),
+            ("test", test_path, TEST_STREAM),
+        ):
             if words is None:
                 self._config[f"{key}_data"] = None
                 continue
@@ -312,8 +356,10 @@ class GPTData:
         if self.vocab_size is not None:
             largest = indexed.max_token()
             if largest >= self.vocab_size:
-                raise DataError(f"the dataset at {prefix!r} holds token id {largest} but vocab_size={self.vocab_size} "
-                                f"(pass --vocab-size for data made with another tokenizer)")
+                raise DataError(
+                    f"the dataset at {prefix!r} holds token id {largest} but vocab_size={self.vocab_size} "
+                    f"(pass --vocab-size for data made with another tokenizer)"
+                )
         return indexed
 
     def _stream(self, weights, sources, doc_ranges, stream: int):
@@ -347,20 +393,28 @@ class GPTData:
             return
         for i in range(self.eval_iters):
             first = i * self.global_batch_size
-            yield make_batch(self.valid.batch(first, self.global_batch_size) if rows is None
-                             else _read_rows(self.valid, first, rows))
+            yield make_batch(
+                self.valid.batch(first, self.global_batch_size) if rows is None else _read_rows(self.valid, first, rows)
+            )
 
     def data_config(self) -> dict:
         """What the streams depend on (JSON-able), for a checkpoint to compare on resume: for a blend, each
         dataset's normalised weight, file name and sizes."""
-        return {"data_path": self._config.get("data_path"), "seed": self.seed,
-                "global_batch_size": self.global_batch_size, "seq_length": self.seq_length, **self._config}
+        return {
+            "data_path": self._config.get("data_path"),
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "seq_length": self.seq_length,
+            **self._config,
+        }
 
 
 def _describe(weights, sources) -> list:
     """[[normalised weight, file name, documents, tokens, .bin bytes], ...] of a blend (folders may move)."""
-    return [[float(w), Path(s.prefix).name, len(s.doc_index) - 1, s.num_tokens, s.bin_bytes]
-            for w, s in zip(normalize(weights), sources)]
+    return [
+        [float(w), Path(s.prefix).name, len(s.doc_index) - 1, s.num_tokens, s.bin_bytes]
+        for w, s in zip(normalize(weights), sources)
+    ]
 
 
 def _read_rows(dataset: GPTDataset, first: int, rows: np.ndarray) -> np.ndarray:

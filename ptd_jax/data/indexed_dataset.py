@@ -38,7 +38,14 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 TOKEN_DTYPES = [np.dtype(v) for v in DTYPE_CODES.values() if np.dtype(v).kind in "iu"]
@@ -120,8 +127,7 @@ def make_folders(folder: Path) -> list[Path]:
 def file_key(prefix) -> dict:
     """What identifies one version of a .bin/.idx pair for the stats file: sizes and the .bin's mtime_ns."""
     bstat = bin_path(prefix).stat()
-    return {"bin_bytes": bstat.st_size, "bin_mtime_ns": bstat.st_mtime_ns,
-            "idx_bytes": idx_path(prefix).stat().st_size}
+    return {"bin_bytes": bstat.st_size, "bin_mtime_ns": bstat.st_mtime_ns, "idx_bytes": idx_path(prefix).stat().st_size}
 
 
 def stats_path(cache_dir, prefix) -> Path:
@@ -134,8 +140,13 @@ def write_stats(prefix, cache_dir, *, min_token: int, max_token: int, num_tokens
         key = file_key(prefix)
     except OSError:
         return False
-    stats = {"version": STATS_VERSION, **key, "min_token": int(min_token), "max_token": int(max_token),
-             "num_tokens": int(num_tokens)}
+    stats = {
+        "version": STATS_VERSION,
+        **key,
+        "min_token": int(min_token),
+        "max_token": int(max_token),
+        "num_tokens": int(num_tokens),
+    }
     return atomic_write(stats_path(cache_dir, prefix), lambda f: f.write(json.dumps(stats).encode()))
 
 
@@ -187,8 +198,10 @@ class IndexedDatasetWriter:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in TOKEN_DTYPES:
-            raise IndexedDatasetError(f"dtype={self.dtype} is not an integer dtype of the format "
-                                      f"({[str(d) for d in TOKEN_DTYPES]}): token ids are integers")
+            raise IndexedDatasetError(
+                f"dtype={self.dtype} is not an integer dtype of the format "
+                f"({[str(d) for d in TOKEN_DTYPES]}): token ids are integers"
+            )
         self._created = make_folders(Path(self.prefix).parent)
         self._tmp_bin = Path(f"{self.prefix}.bin.tmp{os.getpid()}")
         self._tmp_idx = Path(f"{self.prefix}.idx.tmp{os.getpid()}")
@@ -209,15 +222,18 @@ class IndexedDatasetWriter:
     def add_sequence(self, tokens) -> None:
         array = np.asarray(tokens)
         if array.size > np.iinfo(np.int32).max:
-            raise IndexedDatasetError(f"a sequence of {array.size} tokens is longer than the format's int32 "
-                                      f"lengths allow ({np.iinfo(np.int32).max})")
+            raise IndexedDatasetError(
+                f"a sequence of {array.size} tokens is longer than the format's int32 "
+                f"lengths allow ({np.iinfo(np.int32).max})"
+            )
         if array.size:
             if array.dtype.kind not in "iu":
                 raise IndexedDatasetError(f"token ids of dtype={array.dtype} are not integers")
             info, lo, hi = np.iinfo(self.dtype), int(array.min()), int(array.max())
             if lo < 0 or hi > info.max:
-                raise IndexedDatasetError(f"token ids in [{lo}, {hi}] do not fit dtype={self.dtype} (token ids "
-                                          f"are in [0, {info.max}])")
+                raise IndexedDatasetError(
+                    f"token ids in [{lo}, {hi}] do not fit dtype={self.dtype} (token ids are in [0, {info.max}])"
+                )
             self.min_token = lo if self.min_token is None else min(self.min_token, lo)
             self.max_token = max(self.max_token, hi)
         self._bin.write(array.astype(self.dtype).tobytes(order="C"))
@@ -234,8 +250,13 @@ class IndexedDatasetWriter:
         except BaseException:
             self.abort()
             raise
-        write_stats(self.prefix, self.cache_dir, min_token=0 if self.min_token is None else self.min_token,
-                    max_token=self.max_token, num_tokens=int(sum(self.lengths)))
+        write_stats(
+            self.prefix,
+            self.cache_dir,
+            min_token=0 if self.min_token is None else self.min_token,
+            max_token=self.max_token,
+            num_tokens=int(sum(self.lengths)),
+        )
 
     def _rename_both(self) -> None:
         """Temporaries -> PREFIX.bin and PREFIX.idx; if the second rename fails, the first is undone (the old
@@ -303,21 +324,24 @@ class IndexedDataset:
         if len(header) < _HEADER:
             raise IndexedDatasetError(f"{ipath} is truncated: {idx_size} bytes, header needs {_HEADER}")
         if header[: len(MAGIC)] != MAGIC:
-            raise IndexedDatasetError(f"{ipath} has magic {header[:len(MAGIC)]!r}, expected {MAGIC!r}")
-        version, code, num_seq, num_docs = struct.unpack("<QBQQ", header[len(MAGIC):])
+            raise IndexedDatasetError(f"{ipath} has magic {header[: len(MAGIC)]!r}, expected {MAGIC!r}")
+        version, code, num_seq, num_docs = struct.unpack("<QBQQ", header[len(MAGIC) :])
         if version != VERSION:
             raise IndexedDatasetError(f"{ipath} has version={version}, expected {VERSION}")
         if code not in DTYPE_CODES:
             raise IndexedDatasetError(f"{ipath} has dtype code={code}, expected one of {sorted(DTYPE_CODES)}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         if self.dtype not in TOKEN_DTYPES:
-            raise IndexedDatasetError(f"{ipath} has dtype code={code} ({self.dtype}): token ids must be integers, "
-                                      f"codes {sorted(CODE_OF_DTYPE[d] for d in TOKEN_DTYPES)}")
+            raise IndexedDatasetError(
+                f"{ipath} has dtype code={code} ({self.dtype}): token ids must be integers, "
+                f"codes {sorted(CODE_OF_DTYPE[d] for d in TOKEN_DTYPES)}"
+            )
         expected = _HEADER + 4 * num_seq + 8 * num_seq + 8 * num_docs
         if idx_size < expected:
             raise IndexedDatasetError(
                 f"{ipath} is truncated: {idx_size} bytes for sequences={num_seq} documents={num_docs} "
-                f"(needs {expected})")
+                f"(needs {expected})"
+            )
         index = np.memmap(ipath, mode="r", dtype=np.uint8)
         offset = _HEADER
         self.lengths = np.frombuffer(index, dtype=np.int32, count=num_seq, offset=offset)
@@ -331,15 +355,16 @@ class IndexedDataset:
         if bin_size != total_tokens * self.dtype.itemsize:
             raise IndexedDatasetError(
                 f"{bpath} has {bin_size} bytes but {ipath} describes {total_tokens} tokens of {self.dtype} "
-                f"({total_tokens * self.dtype.itemsize} bytes)")
+                f"({total_tokens * self.dtype.itemsize} bytes)"
+            )
         if num_seq:
             expected_ptr = np.concatenate([[0], np.cumsum(self.lengths[:-1], dtype=np.int64)]) * self.dtype.itemsize
             if not np.array_equal(expected_ptr, self.pointers):
                 raise IndexedDatasetError(f"{ipath} has sequence pointers that disagree with its lengths")
-        if num_docs and (self.doc_index[0] != 0 or self.doc_index[-1] != num_seq
-                         or np.any(np.diff(self.doc_index) < 0)):
-            raise IndexedDatasetError(
-                f"{ipath} has a document index that does not run from 0 to sequences={num_seq}")
+        if num_docs and (
+            self.doc_index[0] != 0 or self.doc_index[-1] != num_seq or np.any(np.diff(self.doc_index) < 0)
+        ):
+            raise IndexedDatasetError(f"{ipath} has a document index that does not run from 0 to sequences={num_seq}")
         self._num_tokens = total_tokens
         self._bin = np.memmap(bpath, mode="r", dtype=self.dtype) if total_tokens else np.zeros(0, self.dtype)
 
@@ -360,7 +385,7 @@ class IndexedDataset:
                 return int(stats["min_token"]), int(stats["max_token"])
         smallest, largest = (0, -1) if self._bin.size == 0 else (int(self._bin[0]), int(self._bin[0]))
         for start in range(0, self._bin.size, _SCAN_CHUNK):
-            chunk = self._bin[start:start + _SCAN_CHUNK]
+            chunk = self._bin[start : start + _SCAN_CHUNK]
             smallest, largest = min(smallest, int(chunk.min())), max(largest, int(chunk.max()))
         write_stats(self.prefix, self.cache_dir, min_token=smallest, max_token=largest, num_tokens=self.num_tokens)
         return smallest, largest
@@ -369,8 +394,9 @@ class IndexedDataset:
         """Largest token id in .bin (-1 when empty), as `token_range`; negative ids are an IndexedDatasetError."""
         smallest, largest = self.token_range()
         if smallest < 0:
-            raise IndexedDatasetError(f"{bin_path(self.prefix)} holds token id {smallest} ({self.dtype}): token ids "
-                                      f"must be >= 0")
+            raise IndexedDatasetError(
+                f"{bin_path(self.prefix)} holds token id {smallest} ({self.dtype}): token ids must be >= 0"
+            )
         return largest
 
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
@@ -396,7 +422,7 @@ class IndexedDataset:
         buffer, done, size = memoryview(out).cast("B"), 0, self.dtype.itemsize
         with open(bin_path(self.prefix), "rb", buffering=0) as f:
             for start, count in zip((np.asarray(starts) * size).tolist(), (counts * size).tolist()):
-                if count and os.preadv(f.fileno(), [buffer[done:done + count]], start) != count:
+                if count and os.preadv(f.fileno(), [buffer[done : done + count]], start) != count:
                     raise IndexedDatasetError(f"{bin_path(self.prefix)} is shorter than {start + count} bytes")
                 done += count
         return out

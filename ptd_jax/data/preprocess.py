@@ -30,17 +30,23 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ptd_jax.data.indexed_dataset import (DataError, IndexedDatasetWriter, best_dtype,
-                                          bin_path, idx_path)
+from ptd_jax.data.indexed_dataset import DataError, IndexedDatasetWriter, best_dtype, bin_path, idx_path
 from ptd_jax.data.tokenizer import ByteTokenizer
 
 DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
 JSON_SUFFIXES = (".jsonl", ".json")
-SNIFF_BYTES = 8192          # the prefix of every input checked before writing starts (git's binary test uses 8000)
+SNIFF_BYTES = 8192  # the prefix of every input checked before writing starts (git's binary test uses 8000)
 MAX_INVALID_FRACTION = 0.01  # of a file's bytes that may be invalid UTF-8 (replaced by U+FFFD)
 _INVALID = re.compile("[\ud800-\udfff]")  # what errors="surrogateescape" makes of bad bytes, and lone surrogates
-_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
-               list: "an array", dict: "an object"}
+_JSON_TYPES = {
+    type(None): "null",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
 
 
 def collect_files(inputs: list[str], extensions=DEFAULT_EXTENSIONS) -> list[Path]:
@@ -69,8 +75,10 @@ def replace_invalid(text: str) -> tuple[str, int]:
 
 def check_fraction(invalid: int, total: int, where) -> None:
     if invalid > MAX_INVALID_FRACTION * total:
-        raise DataError(f"{where} is not UTF-8 text: {invalid} of {total} bytes are not valid UTF-8 (more than "
-                        f"{MAX_INVALID_FRACTION:.0%}); binary files and other encodings are refused")
+        raise DataError(
+            f"{where} is not UTF-8 text: {invalid} of {total} bytes are not valid UTF-8 (more than "
+            f"{MAX_INVALID_FRACTION:.0%}); binary files and other encodings are refused"
+        )
 
 
 def sniff(path: Path) -> None:
@@ -114,8 +122,9 @@ def iter_documents(path: Path, json_keys: list[str], invalid: dict):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no} is not valid JSON ({err.msg}); expected one JSON object per "
-                                f"line") from None
+                raise DataError(
+                    f"{path}:{line_no} is not valid JSON ({err.msg}); expected one JSON object per line"
+                ) from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{line_no} is {_JSON_TYPES[type(record)]}, expected a JSON object")
             for key in json_keys:
@@ -129,9 +138,17 @@ def iter_documents(path: Path, json_keys: list[str], invalid: dict):
         invalid[str(path)] = count
 
 
-def build_indexed_dataset(inputs: list[str], output_prefix: str, *, json_keys=("text",), append_eod: bool = True,
-                          extensions=DEFAULT_EXTENSIONS, progress: bool = True, desc: str = "preprocess",
-                          tokenizer=None) -> dict:
+def build_indexed_dataset(
+    inputs: list[str],
+    output_prefix: str,
+    *,
+    json_keys=("text",),
+    append_eod: bool = True,
+    extensions=DEFAULT_EXTENSIONS,
+    progress: bool = True,
+    desc: str = "preprocess",
+    tokenizer=None,
+) -> dict:
     """Tokenize every document of `inputs` into output_prefix.{bin,idx} (`tokenizer`: default the byte
     tokenizer); returns counts. The inputs are found and sniffed before the output is opened; nothing is left on
     disk when it fails (`IndexedDatasetWriter`)."""
@@ -157,8 +174,14 @@ def build_indexed_dataset(inputs: list[str], output_prefix: str, *, json_keys=("
                 tokens += len(ids)
         if docs == 0:
             raise DataError(f"the corpus {inputs} is empty: {len(files)} file(s) hold no text")
-    stats = {"documents": docs, "tokens": tokens, "files": len(files), "prefix": output_prefix,
-             "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size}
+    stats = {
+        "documents": docs,
+        "tokens": tokens,
+        "files": len(files),
+        "prefix": output_prefix,
+        "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+    }
     if invalid:
         stats.update(replaced_bytes=sum(invalid.values()), replaced_in=sorted(invalid)[:10])
     return stats
@@ -171,8 +194,9 @@ def check_output_prefix(output_prefix: str, prefix: str) -> None:
     if not output_prefix.strip():
         raise DataError("--output-prefix is empty: give a path prefix such as data/my-corpus")
     if output_prefix.endswith(("/", os.sep)) or Path(output_prefix).name in ("", ".", ".."):
-        raise DataError(f"{flag} names a folder, not a file prefix: give one such as "
-                        f"{os.path.join(output_prefix, 'my-corpus')!r}")
+        raise DataError(
+            f"{flag} names a folder, not a file prefix: give one such as {os.path.join(output_prefix, 'my-corpus')!r}"
+        )
     try:
         for dst in (bin_path(prefix), idx_path(prefix)):
             if dst.is_dir():

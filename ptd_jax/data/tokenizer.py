@@ -55,22 +55,30 @@ def _read_vocab(path: Path) -> dict[str, int]:
     except UnicodeDecodeError:
         raise TokenizerError(f"{flag} is not UTF-8 text (a GPT-2 vocab.json is JSON)") from None
     except json.JSONDecodeError as err:
-        raise TokenizerError(f"{flag} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
-                             f"expected GPT-2's vocab.json: an object of token -> id") from None
+        raise TokenizerError(
+            f"{flag} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
+            f"expected GPT-2's vocab.json: an object of token -> id"
+        ) from None
     if not isinstance(vocab, dict) or not vocab:
-        raise TokenizerError(f"{flag} holds {type(vocab).__name__ if vocab else 'nothing'}, not an object of "
-                             f"token -> id (GPT-2's vocab.json)")
+        raise TokenizerError(
+            f"{flag} holds {type(vocab).__name__ if vocab else 'nothing'}, not an object of "
+            f"token -> id (GPT-2's vocab.json)"
+        )
     ids = list(vocab.values())
     bad = next((f"{k!r}: {v!r}" for k, v in vocab.items() if type(v) is not int or not 0 <= v < len(vocab)), None)
     if bad is not None or len(set(ids)) != len(ids):
-        raise TokenizerError(f"{flag}: ids must be the integers 0..{len(vocab) - 1}, each once "
-                             f"({'e.g. ' + bad if bad else 'some id is repeated'})")
+        raise TokenizerError(
+            f"{flag}: ids must be the integers 0..{len(vocab) - 1}, each once "
+            f"({'e.g. ' + bad if bad else 'some id is repeated'})"
+        )
     from tokenizers import pre_tokenizers
 
     missing = sorted(set(pre_tokenizers.ByteLevel.alphabet()) - set(vocab))
     if missing:
-        raise TokenizerError(f"{flag} lacks {len(missing)} of the 256 byte-level symbols (e.g. {missing[0]!r}): "
-                             f"not a byte-level BPE vocabulary")
+        raise TokenizerError(
+            f"{flag} lacks {len(missing)} of the 256 byte-level symbols (e.g. {missing[0]!r}): "
+            f"not a byte-level BPE vocabulary"
+        )
     if GPT2_EOD not in vocab:
         raise TokenizerError(f"{flag} has no {GPT2_EOD!r} token (GPT-2's end of document)")
     return vocab
@@ -91,12 +99,12 @@ def _read_merges(path: Path, vocab: dict[str, int]) -> list[tuple[str, str]]:
         pair = line.split(" ")
         if len(pair) != 2 or not all(pair):
             shown = line if len(line) <= 40 else line[:37] + "..."
-            raise TokenizerError(f"{flag} line {line_no} is {shown!r}, expected two symbols separated by one "
-                                 f"space (GPT-2's merges.txt)")
+            raise TokenizerError(
+                f"{flag} line {line_no} is {shown!r}, expected two symbols separated by one space (GPT-2's merges.txt)"
+            )
         unknown = [s for s in (*pair, "".join(pair)) if s not in vocab]
         if unknown:
-            raise TokenizerError(f"{flag} line {line_no} merges {line!r}, but {unknown[0]!r} is not in the "
-                                 f"vocab file")
+            raise TokenizerError(f"{flag} line {line_no} merges {line!r}, but {unknown[0]!r} is not in the vocab file")
         merges.append((pair[0], pair[1]))
     return merges
 
@@ -115,8 +123,10 @@ class GPT2BPETokenizer:
         try:
             tokenizer = Tokenizer(models.BPE(vocab, merges))
         except Exception as err:  # tokenizers raises plain Exception; the checks above should leave none
-            raise TokenizerError(f"--vocab-file {str(vocab_file)!r} and --merge-file {str(merge_file)!r} do not "
-                                 f"load: {err}".splitlines()[0]) from None
+            raise TokenizerError(
+                f"--vocab-file {str(vocab_file)!r} and --merge-file {str(merge_file)!r} do not "
+                f"load: {err}".splitlines()[0]
+            ) from None
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         self._tokenizer = tokenizer
@@ -131,8 +141,12 @@ class GPT2BPETokenizer:
         return self._tokenizer.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
 
     def describe(self) -> dict:
-        return {"type": self.name, "vocab_size": self.vocab_size, "vocab_file": self.vocab_file,
-                "merge_file": self.merge_file}
+        return {
+            "type": self.name,
+            "vocab_size": self.vocab_size,
+            "vocab_file": self.vocab_file,
+            "merge_file": self.merge_file,
+        }
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None):
@@ -140,14 +154,16 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None):
     if tokenizer_type == "ByteTokenizer":
         given = [f for f, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file)) if v is not None]
         if given:
-            raise TokenizerError(f"{' and '.join(given)} belong to --tokenizer-type GPT2BPETokenizer, not "
-                                 f"ByteTokenizer")
+            raise TokenizerError(
+                f"{' and '.join(given)} belong to --tokenizer-type GPT2BPETokenizer, not ByteTokenizer"
+            )
         return ByteTokenizer()
     if tokenizer_type == "GPT2BPETokenizer":
         missing = [f for f, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file)) if v is None]
         if missing:
-            raise TokenizerError(f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(missing)} (GPT-2's "
-                                 f"vocab.json and merges.txt)")
+            raise TokenizerError(
+                f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(missing)} (GPT-2's vocab.json and merges.txt)"
+            )
         return GPT2BPETokenizer(vocab_file, merge_file)
     raise TokenizerError(f"tokenizer_type={tokenizer_type!r} is not one of {TOKENIZER_TYPES}")
 
@@ -158,19 +174,21 @@ def from_description(description: dict):
     if kind == "GPT2BPETokenizer":
         for flag, key in (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")):
             if not Path(description.get(key) or "").is_file():
-                raise TokenizerError(f"the checkpoint's tokenizer file {description.get(key)!r} is gone: give "
-                                     f"--tokenizer-type GPT2BPETokenizer {flag} ...")
+                raise TokenizerError(
+                    f"the checkpoint's tokenizer file {description.get(key)!r} is gone: give "
+                    f"--tokenizer-type GPT2BPETokenizer {flag} ..."
+                )
         return GPT2BPETokenizer(description["vocab_file"], description["merge_file"])
     return build_tokenizer(kind)
-
 
 
 def training_tokenizer(tokenizer_type: str | None, vocab_file=None, merge_file=None, vocab_size: int | None = None):
     """ptd-train's rule: V is --tokenizer-type's vocabulary size; without the flag, --vocab-size gives V of data
     tokenized elsewhere (no tokenizer: None), and otherwise the byte tokenizer is the data's."""
     if tokenizer_type is not None and vocab_size is not None:
-        raise TokenizerError(f"give one of --vocab-size {vocab_size} and --tokenizer-type {tokenizer_type} (which "
-                             f"decides V), not both")
+        raise TokenizerError(
+            f"give one of --vocab-size {vocab_size} and --tokenizer-type {tokenizer_type} (which decides V), not both"
+        )
     if tokenizer_type is None and (vocab_file or merge_file):
         raise TokenizerError("--vocab-file and --merge-file need --tokenizer-type GPT2BPETokenizer")
     if tokenizer_type is None:

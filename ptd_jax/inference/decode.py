@@ -38,19 +38,19 @@ def _identity(x):
 
 def cached_layer(p, x_BxTxD, cache, pos, cfg: ModelConfig, tensor_parallel: bool):
     """One pre-LN block for T new positions, reading and extending this layer's cache of (local) heads."""
-    enter, leave = ((tensor.copy_to_tensor_region, tensor.reduce_from_tensor_region) if tensor_parallel
-                    else (_identity, _identity))
+    enter, leave = (
+        (tensor.copy_to_tensor_region, tensor.reduce_from_tensor_region) if tensor_parallel else (_identity, _identity)
+    )
     k_cache_BxPxHlxK, v_cache_BxPxHlxK = cache
     h_BxTxD = enter(gpt.layer_norm(x_BxTxD, p["ln1"], cfg.layernorm_epsilon))
     qkv_BxTx3xHlxK = jnp.einsum("btd,dshk->btshk", h_BxTxD, p["attn"]["qkv_kernel"]) + p["attn"]["qkv_bias"]
     q, k, v = (qkv_BxTx3xHlxK[:, :, i] for i in range(3))
-    k_cache_BxPxHlxK = jax.lax.dynamic_update_slice(k_cache_BxPxHlxK, k.astype(k_cache_BxPxHlxK.dtype),
-                                                    (0, pos, 0, 0))
-    v_cache_BxPxHlxK = jax.lax.dynamic_update_slice(v_cache_BxPxHlxK, v.astype(v_cache_BxPxHlxK.dtype),
-                                                    (0, pos, 0, 0))
+    k_cache_BxPxHlxK = jax.lax.dynamic_update_slice(k_cache_BxPxHlxK, k.astype(k_cache_BxPxHlxK.dtype), (0, pos, 0, 0))
+    v_cache_BxPxHlxK = jax.lax.dynamic_update_slice(v_cache_BxPxHlxK, v.astype(v_cache_BxPxHlxK.dtype), (0, pos, 0, 0))
     T, P_max, K = x_BxTxD.shape[1], k_cache_BxPxHlxK.shape[1], q.shape[-1]
-    scores_BxHlxTxP = jnp.einsum("bthk,bphk->bhtp", q, k_cache_BxPxHlxK,
-                                 preferred_element_type=jnp.float32) / math.sqrt(K)
+    scores_BxHlxTxP = jnp.einsum(
+        "bthk,bphk->bhtp", q, k_cache_BxPxHlxK, preferred_element_type=jnp.float32
+    ) / math.sqrt(K)
     visible_TxP = jnp.arange(P_max)[None, :] <= pos + jnp.arange(T)[:, None]  # causal, and only what is filled
     scores_BxHlxTxP = jnp.where(visible_TxP, scores_BxHlxTxP, jnp.finfo(jnp.float32).min)
     probs_BxHlxTxP = jax.nn.softmax(scores_BxHlxTxP, axis=-1).astype(v_cache_BxPxHlxK.dtype)
@@ -87,7 +87,7 @@ def decode_step(params, tokens_BxT, caches, pos, cfg: ModelConfig, tensor_parall
 def single_device_step(params, tokens_BxT, caches, pos, cfg: ModelConfig):
     """`decode_step` on one device: logits [B, V] of the real vocabulary, and the caches."""
     logits_BxVp, caches = decode_step(params, tokens_BxT, caches, pos, cfg)
-    return logits_BxVp[:, :cfg.vocab_size], caches
+    return logits_BxVp[:, : cfg.vocab_size], caches
 
 
 @functools.lru_cache(maxsize=8)
@@ -95,16 +95,19 @@ def _tensor_parallel_step(cfg: ModelConfig, mesh):
     """The jitted shard_map step of one model on one mesh (cached: a second generate() compiles nothing)."""
     specs = sharding.param_specs(jax.eval_shape(lambda: gpt.init_params(jax.random.key(0), cfg)))
     body = partial(decode_step, cfg=cfg, tensor_parallel=True)
-    stepped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), (CACHE_SPEC, CACHE_SPEC), P()),
-                            out_specs=(P(None, tensor.TENSOR), (CACHE_SPEC, CACHE_SPEC)))
+    stepped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(specs, P(), (CACHE_SPEC, CACHE_SPEC), P()),
+        out_specs=(P(None, tensor.TENSOR), (CACHE_SPEC, CACHE_SPEC)),
+    )
 
     def real_vocab(params, tokens_BxT, caches, pos):
         logits_BxVp, caches = stepped(params, tokens_BxT, caches, pos)
-        return logits_BxVp[:, :cfg.vocab_size], caches
+        return logits_BxVp[:, : cfg.vocab_size], caches
 
     cache = jax.sharding.NamedSharding(mesh, CACHE_SPEC)
-    return jax.jit(real_vocab, donate_argnums=2, out_shardings=(jax.sharding.NamedSharding(mesh, P()),
-                                                                (cache, cache)))
+    return jax.jit(real_vocab, donate_argnums=2, out_shardings=(jax.sharding.NamedSharding(mesh, P()), (cache, cache)))
 
 
 class TensorParallelDecoder:
@@ -115,8 +118,9 @@ class TensorParallelDecoder:
         layout = ParallelConfig(tensor_model_parallel_size=tensor_parallel_size)
         layout.check_model(cfg)
         self.mesh = make_mesh(layout, devices)
-        padded = sharding.from_canonical(None, {"params": params}, cfg.padded_vocab_size(tensor_parallel_size),
-                                         1, 1)["params"]
+        padded = sharding.from_canonical(None, {"params": params}, cfg.padded_vocab_size(tensor_parallel_size), 1, 1)[
+            "params"
+        ]
         self.params = jax.device_put(padded, sharding.named(self.mesh, sharding.param_specs(padded)))
         self.cache_sharding = jax.sharding.NamedSharding(self.mesh, CACHE_SPEC)
         self._step = _tensor_parallel_step(cfg, self.mesh)

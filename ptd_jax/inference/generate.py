@@ -39,9 +39,20 @@ def sample(logits_BxV, key, temperature: float, top_k: int | None, top_p: float 
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def generate(params, prompt_BxP, cfg: ModelConfig, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int = 0, tensor_parallel_size: int = 1,
-             devices=None, return_logits: bool = False):
+def generate(
+    params,
+    prompt_BxP,
+    cfg: ModelConfig,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
+    devices=None,
+    return_logits: bool = False,
+):
     """Prompt ids [B, P] -> [B, P + max_new_tokens] (float32 compute, no dropout); with `return_logits`, also the
     logits [B, max_new_tokens, V] each new token was drawn from. `tensor_parallel_size` t > 1 runs the steps on t
     of `devices` (default: jax.devices()), heads and the KV cache split over them (`inference/decode.py`)."""
@@ -51,13 +62,19 @@ def generate(params, prompt_BxP, cfg: ModelConfig, max_new_tokens: int, *, tempe
     if P < 1 or max_new_tokens < 0:
         raise ConfigError(f"the prompt has {P} tokens and max_new_tokens={max_new_tokens}; need >= 1 and >= 0")
     if total > cfg.max_positions:
-        raise ConfigError(f"the prompt of {P} tokens + max_new_tokens={max_new_tokens} = {total} exceeds the "
-                          f"model's {cfg.max_positions} positions")
-    if not 0 <= temperature < math.inf or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None
-                                                                                          and top_k < 1):
+        raise ConfigError(
+            f"the prompt of {P} tokens + max_new_tokens={max_new_tokens} = {total} exceeds the "
+            f"model's {cfg.max_positions} positions"
+        )
+    if (
+        not 0 <= temperature < math.inf
+        or (top_p is not None and not 0 < top_p <= 1)
+        or (top_k is not None and top_k < 1)
+    ):
         raise ConfigError(f"temperature={temperature} must be >= 0, top_k={top_k} >= 1 and top_p={top_p} in (0, 1]")
-    cfg = cfg.replace(dtype="float32", fused_kernels=False, attention_backend="xla", hidden_dropout=0.0,
-                      attention_dropout=0.0)
+    cfg = cfg.replace(
+        dtype="float32", fused_kernels=False, attention_backend="xla", hidden_dropout=0.0, attention_dropout=0.0
+    )
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     shape = (cfg.num_layers, B, total, cfg.num_attention_heads, cfg.head_dim)
     if tensor_parallel_size > 1:

@@ -34,10 +34,12 @@ def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> di
     L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
     lay = params["layers"]
-    out = {"embedding.word_embeddings.weight": f32(params["embed"]["word"]),
-           "embedding.position_embeddings.weight": f32(params["embed"]["position"]),
-           "decoder.final_layernorm.weight": f32(params["final_ln"]["scale"]),
-           "decoder.final_layernorm.bias": f32(params["final_ln"]["bias"])}
+    out = {
+        "embedding.word_embeddings.weight": f32(params["embed"]["word"]),
+        "embedding.position_embeddings.weight": f32(params["embed"]["position"]),
+        "decoder.final_layernorm.weight": f32(params["final_ln"]["scale"]),
+        "decoder.final_layernorm.bias": f32(params["final_ln"]["bias"]),
+    }
     for i in range(L):
         h = f"decoder.layers.{i}."
         for ln in ("ln1", "ln2"):
@@ -45,15 +47,22 @@ def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> di
                 out[h + _MEGATRON_LN[layer_spec][ln].format(theirs)] = f32(lay[ln][ours][i])
         a = {k: np.asarray(v[i]) for k, v in lay["attn"].items()}
         m = {k: np.asarray(v[i]) for k, v in lay["mlp"].items()}
-        out.update({
-            h + "self_attention.linear_qkv.weight": f32(a["qkv_kernel"].reshape(D, 3, H, K).transpose(2, 1, 3, 0)
-                                                        .reshape(3 * D, D)),
-            h + "self_attention.linear_qkv.bias": f32(a["qkv_bias"].reshape(3, H, K).transpose(1, 0, 2).reshape(3 * D)),
-            h + "self_attention.linear_proj.weight": f32(a["out_kernel"].reshape(D, D).T),
-            h + "self_attention.linear_proj.bias": f32(a["out_bias"]),
-            h + "mlp.linear_fc1.weight": f32(m["fc1_kernel"].T), h + "mlp.linear_fc1.bias": f32(m["fc1_bias"]),
-            h + "mlp.linear_fc2.weight": f32(m["fc2_kernel"].T), h + "mlp.linear_fc2.bias": f32(m["fc2_bias"]),
-        })
+        out.update(
+            {
+                h + "self_attention.linear_qkv.weight": f32(
+                    a["qkv_kernel"].reshape(D, 3, H, K).transpose(2, 1, 3, 0).reshape(3 * D, D)
+                ),
+                h + "self_attention.linear_qkv.bias": f32(
+                    a["qkv_bias"].reshape(3, H, K).transpose(1, 0, 2).reshape(3 * D)
+                ),
+                h + "self_attention.linear_proj.weight": f32(a["out_kernel"].reshape(D, D).T),
+                h + "self_attention.linear_proj.bias": f32(a["out_bias"]),
+                h + "mlp.linear_fc1.weight": f32(m["fc1_kernel"].T),
+                h + "mlp.linear_fc1.bias": f32(m["fc1_bias"]),
+                h + "mlp.linear_fc2.weight": f32(m["fc2_kernel"].T),
+                h + "mlp.linear_fc2.bias": f32(m["fc2_bias"]),
+            }
+        )
     return out
 
 
@@ -70,10 +79,12 @@ def from_megatron(state: dict, model_cfg: ModelConfig) -> dict:
         name = name.removeprefix("module.")
         if not name.endswith("_extra_state"):
             # via float32: numpy has no bfloat16, the dtype most Megatron checkpoints hold
-            tensors[name] = (value.detach().float().cpu().numpy() if hasattr(value, "detach")
-                             else np.asarray(value, np.float32))
-    spec = ("transformer_engine" if "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in tensors
-            else "local")
+            tensors[name] = (
+                value.detach().float().cpu().numpy() if hasattr(value, "detach") else np.asarray(value, np.float32)
+            )
+    spec = (
+        "transformer_engine" if "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in tensors else "local"
+    )
 
     get = tensor_getter(tensors, f"megatron state dict ({spec} layer spec)", "the config")
 
@@ -81,33 +92,45 @@ def from_megatron(state: dict, model_cfg: ModelConfig) -> dict:
     rows = cfg.vocab_size if word is None else word.shape[0]
     if rows < cfg.vocab_size:
         raise ConfigError(f"megatron state dict: the word embedding has {rows} rows, fewer than {cfg.vocab_size=}")
-    params = {"embed": {"word": get("embedding.word_embeddings.weight", (rows, D)),
-                        "position": get("embedding.position_embeddings.weight", (cfg.max_positions, D))},
-              "final_ln": {"scale": get("decoder.final_layernorm.weight", (D,)),
-                           "bias": get("decoder.final_layernorm.bias", (D,))}}
+    params = {
+        "embed": {
+            "word": get("embedding.word_embeddings.weight", (rows, D)),
+            "position": get("embedding.position_embeddings.weight", (cfg.max_positions, D)),
+        },
+        "final_ln": {
+            "scale": get("decoder.final_layernorm.weight", (D,)),
+            "bias": get("decoder.final_layernorm.bias", (D,)),
+        },
+    }
     head = tensors.get("output_layer.weight")
     if head is not None and not np.array_equal(np.asarray(head, np.float32), params["embed"]["word"]):
-        raise ConfigError("megatron state dict: output_layer.weight is not tied to the word embedding "
-                          "(ptd_jax's output layer is)")
+        raise ConfigError(
+            "megatron state dict: output_layer.weight is not tied to the word embedding (ptd_jax's output layer is)"
+        )
 
     def stack(name, shape):
         return np.stack([get(f"decoder.layers.{i}.{name}", shape) for i in range(L)])
 
-    ln = {key: {ours: stack(_MEGATRON_LN[spec][key].format(theirs), (D,)) for ours, theirs in _LN_FIELDS.items()}
-          for key in ("ln1", "ln2")}
+    ln = {
+        key: {ours: stack(_MEGATRON_LN[spec][key].format(theirs), (D,)) for ours, theirs in _LN_FIELDS.items()}
+        for key in ("ln1", "ln2")
+    }
     qkv_w = stack("self_attention.linear_qkv.weight", (3 * D, D))
     qkv_b = stack("self_attention.linear_qkv.bias", (3 * D,))
     params["layers"] = {
         **ln,
-        "attn": {"qkv_kernel": qkv_w.reshape(L, H, 3, K, D).transpose(0, 4, 2, 1, 3),
-                 "qkv_bias": qkv_b.reshape(L, H, 3, K).transpose(0, 2, 1, 3),
-                 "out_kernel": stack("self_attention.linear_proj.weight", (D, D)).transpose(0, 2, 1).reshape(
-                     L, H, K, D),
-                 "out_bias": stack("self_attention.linear_proj.bias", (D,))},
-        "mlp": {"fc1_kernel": stack("mlp.linear_fc1.weight", (F, D)).transpose(0, 2, 1),
-                "fc1_bias": stack("mlp.linear_fc1.bias", (F,)),
-                "fc2_kernel": stack("mlp.linear_fc2.weight", (D, F)).transpose(0, 2, 1),
-                "fc2_bias": stack("mlp.linear_fc2.bias", (D,))},
+        "attn": {
+            "qkv_kernel": qkv_w.reshape(L, H, 3, K, D).transpose(0, 4, 2, 1, 3),
+            "qkv_bias": qkv_b.reshape(L, H, 3, K).transpose(0, 2, 1, 3),
+            "out_kernel": stack("self_attention.linear_proj.weight", (D, D)).transpose(0, 2, 1).reshape(L, H, K, D),
+            "out_bias": stack("self_attention.linear_proj.bias", (D,)),
+        },
+        "mlp": {
+            "fc1_kernel": stack("mlp.linear_fc1.weight", (F, D)).transpose(0, 2, 1),
+            "fc1_bias": stack("mlp.linear_fc1.bias", (F,)),
+            "fc2_kernel": stack("mlp.linear_fc2.weight", (D, F)).transpose(0, 2, 1),
+            "fc2_bias": stack("mlp.linear_fc2.bias", (D,)),
+        },
     }
-    params["embed"]["word"] = params["embed"]["word"][:cfg.vocab_size]
+    params["embed"]["word"] = params["embed"]["word"][: cfg.vocab_size]
     return float32_tree(params)

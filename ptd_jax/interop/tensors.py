@@ -10,6 +10,7 @@ from ptd_jax.config import ConfigError
 def tensor_getter(tensors: dict, source: str, implied_by: str):
     """get(name, shape): tensors[name] as float32, or a one-line ConfigError naming `source` when it is missing or
     has another shape than the one `implied_by` implies."""
+
     def get(name, shape):
         if name not in tensors:
             raise ConfigError(f"{source} has no tensor {name!r}")

@@ -57,6 +57,7 @@ def shard_specs(specs, params, d: int):
 
 def data_dims(sharded_specs):
     """Per leaf, the dim split over "data" (-1 for none: a tree of ints)."""
+
     def dim(spec):
         return next((i for i, axis in enumerate(tuple(spec)) if axis == DATA), -1)
 
@@ -65,6 +66,7 @@ def data_dims(sharded_specs):
 
 def gather_params(params_shards, dims, dtype):
     """Inside shard_map: the data-sharded master weights -> the whole local (tensor/pipe) shards in `dtype`."""
+
     def gather(x, dim):
         x = x.astype(dtype)
         return x if dim < 0 else jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
@@ -74,10 +76,10 @@ def gather_params(params_shards, dims, dtype):
 
 def scatter_grads(grads, dims):
     """Inside shard_map: per-rank partial float32 gradients -> this rank's 1/d of their sum over "data"."""
+
     def scatter(g, dim):
         if dim < 0:
             return jax.lax.psum(g, DATA)
         return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 
     return jax.tree.map(scatter, grads, dims)
-

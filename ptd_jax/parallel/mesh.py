@@ -75,8 +75,7 @@ def make_mesh(parallel: ParallelConfig, devices=None):
     if devices is None:
         devices = sorted(jax.devices(), key=lambda dev: (dev.process_index, dev.id))
     devices = list(devices)
-    shape = (parallel.data_parallel_size, parallel.pipeline_model_parallel_size,
-             parallel.tensor_model_parallel_size)
+    shape = (parallel.data_parallel_size, parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size)
     needed = int(np.prod(shape))
     if needed > len(devices):
         raise ConfigError(

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ptd_jax.config import ParallelConfig, schedule_spec
 from ptd_jax.model import acc_dtype
 from ptd_jax.parallel.mesh import Axis
 
@@ -27,13 +28,13 @@ TENSOR, DATA, PIPE = Axis.TENSOR.value, Axis.DATA.value, Axis.PIPE.value
 
 # parameter path -> dim split over tensor (the stored arrays: layers carry a leading L dim)
 TENSOR_SPLIT_DIM: dict[tuple[str, ...], int] = {
-    ("embed", "word"): 0,                    # [Vp, D]: vocab-parallel embedding and output layer
-    ("layers", "attn", "qkv_kernel"): 3,     # [L, D, 3, H, K]: column-parallel over heads
-    ("layers", "attn", "qkv_bias"): 2,       # [L, 3, H, K]
-    ("layers", "attn", "out_kernel"): 1,     # [L, H, K, D]: row-parallel over heads
-    ("layers", "mlp", "fc1_kernel"): 2,      # [L, D, F]: column-parallel
-    ("layers", "mlp", "fc1_bias"): 1,        # [L, F]
-    ("layers", "mlp", "fc2_kernel"): 1,      # [L, F, D]: row-parallel
+    ("embed", "word"): 0,  # [Vp, D]: vocab-parallel embedding and output layer
+    ("layers", "attn", "qkv_kernel"): 3,  # [L, D, 3, H, K]: column-parallel over heads
+    ("layers", "attn", "qkv_bias"): 2,  # [L, 3, H, K]
+    ("layers", "attn", "out_kernel"): 1,  # [L, H, K, D]: row-parallel over heads
+    ("layers", "mlp", "fc1_kernel"): 2,  # [L, D, F]: column-parallel
+    ("layers", "mlp", "fc1_bias"): 1,  # [L, F]
+    ("layers", "mlp", "fc2_kernel"): 1,  # [L, F, D]: row-parallel
 }
 
 BATCH_SPEC = P(None, DATA, None)  # [M, d·b, S]
@@ -82,6 +83,45 @@ def unstage_layers(layers, v_shape: bool = False):
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), layers)
 
 
+def v_shaped(parallel: ParallelConfig) -> bool:
+    """Whether `parallel`'s schedule stores its chunks in the V (ZB-V: `stage_layers`' `v_shape`)."""
+    return parallel.pipeline_model_parallel_size > 1 and schedule_spec(parallel.pipeline_schedule).stage_map == "v"
+
+
+def layout_params(params, parallel: ParallelConfig):
+    """The reference params [L, ...] in `parallel`'s stored layout: the layers staged [v, p, k, ...] when p > 1,
+    unchanged otherwise. Works on arrays and on ShapeDtypeStructs alike."""
+    if parallel.pipeline_model_parallel_size == 1:
+        return params
+    p, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages
+    staged = jax.eval_shape if _abstract(params["layers"]) else lambda f, x: f(x)
+    return {**params, "layers": staged(lambda x: stage_layers(x, p, v, v_shaped(parallel)), params["layers"])}
+
+
+def reference_layout(tree, parallel: ParallelConfig):
+    """The inverse of `layout_params` (for params or gradients in the stored layout): layers back to [L, ...]."""
+    if parallel.pipeline_model_parallel_size == 1:
+        return tree
+    return {**tree, "layers": unstage_layers(tree["layers"], v_shaped(parallel))}
+
+
+def place_params(params, parallel: ParallelConfig, mesh):
+    """(params on `mesh`, their PartitionSpecs): the reference params laid out for `parallel` (`layout_params`)
+    and put on the mesh; ShapeDtypeStructs come back as ShapeDtypeStructs carrying their shardings (for
+    lowering without data)."""
+    laid = layout_params(params, parallel)
+    specs = param_specs(laid, pipelined=parallel.pipeline_model_parallel_size > 1)
+    shardings = named(mesh, specs)
+    if _abstract(laid):
+        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), laid, shardings)
+        return placed, specs
+    return jax.device_put(laid, shardings), specs
+
+
+def _abstract(tree) -> bool:
+    return all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
 def local_chunks(layers_local):
     """Inside shard_map: this pipeline rank's shard [v, 1, k, ...] -> its chunks [v, k, ...] (chunk c is virtual
     stage c·p + rank)."""
@@ -109,14 +149,21 @@ def replicated_axes(spec: P, pipelined: bool, sequence_parallel: bool) -> tuple[
 
 def replicated_axes_tree(specs, pipelined: bool, sequence_parallel: bool):
     """`replicated_axes` for every leaf of a PartitionSpec tree: a tree of axis-name tuples."""
-    return jax.tree.map(lambda s: replicated_axes(s, pipelined, sequence_parallel), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s: replicated_axes(s, pipelined, sequence_parallel), specs, is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, opt_state, specs):
     """Optimizer moments shard like their parameters; counters and other scalars are replicated."""
-    return optax.tree_map_params(optimizer, lambda _, spec: spec, opt_state, specs,
-                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        opt_state,
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
 
 
 def state_specs(optimizer, state, pipelined: bool = False):
@@ -148,6 +195,7 @@ def global_norm(grads, specs):
 # ---------------------------------------------------------------------------------------------------------------
 # The canonical form (checkpoints): layers [L, ...] in model order, the word embedding [V, D] unpadded
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _canonical_leaf(names, x, vocab_size: int, pipelined: bool, v_shape: bool = False):
     if pipelined and names[0] == "layers":
@@ -187,8 +235,9 @@ def _map_state(optimizer, state, leaf_fn, non_params=lambda x: x):
     # A names tuple sits where params has a leaf, so tree.map hands it over whole.
     out = {"params": jax.tree.map(lambda x, n: leaf_fn(n, x), state["params"], names)}
     if "opt_state" in state:
-        out["opt_state"] = optax.tree_map_params(optimizer, lambda x, n: leaf_fn(n, x), state["opt_state"], names,
-                                                 transform_non_params=non_params)
+        out["opt_state"] = optax.tree_map_params(
+            optimizer, lambda x, n: leaf_fn(n, x), state["opt_state"], names, transform_non_params=non_params
+        )
     return out
 
 

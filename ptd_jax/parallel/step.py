@@ -25,7 +25,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, resolve_branching, schedule_spec
+from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, schedule_spec
+from ptd_jax.runtime.platform import resolve_branching
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import learning_rate_schedule, new_state, schedule_count
 from ptd_jax.parallel import distributed_optimizer
@@ -43,12 +44,22 @@ def on_mesh(parallel: ParallelConfig, mesh) -> ParallelConfig:
     """`parallel` with "auto" branching resolved for the platform of the mesh's devices (not the process's default
     backend, which need not be the one a step is built for)."""
     platform = mesh.devices.flat[0].platform
-    return dataclasses.replace(parallel, pipeline_branching=resolve_branching(parallel.pipeline_branching, platform,
-                                                                               parallel.pipeline_schedule))
+    return dataclasses.replace(
+        parallel,
+        pipeline_branching=resolve_branching(parallel.pipeline_branching, platform, parallel.pipeline_schedule),
+    )
 
 
-def init_sharded_state(key, model_cfg: ModelConfig, optimizer, mesh, parallel: ParallelConfig | None = None, *,
-                       shapes_only: bool = False, train_cfg: TrainConfig | None = None):
+def init_sharded_state(
+    key,
+    model_cfg: ModelConfig,
+    optimizer,
+    mesh,
+    parallel: ParallelConfig | None = None,
+    *,
+    shapes_only: bool = False,
+    train_cfg: TrainConfig | None = None,
+):
     """The serial initial state, laid out on the mesh (TP-sharded init equals the serial init). With p > 1 the
     layers are stored in the pipeline layout (`sharding.stage_layers`). `shapes_only`: its ShapeDtypeStructs with
     their shardings, computing nothing (what a restore needs). float16 adds the loss scaler (`train_cfg`'s)."""
@@ -91,9 +102,19 @@ def _one_microbatch(params, tokens, labels, mask, model_cfg, parallel, recompute
     total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
 
     def loss_fn(p):
-        return tp.loss_sum(p, tokens[0], labels[0], mask[0], model_cfg, sequence_parallel=parallel.sequence_parallel,
-                           key=jax.random.fold_in(key, 0) if key is not None else None,
-                           recompute=recompute) / total_tokens
+        return (
+            tp.loss_sum(
+                p,
+                tokens[0],
+                labels[0],
+                mask[0],
+                model_cfg,
+                sequence_parallel=parallel.sequence_parallel,
+                key=jax.random.fold_in(key, 0) if key is not None else None,
+                recompute=recompute,
+            )
+            / total_tokens
+        )
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(gpt.acc_dtype(x.dtype)), grads, params)
@@ -107,13 +128,28 @@ def _pipeline_layout(param_specs) -> bool:
 
 def _replicated_axes(param_specs, parallel: ParallelConfig):
     """Per parameter, the mesh axes its gradient is a partial sum over (`sharding.replicated_axes`)."""
-    return sharding.replicated_axes_tree(param_specs, parallel.pipeline_model_parallel_size > 1,
-                                         parallel.sequence_parallel)
+    return sharding.replicated_axes_tree(
+        param_specs, parallel.pipeline_model_parallel_size > 1, parallel.sequence_parallel
+    )
 
 
-def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-                   recompute: str, param_specs, sched=None, scatter_gather: bool = True, loss_scale=None,
-                   scatter_dims=None, norm_specs=None):
+def loss_and_grads(
+    params,
+    tokens,
+    labels,
+    mask,
+    key,
+    *,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    recompute: str,
+    param_specs,
+    sched=None,
+    scatter_gather: bool = True,
+    loss_scale=None,
+    scatter_dims=None,
+    norm_specs=None,
+):
     """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm). With a
     `loss_scale` the backward runs on the scaled loss and loss and gradients are unscaled (float32) before the
     norm. `scatter_dims` (the distributed optimizer): reduce-scatter each gradient over "data" on that dim
@@ -131,18 +167,23 @@ def loss_and_grads(params, tokens, labels, mask, key, *, model_cfg: ModelConfig,
         staged = not _pipeline_layout(param_specs)
         if staged:  # the p = 1 accumulation table: layers [L, ...] as the executor's one chunk [1, 1, L, ...]
             varying = {**varying, "layers": sharding.stage_layers(varying["layers"], 1, 1)}
-        opts = executor.Options(model_cfg, sequence_parallel=parallel.sequence_parallel,
-                                scatter_gather=scatter_gather, recompute=recompute,
-                                branching=parallel.pipeline_branching, key=key)
-        loss, grads = executor.accumulate(varying, executor.StepInputs(tokens, labels, mask, total_tokens), sched,
-                                          opts)
+        opts = executor.Options(
+            model_cfg,
+            sequence_parallel=parallel.sequence_parallel,
+            scatter_gather=scatter_gather,
+            recompute=recompute,
+            branching=parallel.pipeline_branching,
+            key=key,
+        )
+        loss, grads = executor.accumulate(varying, executor.StepInputs(tokens, labels, mask, total_tokens), sched, opts)
         if staged:
             grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
         loss = jax.lax.psum(loss, DATA if staged else (DATA, PIPE))
     if scatter_dims is not None:  # "data" by reduce-scatter, the other axes as usual
         axes = jax.tree.map(lambda a: tuple(x for x in a if x != DATA), axes, is_leaf=lambda a: isinstance(a, tuple))
-    grads = jax.tree.map(lambda a, g: jax.lax.psum(g, a) if a else g, axes, grads,
-                         is_leaf=lambda a: isinstance(a, tuple))
+    grads = jax.tree.map(
+        lambda a, g: jax.lax.psum(g, a) if a else g, axes, grads, is_leaf=lambda a: isinstance(a, tuple)
+    )
     if scatter_dims is not None:
         grads = distributed_optimizer.scatter_grads(grads, scatter_dims)
     if loss_scale is not None:
@@ -156,8 +197,13 @@ def pipeline_schedule(parallel: ParallelConfig):
     """The validated schedule table for the layout, or None without pipelining."""
     if parallel.pipeline_model_parallel_size == 1:
         return None
-    sched = build(parallel.pipeline_schedule, parallel.pipeline_model_parallel_size,
-                  parallel.virtual_pipeline_stages, parallel.num_microbatches, parallel.microbatch_group_size)
+    sched = build(
+        parallel.pipeline_schedule,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_stages,
+        parallel.num_microbatches,
+        parallel.microbatch_group_size,
+    )
     validate(sched)
     return sched
 
@@ -176,24 +222,49 @@ def accumulation_schedule(parallel: ParallelConfig):
     return sched
 
 
-def make_parallel_grad_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs,
-                            recompute: str = "none", scatter_gather: bool = True):
+def make_parallel_grad_step(
+    mesh,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    param_specs,
+    recompute: str = "none",
+    scatter_gather: bool = True,
+):
     """jit(params, tokens, labels, mask) -> (loss, grads, grad_norm), for comparing with the reference."""
     parallel = on_mesh(parallel, mesh)
     sched = accumulation_schedule(parallel)
 
     def body(params, tokens, labels, mask):
-        return loss_and_grads(params, tokens, labels, mask, None, model_cfg=model_cfg, parallel=parallel,
-                              recompute=recompute, param_specs=param_specs, sched=sched,
-                              scatter_gather=scatter_gather)
+        return loss_and_grads(
+            params,
+            tokens,
+            labels,
+            mask,
+            None,
+            model_cfg=model_cfg,
+            parallel=parallel,
+            recompute=recompute,
+            param_specs=param_specs,
+            sched=sched,
+            scatter_gather=scatter_gather,
+        )
 
     batch = sharding.BATCH_SPEC
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch, batch, batch),
-                                 out_specs=(P(), param_specs, P())))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch, batch, batch), out_specs=(P(), param_specs, P()))
+    )
 
 
-def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
-                             optimizer: optax.GradientTransformation, state, *, poison_steps: tuple[int, ...] = ()):
+def make_parallel_train_step(
+    mesh,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    train_cfg: TrainConfig,
+    optimizer: optax.GradientTransformation,
+    state,
+    *,
+    poison_steps: tuple[int, ...] = (),
+):
     """jit(state, tokens, labels, mask [M, d·b, S], key) -> (state, metrics); state donated, shardings declared.
     A non-finite loss or gradient skips the update (`loss_scale.guarded_update`).
 
@@ -218,10 +289,21 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
         else:
             key = None
         loss, grads, grad_norm = loss_and_grads(
-            params, tokens, labels, mask, key, model_cfg=model_cfg, parallel=parallel,
-            recompute=train_cfg.recompute_granularity, param_specs=plain_specs, sched=sched,
-            scatter_gather=parallel.scatter_gather, loss_scale=current_scale(state) if "loss_scale" in state else None,
-            scatter_dims=dims, norm_specs=specs["params"])
+            params,
+            tokens,
+            labels,
+            mask,
+            key,
+            model_cfg=model_cfg,
+            parallel=parallel,
+            recompute=train_cfg.recompute_granularity,
+            param_specs=plain_specs,
+            sched=sched,
+            scatter_gather=parallel.scatter_gather,
+            loss_scale=current_scale(state) if "loss_scale" in state else None,
+            scatter_dims=dims,
+            norm_specs=specs["params"],
+        )
         if poison_steps:  # the test hook: a poisoned step's norm is inf, as a real overflow's
             loss, grads = poison(loss, grads, state["step"], poison_steps)
             grad_norm = sharding.global_norm(grads, specs["params"])
@@ -231,14 +313,18 @@ def make_parallel_train_step(mesh, model_cfg: ModelConfig, parallel: ParallelCon
 
     batch = sharding.BATCH_SPEC
     metric_specs = {"lm_loss": P(), "grad_norm": P(), "lr": P(), "skipped": P(), "loss_scale": P()}
-    sharded = jax.shard_map(step, mesh=mesh, in_specs=(specs, batch, batch, batch, P()),
-                            out_specs=(specs, metric_specs))
+    sharded = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, batch, batch, batch, P()), out_specs=(specs, metric_specs)
+    )
     state_shardings = sharding.named(mesh, specs)
     batch_sharding = sharding.named(mesh, batch)
     replicated = sharding.named(mesh, P())
-    return jax.jit(sharded, donate_argnums=0,
-                   in_shardings=(state_shardings, batch_sharding, batch_sharding, batch_sharding, replicated),
-                   out_shardings=(state_shardings, sharding.named(mesh, metric_specs)))
+    return jax.jit(
+        sharded,
+        donate_argnums=0,
+        in_shardings=(state_shardings, batch_sharding, batch_sharding, batch_sharding, replicated),
+        out_shardings=(state_shardings, sharding.named(mesh, metric_specs)),
+    )
 
 
 def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConfig, param_specs):
@@ -246,17 +332,29 @@ def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
     With p > 1 the forwards of the training schedule run through the pipeline executor."""
     parallel = on_mesh(parallel, mesh)
     p = parallel.pipeline_model_parallel_size
-    sched = None if p == 1 else build_forward_only(
-        parallel.pipeline_schedule, p, parallel.virtual_pipeline_stages, parallel.num_microbatches,
-        parallel.microbatch_group_size)
+    sched = (
+        None
+        if p == 1
+        else build_forward_only(
+            parallel.pipeline_schedule,
+            p,
+            parallel.virtual_pipeline_stages,
+            parallel.num_microbatches,
+            parallel.microbatch_group_size,
+        )
+    )
 
     def eval_step(params, tokens, labels, mask):
         acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
         total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
         if sched is not None:
             varying = mark_tree(params, _replicated_axes(param_specs, parallel))
-            opts = executor.Options(model_cfg, sequence_parallel=parallel.sequence_parallel,
-                                    scatter_gather=parallel.scatter_gather, branching=parallel.pipeline_branching)
+            opts = executor.Options(
+                model_cfg,
+                sequence_parallel=parallel.sequence_parallel,
+                scatter_gather=parallel.scatter_gather,
+                branching=parallel.pipeline_branching,
+            )
             loss = executor.loss(varying, executor.StepInputs(tokens, labels, mask, total_tokens), sched, opts)
             return jax.lax.psum(loss, (DATA, PIPE))
 

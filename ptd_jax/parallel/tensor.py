@@ -38,6 +38,7 @@ SEQ_DIM = 1  # activations are [B, S, D]
 # Megatron's conjugate operators (paper §2.3, Figure 3)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def copy_to_tensor_region(x_BxSxD):
     """`f`: identity in the forward pass, all-reduce over tensor in the backward pass (enters a TP region)."""
     return mark_varying(x_BxSxD, (TENSOR,))
@@ -99,11 +100,15 @@ _tapped_dot.defvjp(_tapped_dot_fwd, _tapped_dot_bwd)
 def dot(p, name: str, x):
     """Matmul `name` of the layer (`DOTS`) on x with `p[name + "_kernel"]`, tapped where `p` holds a tap."""
     tap = p.get(f"{name}_tap")
-    y = jnp.einsum(DOTS[name], x, p[f"{name}_kernel"]) if tap is None else _tapped_dot(DOTS[name], x,
-                                                                                       p[f"{name}_kernel"], tap)
+    y = (
+        jnp.einsum(DOTS[name], x, p[f"{name}_kernel"])
+        if tap is None
+        else _tapped_dot(DOTS[name], x, p[f"{name}_kernel"], tap)
+    )
     if TAP_SHAPES is not None:  # types only: x and y may belong to an inner trace (a checkpointed layer's)
-        TAP_SHAPES[name] = tuple((jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(sorted(varying_axes(a))))
-                                 for a in (x, y))
+        TAP_SHAPES[name] = tuple(
+            (jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(sorted(varying_axes(a)))) for a in (x, y)
+        )
     return y
 
 
@@ -141,22 +146,27 @@ def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None,
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
     if sequence_parallel:
         k_h1, k_h2 = _per_tensor_rank(k_h1), _per_tensor_rank(k_h2)
-    h = attention(p["attn"], gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
-                  sequence_parallel, k_attn, recompute)
+    h = attention(
+        p["attn"],
+        gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels),
+        cfg,
+        sequence_parallel,
+        k_attn,
+        recompute,
+    )
     x = x + gpt.dropout(h, cfg.hidden_dropout, k_h1)
-    h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg,
-            sequence_parallel)
+    h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg, sequence_parallel)
     return x + gpt.dropout(h, cfg.hidden_dropout, k_h2)
 
 
-def run_layers(layers, x, cfg: ModelConfig, sequence_parallel: bool, *, key=None, recompute: str = "none",
-               first_layer=0):
+def run_layers(
+    layers, x, cfg: ModelConfig, sequence_parallel: bool, *, key=None, recompute: str = "none", first_layer=0
+):
     """Scan the stacked local layer shards, with the same recomputation options as the reference. Layer j draws
     its dropout masks from fold_in(key, first_layer + j), so a pipeline chunk draws the masks of the same layers
     in the whole stack."""
     num = jax.tree.leaves(layers)[0].shape[0]
-    layer_fn = gpt.remat_layer(lambda p, h, k: transformer_layer(p, h, cfg, sequence_parallel, k, recompute),
-                               recompute)
+    layer_fn = gpt.remat_layer(lambda p, h, k: transformer_layer(p, h, cfg, sequence_parallel, k, recompute), recompute)
 
     def body(h, xs):
         p, index = xs
@@ -180,8 +190,7 @@ def vocab_parallel_embed(params, tokens_BxS, cfg: ModelConfig, sequence_parallel
     if sequence_parallel:
         x_BxSlxD = reduce_scatter_to_sequence_region(rows_BxSxD)
         seq_local = x_BxSlxD.shape[SEQ_DIM]
-        position_SlxD = jax.lax.dynamic_slice_in_dim(position_SxD, jax.lax.axis_index(TENSOR) * seq_local,
-                                                     seq_local)
+        position_SlxD = jax.lax.dynamic_slice_in_dim(position_SxD, jax.lax.axis_index(TENSOR) * seq_local, seq_local)
         x = x_BxSlxD + position_SlxD
     else:
         x = reduce_from_tensor_region(rows_BxSxD) + position_SxD
@@ -194,8 +203,7 @@ def vocab_parallel_logits(params, x, cfg: ModelConfig, sequence_parallel: bool):
     x = gpt.layer_norm(x, params["final_ln"], cfg.layernorm_epsilon, cfg.fused_kernels)
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
     word_VlxD = params["embed"]["word"].astype(x_BxSxD.dtype)
-    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VlxD,
-                      preferred_element_type=gpt.logits_dtype(x_BxSxD.dtype, cfg))
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VlxD, preferred_element_type=gpt.logits_dtype(x_BxSxD.dtype, cfg))
 
 
 def vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, vocab_size: int, fused: bool = False):
@@ -208,9 +216,14 @@ def vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, vocab_size: int, fus
         from pallas_kernels import softmax_cross_entropy
 
         B, S = labels_BxS.shape
-        losses = softmax_cross_entropy(logits_BxSxVl.reshape(B * S, vocab_local), labels_BxS.reshape(B * S),
-                                       vocab_size=vocab_size, vocab_start=start, axis_name=TENSOR,
-                                       interpret=gpt.interpret_kernels())
+        losses = softmax_cross_entropy(
+            logits_BxSxVl.reshape(B * S, vocab_local),
+            labels_BxS.reshape(B * S),
+            vocab_size=vocab_size,
+            vocab_start=start,
+            axis_name=TENSOR,
+            interpret=gpt.interpret_kernels(),
+        )
         return losses.reshape(B, S)
     logits = logits_BxSxVl.astype(gpt.acc_dtype(logits_BxSxVl.dtype))
     valid_Vl = start + jnp.arange(vocab_local) < vocab_size
@@ -225,8 +238,17 @@ def vocab_parallel_cross_entropy(logits_BxSxVl, labels_BxS, vocab_size: int, fus
     return jnp.log(sum_exp_BxS) + max_BxS - target_BxS
 
 
-def loss_sum(params, tokens_BxS, labels_BxS, mask_BxS, cfg: ModelConfig, *, sequence_parallel: bool = False,
-             key=None, recompute: str = "none"):
+def loss_sum(
+    params,
+    tokens_BxS,
+    labels_BxS,
+    mask_BxS,
+    cfg: ModelConfig,
+    *,
+    sequence_parallel: bool = False,
+    key=None,
+    recompute: str = "none",
+):
     """Sum of masked token losses of this data rank's microbatch, computed tensor-parallel on local shards.
     Equals `model.loss_sum` on the unsharded parameters."""
     params = gpt.cast_params(params, cfg)

@@ -1,5 +1,10 @@
-"""Hardware presets for the performance model: datasheet peaks and bandwidths, with efficiencies and latencies
-taken from microbenchmarks and NVIDIA's own collective model — never fitted to the paper's results.
+"""The one GPU catalogue: every fact about a device the project uses, in one table (`CATALOGUE`).
+
+Each entry names a device (as `ptd-plan --hardware` and `ptd-train --compile-only --target` spell it), the words
+that identify it in JAX's `device_kind`, its dense 16-bit and float32 peaks (for MFU), and, where known, its node and
+links (the performance model: `PRESETS`, the planner's `--hardware` choices) and its chip as XLA:GPU compiles for it
+(`Chip`: `TARGETS`, the `--target` choices). Datasheet peaks and bandwidths, with efficiencies and latencies taken
+from microbenchmarks and NVIDIA's own collective model — never fitted to the paper's results.
 
 - `a100-80gb`: the paper's Selene DGX A100 node (§5): 8 A100-80GB SXM (NVIDIA A100 datasheet: 312 TFLOP/s dense
   FP16/BF16 Tensor Core, 80 GB HBM2e at 2,039 GB/s, NVLink3 600 GB/s per GPU = 300 each way through NVSwitch),
@@ -31,9 +36,34 @@ Efficiencies (from measurements, not from the paper):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 GIB = 2**30
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Chip:
+    """A GPU as XLA:GPU's compiler sees it (`Hardware.target_config`). Sources, field by field:
+    - A100 80GB, H100 SXM: every field as in XLA's own spec file of that GPU
+      (xla/tools/hlo_opt/gpu_specs/{a100_sxm_80,h100_sxm}.txtpb, read off real devices by XLA's authors);
+    - H200: XLA ships no H200 spec. It is the H100 SXM's GH100 die (NVIDIA H200 datasheet: same SM count and
+      compute capability 9.0), so these fields are the H100 SXM's."""
+
+    compute_capability: tuple[int, int]
+    sm_count: int
+    fpus_per_sm: int
+    shared_memory_per_block: int
+    shared_memory_per_block_optin: int
+    """The most shared memory one block may ask for: the limit a kernel's tiles must fit."""
+    shared_memory_per_sm: int
+    l2_cache_bytes: int
+    clock_ghz: float
+
+
+AMPERE_A100 = Chip((8, 0), 108, 64, 49152, 166912, 167936, 41943040, 1.41)
+HOPPER_GH100 = Chip((9, 0), 132, 128, 49152, 232448, 233472, 52428800, 1.98)
 
 
 @dataclass(frozen=True)
@@ -41,16 +71,25 @@ class Hardware:
     """One GPU and its node. Bandwidths are per GPU, one direction, in bytes/s."""
 
     name: str
+    device_kind: str
+    """Words that JAX's `device_kind` of this device contains ("H100 PCIe"); the first catalogue entry whose words
+    all occur wins, so form-factor entries come before the plain name."""
     peak_flops: float
     """Dense 16-bit peak, FLOP/s."""
-    memory_bytes: float
-    """HBM capacity as CUDA reports it (the figure XLA compiles against: `ptd_jax/aot/targets.py`, the same GPUs)."""
-    hbm_bandwidth: float
-    gpus_per_node: int
-    nvlink_bandwidth: float
+    peak_flops_fp32: float
+    """Dense float32 peak as XLA runs it by default (TF32 on Ampere and later), FLOP/s."""
+    memory_bytes: float = 0.0
+    """HBM capacity as CUDA reports it (the figure XLA compiles against); 0 where the catalogue has no node."""
+    hbm_bandwidth: float = 0.0
+    gpus_per_node: int = 0
+    nvlink_bandwidth: float = 0.0
     """Per GPU, one direction (NVSwitch: any pair of GPUs in the node at this rate)."""
-    ib_bandwidth: float
+    ib_bandwidth: float = 0.0
     """Per GPU, one direction (one NIC per GPU)."""
+    chip: Chip | None = None
+    """Set where `ptd-train --compile-only --target` can compile for it."""
+    reported_kind: str = ""
+    """The device kind string JAX reports on the real GPU, where it is more than "NVIDIA " + `device_kind`."""
     gemm_efficiency: float = 0.80
     hbm_efficiency: float = 0.90
     nvlink_efficiency: float = 0.77
@@ -70,8 +109,9 @@ class Hardware:
         traffic (read A and B, write C once) at the achievable HBM rate."""
         flops = 2.0 * m * n * k
         traffic = bytes_per_element * (m * k + k * n + m * n)
-        return count * max(flops / (self.peak_flops * self.gemm_efficiency),
-                           traffic / (self.hbm_bandwidth * self.hbm_efficiency))
+        return count * max(
+            flops / (self.peak_flops * self.gemm_efficiency), traffic / (self.hbm_bandwidth * self.hbm_efficiency)
+        )
 
     def memory_seconds(self, nbytes: float) -> float:
         """Time of a memory-bound kernel that moves `nbytes` through HBM."""
@@ -100,16 +140,150 @@ class Hardware:
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes * self.usable_memory_fraction
 
+    @property
+    def description(self) -> str:
+        """The device kind string JAX reports on the real GPU."""
+        return self.reported_kind or f"NVIDIA {self.device_kind}"
 
-HARDWARE: dict[str, Hardware] = {
-    "a100-80gb": Hardware("a100-80gb", peak_flops=312e12, memory_bytes=85_100_068_864, hbm_bandwidth=2.039e12,
-                          gpus_per_node=8, nvlink_bandwidth=300e9, ib_bandwidth=25e9,
-                          nvlink_efficiency=235e9 / 300e9),
-    "h100-sxm": Hardware("h100-sxm", peak_flops=989e12, memory_bytes=84_978_434_048, hbm_bandwidth=3.35e12,
-                         gpus_per_node=8, nvlink_bandwidth=450e9, ib_bandwidth=50e9),
-    "h200": Hardware("h200", peak_flops=989e12, memory_bytes=143_771 * 2**20, hbm_bandwidth=4.8e12,
-                     gpus_per_node=8, nvlink_bandwidth=450e9, ib_bandwidth=50e9),
-}
+    def target_config(self) -> str:
+        """XLA's `GpuTargetConfig` text proto, for `jax.experimental.topologies.get_topology_desc`."""
+        c = self.chip
+        if c is None:
+            raise ValueError(f"target={self.name!r} has no chip description to compile for")
+        major, minor = c.compute_capability
+        return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: {c.shared_memory_per_block}
+  shared_memory_per_core: {c.shared_memory_per_sm}
+  threads_per_core_limit: 2048
+  core_count: {c.sm_count}
+  fpus_per_core: {c.fpus_per_sm}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(self.hbm_bandwidth)}
+  l2_cache_size: {c.l2_cache_bytes}
+  clock_rate_ghz: {c.clock_ghz}
+  device_memory_size: {int(self.memory_bytes)}
+  shared_memory_per_block_optin: {c.shared_memory_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+device_description_str: "{self.description}"
+"""
+
+
+def _peak(name: str, kind: str, half_tflops: float, single_tflops: float) -> Hardware:
+    """An entry known by its peaks only (MFU on that device; no node, no compile target)."""
+    return Hardware(name, kind, half_tflops * 1e12, single_tflops * 1e12)
+
+
+_NODE8_HOPPER = dict(gpus_per_node=8, nvlink_bandwidth=450e9, ib_bandwidth=50e9, chip=HOPPER_GH100)
+
+CATALOGUE: tuple[Hardware, ...] = (
+    # Dense (no sparsity) datasheet peaks, 16-bit and float32 (TF32 on Ampere and later).
+    _peak("h100-pcie", "H100 PCIe", 756, 378),
+    _peak("h100-nvl", "H100 NVL", 835, 418),
+    Hardware(
+        "h100-sxm",
+        "H100",  # SXM5: JAX reports "NVIDIA H100 80GB HBM3"
+        989e12,
+        494e12,
+        memory_bytes=84_978_434_048,
+        hbm_bandwidth=3.35232e12,  # XLA's spec file (datasheet: 3.35 TB/s)
+        reported_kind="NVIDIA H100 80GB HBM3",
+        **_NODE8_HOPPER,
+    ),
+    _peak("h200-nvl", "H200 NVL", 835, 418),
+    # the memory as CUDA reports it on an H200 SXM (nvidia-smi: 143,771 MiB) of the datasheet's 141 GB at 4.8 TB/s
+    Hardware("h200", "H200", 989e12, 494e12, memory_bytes=143_771 * MIB, hbm_bandwidth=4.8e12, **_NODE8_HOPPER),
+    _peak("gh200", "GH200", 989, 494),
+    _peak("h800-pcie", "H800 PCIe", 756, 378),
+    _peak("h800", "H800", 989, 494),
+    _peak("b200", "B200", 2250, 1100),
+    Hardware(
+        "a100-80gb",
+        "A100",  # SXM4 and PCIe alike in peak
+        312e12,
+        156e12,
+        memory_bytes=85_100_068_864,
+        hbm_bandwidth=2.03904e12,  # XLA's spec file (datasheet: 2,039 GB/s)
+        gpus_per_node=8,
+        nvlink_bandwidth=300e9,
+        ib_bandwidth=25e9,
+        nvlink_efficiency=235e9 / 300e9,
+        chip=AMPERE_A100,
+        reported_kind="NVIDIA A100-SXM4-80GB",
+    ),
+    _peak("a800", "A800", 312, 156),
+    _peak("l40s", "L40S", 362, 183),
+    _peak("l4", "L4", 121, 60),
+    _peak("a10g", "A10G", 70, 35),
+    _peak("v100", "V100", 125, 15.7),
+    _peak("tpu-v4", "TPU v4", 275, 275),
+    _peak("tpu-v5e", "TPU v5 lite", 197, 197),
+    _peak("tpu-v5p", "TPU v5p", 459, 459),
+    _peak("tpu-v6e", "TPU v6 lite", 918, 918),
+)
+
+HARDWARE: dict[str, Hardware] = {h.name: h for h in CATALOGUE if h.gpus_per_node}
+"""The entries with a node: what the performance model and `ptd-plan --hardware` take (the paper's Selene DGX
+A100 first)."""
+HARDWARE = dict(sorted(HARDWARE.items(), key=lambda kv: kv[0] != "a100-80gb"))
+TARGETS: dict[str, Hardware] = {h.name: h for h in CATALOGUE if h.chip is not None}
+"""The entries XLA:GPU can compile for (`ptd-train --compile-only --target`)."""
+
+
+def target(name: str) -> Hardware:
+    if name not in TARGETS:
+        raise ValueError(f"target={name!r} is not one of {sorted(TARGETS)}")
+    return TARGETS[name]
+
+
+def _words(text: str) -> list[str]:
+    return text.lower().replace("-", " ").replace("_", " ").split()
+
+
+def for_device_kind(device_kind: str) -> Hardware | None:
+    """The catalogue entry for a JAX device kind ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"), or None."""
+    words = _words(device_kind)
+    return next((h for h in CATALOGUE if all(w in words for w in _words(h.device_kind))), None)
+
+
+def measure_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """Achieved float32 matmul TFLOP/s of the first device (used as the 'peak' on unknown devices such as CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((size, size), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def device_peak_tflops(
+    device_kind: str, bf16: bool, override: float | None = None, num_local_devices: int = 1
+) -> tuple[float, str]:
+    """(peak TFLOP/s per device, where it came from). Unknown devices (CPU) get a measured matmul rate, shared
+    among the simulated devices of the host."""
+    if override is not None:
+        return override, "--peak-tflops"
+    hw = for_device_kind(device_kind)
+    if hw is not None:
+        peak = (hw.peak_flops if bf16 else hw.peak_flops_fp32) / 1e12
+        return peak, f"{hw.device_kind} datasheet ({'bf16' if bf16 else 'fp32/tf32'} dense)"
+    measured = measure_matmul_tflops() / max(num_local_devices, 1)
+    return measured, (
+        f"measured 1024^3 fp32 matmul on {device_kind} / {num_local_devices} device(s) (override with --peak-tflops)"
+    )
 
 
 def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float, base: float = 0.0) -> float:

@@ -36,8 +36,13 @@ from ptd_jax.perf.hardware import GIB, Hardware
 from ptd_jax.perf.timing import Prediction, predict
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-SHORT = {"tensor_model_parallel_size": "t", "pipeline_model_parallel_size": "p", "data_parallel_size": "d",
-         "micro_batch_size": "b", "num_layers_per_virtual_pipeline_stage": "k"}
+SHORT = {
+    "tensor_model_parallel_size": "t",
+    "pipeline_model_parallel_size": "p",
+    "data_parallel_size": "d",
+    "micro_batch_size": "b",
+    "num_layers_per_virtual_pipeline_stage": "k",
+}
 
 
 def divisors(n: int) -> list[int]:
@@ -45,25 +50,44 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // i for i in small]))
 
 
-def make_parallel(cfg: ModelConfig, num_gpus: int, t: int, p: int, b: int, global_batch_size: int,
-                  layers_per_virtual_stage: int | None = None, *, sequence_parallel: bool = False,
-                  use_distributed_optimizer: bool = False, scatter_gather: bool = True,
-                  schedule: str | None = None) -> ParallelConfig:
+def make_parallel(
+    cfg: ModelConfig,
+    num_gpus: int,
+    t: int,
+    p: int,
+    b: int,
+    global_batch_size: int,
+    layers_per_virtual_stage: int | None = None,
+    *,
+    sequence_parallel: bool = False,
+    use_distributed_optimizer: bool = False,
+    scatter_gather: bool = True,
+    schedule: str | None = None,
+) -> ParallelConfig:
     """A `ParallelConfig` the way ptd-train builds one from Megatron's flags (raises ConfigError naming values);
     `schedule` None: ptd-train's, interleaved with layers per virtual stage, else 1F1B."""
     v = 1
     if layers_per_virtual_stage is not None:
         if layers_per_virtual_stage < 1 or cfg.num_layers % (layers_per_virtual_stage * p):
-            raise ConfigError(f"num_layers={cfg.num_layers} is not divisible by num_layers_per_virtual_pipeline_"
-                              f"stage={layers_per_virtual_stage} x pipeline_model_parallel_size={p}")
+            raise ConfigError(
+                f"num_layers={cfg.num_layers} is not divisible by num_layers_per_virtual_pipeline_"
+                f"stage={layers_per_virtual_stage} x pipeline_model_parallel_size={p}"
+            )
         v = cfg.num_layers // (layers_per_virtual_stage * p)
     if schedule is None:
         schedule = INTERLEAVED if layers_per_virtual_stage is not None else ParallelConfig.pipeline_schedule
     parallel = ParallelConfig.for_devices(
-        num_gpus, tensor_model_parallel_size=t, pipeline_model_parallel_size=p, virtual_pipeline_stages=v,
-        pipeline_schedule=schedule, micro_batch_size=b, global_batch_size=global_batch_size,
-        sequence_parallel=sequence_parallel and t > 1, use_distributed_optimizer=use_distributed_optimizer,
-        scatter_gather=scatter_gather)
+        num_gpus,
+        tensor_model_parallel_size=t,
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=schedule,
+        micro_batch_size=b,
+        global_batch_size=global_batch_size,
+        sequence_parallel=sequence_parallel and t > 1,
+        use_distributed_optimizer=use_distributed_optimizer,
+        scatter_gather=scatter_gather,
+    )
     parallel.check_model(cfg)
     return parallel
 
@@ -76,8 +100,9 @@ def layout_record(cfg: ModelConfig, parallel: ParallelConfig, pred: Prediction, 
         "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
         "data_parallel_size": parallel.data_parallel_size,
         "micro_batch_size": parallel.micro_batch_size,
-        "num_layers_per_virtual_pipeline_stage": (cfg.num_layers // (parallel.pipeline_model_parallel_size * v)
-                                                  if v > 1 else None),
+        "num_layers_per_virtual_pipeline_stage": (
+            cfg.num_layers // (parallel.pipeline_model_parallel_size * v) if v > 1 else None
+        ),
         "virtual_pipeline_stages": v,
         "pipeline_schedule": parallel.pipeline_schedule,
         "num_microbatches": parallel.num_microbatches,
@@ -129,8 +154,16 @@ def _with_schedules(layouts):
             yield t, p, b, k, schedule
 
 
-def search(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw: Hardware, recompute: str = "full",
-           *, sensitivity: bool = True, **flags) -> dict:
+def search(
+    cfg: ModelConfig,
+    num_gpus: int,
+    global_batch_size: int,
+    hw: Hardware,
+    recompute: str = "full",
+    *,
+    sensitivity: bool = True,
+    **flags,
+) -> dict:
     """{"layouts": fitting layouts fastest first, "excluded": the ones that do not fit (with why), "why": lines,
     "sensitivity": how robust the choice of t is (`sensitivity`; None when `sensitivity` is False or nothing
     fits), its lines also at the end of "why"}."""
@@ -144,13 +177,18 @@ def search(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw: Hardware
         if record["fits"]:
             fits.append(record)
         else:
-            record["excluded_because"] = (f"needs {record['memory_gb_per_gpu']:.1f} GiB per GPU, "
-                                          f"{hw.usable_memory_bytes / GIB:.1f} GiB usable")
+            record["excluded_because"] = (
+                f"needs {record['memory_gb_per_gpu']:.1f} GiB per GPU, {hw.usable_memory_bytes / GIB:.1f} GiB usable"
+            )
             excluded.append(record)
     fits.sort(key=lambda r: r["iteration_time_s"])
     excluded.sort(key=lambda r: r["memory_gb_per_gpu"])
-    result = {"layouts": fits, "excluded": excluded,
-              "why": explain(fits, excluded, hw.gpus_per_node) if fits else [], "sensitivity": None}
+    result = {
+        "layouts": fits,
+        "excluded": excluded,
+        "why": explain(fits, excluded, hw.gpus_per_node) if fits else [],
+        "sensitivity": None,
+    }
     if sensitivity and fits:
         result["sensitivity"] = sensitivity_of_t(cfg, num_gpus, global_batch_size, hw, fits, recompute, **flags)
         result["why"] += result["sensitivity"]["lines"]
@@ -200,24 +238,38 @@ def explain(fits: list[dict], excluded: list[dict], gpus_per_node: int = 8) -> l
     - Takeaway #3, b: the same (t, p), any k;
     - §2.2.2, interleaving: the same (t, p, b), plain 1F1B and every k."""
     best = fits[0]
-    t, p, b, k = (best["tensor_model_parallel_size"], best["pipeline_model_parallel_size"], best["micro_batch_size"],
-                  best["num_layers_per_virtual_pipeline_stage"])
-    lines = [(f"best: {describe(best)} at {best['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
-              f"{best['iteration_time_s']:.2f} s per iteration (m={best['num_microbatches']}, "
-              f"bubble {best['bubble_fraction']:.3f}, {best['memory_gb_per_gpu']:.1f} GiB)")]
+    t, p, b, k = (
+        best["tensor_model_parallel_size"],
+        best["pipeline_model_parallel_size"],
+        best["micro_batch_size"],
+        best["num_layers_per_virtual_pipeline_stage"],
+    )
+    lines = [
+        (
+            f"best: {describe(best)} at {best['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
+            f"{best['iteration_time_s']:.2f} s per iteration (m={best['num_microbatches']}, "
+            f"bubble {best['bubble_fraction']:.3f}, {best['memory_gb_per_gpu']:.1f} GiB)"
+        )
+    ]
     same_tp = [r for r in fits if _tp(r) == t * p]
     for other_t, r in sorted(_fastest(same_tp, lambda r: r["tensor_model_parallel_size"]).items()):
         if other_t != t:
             where = "across nodes" if other_t > gpus_per_node else "within a node"
-            lines.append(f"Takeaway #1 (§3.2) t within a node, same t·p={t * p}: t={other_t} ({where}): "
-                         + _versus(best, r))
-    unfit_t = sorted({r["tensor_model_parallel_size"] for r in excluded if _tp(r) == t * p}
-                     - {r["tensor_model_parallel_size"] for r in same_tp})
+            lines.append(
+                f"Takeaway #1 (§3.2) t within a node, same t·p={t * p}: t={other_t} ({where}): " + _versus(best, r)
+            )
+    unfit_t = sorted(
+        {r["tensor_model_parallel_size"] for r in excluded if _tp(r) == t * p}
+        - {r["tensor_model_parallel_size"] for r in same_tp}
+    )
     if unfit_t:
         lines.append(f"Takeaway #1 (§3.2): at t·p={t * p}, t in {unfit_t} does not fit")
     by_t = _fastest(fits, lambda r: r["tensor_model_parallel_size"])
-    lines.append("Takeaway #1 (§3.2): the fastest layout of each t, any t·p: " + ", ".join(
-        f"t={x} {by_t[x]['tflops_per_gpu']:.1f}" for x in sorted(by_t)) + " TFLOP/s")
+    lines.append(
+        "Takeaway #1 (§3.2): the fastest layout of each t, any t·p: "
+        + ", ".join(f"t={x} {by_t[x]['tflops_per_gpu']:.1f}" for x in sorted(by_t))
+        + " TFLOP/s"
+    )
     head = "Takeaway #2 (§3.3) t·p just large enough to fit"
     by_tp = _fastest(fits, _tp)
     smallest = min(by_tp)
@@ -225,8 +277,7 @@ def explain(fits: list[dict], excluded: list[dict], gpus_per_node: int = 8) -> l
     below = [x for x in unfit_sizes if x < smallest]
     if below:
         tightest = min((r for r in excluded if _tp(r) == below[-1]), key=lambda r: r["memory_gb_per_gpu"])
-        lines.append(f"{head}: t·p <= {below[-1]}: nothing fits ({describe(tightest)} "
-                     f"{tightest['excluded_because']})")
+        lines.append(f"{head}: t·p <= {below[-1]}: nothing fits ({describe(tightest)} {tightest['excluded_because']})")
     lines.append(f"{head}: the smallest t·p that fits is {smallest}; the best layout's is {t * p}")
     larger = [x for x in sorted(by_tp) if x != t * p]
     for size in [x for x in larger if x < t * p] + [x for x in larger if x > t * p][:2]:
@@ -264,15 +315,29 @@ class Knob:
 
 
 KNOBS = (
-    Knob("nvlink_bus_bandwidth",
-         "NVLink bus bandwidth (nvlink_efficiency × nvlink_bandwidth: every intra-node transfer)",
-         "bytes/s",
-         lambda hw: hw.nvlink_efficiency * hw.nvlink_bandwidth,
-         lambda hw, x: replace(hw, nvlink_bandwidth=x / hw.nvlink_efficiency)),
-    Knob("gemm_efficiency", "GEMM efficiency", "fraction", lambda hw: hw.gemm_efficiency,
-         lambda hw, x: replace(hw, gemm_efficiency=x), cap=1.0),
-    Knob("ib_efficiency", "InfiniBand efficiency", "fraction", lambda hw: hw.ib_efficiency,
-         lambda hw, x: replace(hw, ib_efficiency=x), cap=1.0),
+    Knob(
+        "nvlink_bus_bandwidth",
+        "NVLink bus bandwidth (nvlink_efficiency × nvlink_bandwidth: every intra-node transfer)",
+        "bytes/s",
+        lambda hw: hw.nvlink_efficiency * hw.nvlink_bandwidth,
+        lambda hw, x: replace(hw, nvlink_bandwidth=x / hw.nvlink_efficiency),
+    ),
+    Knob(
+        "gemm_efficiency",
+        "GEMM efficiency",
+        "fraction",
+        lambda hw: hw.gemm_efficiency,
+        lambda hw, x: replace(hw, gemm_efficiency=x),
+        cap=1.0,
+    ),
+    Knob(
+        "ib_efficiency",
+        "InfiniBand efficiency",
+        "fraction",
+        lambda hw: hw.ib_efficiency,
+        lambda hw, x: replace(hw, ib_efficiency=x),
+        cap=1.0,
+    ),
 )
 KNOB_RANGE = (0.3, 3.0)
 """Each knob is tried from 0.3× to 3× its preset value (an efficiency up to its cap)."""
@@ -335,10 +400,23 @@ def break_even(knob: Knob, rerun: Callable[[Hardware], dict], hw: Hardware, t: i
     for side in ("hi", "lo"):
         if not tied and ends[side] != preset and gaps[side] is not None and gaps[side] <= 0.0:
             not_first, value = _bisect(first, preset, ends[side], BISECTION_TOLERANCE * preset)
-            crossings.append({"direction": ">=" if side == "hi" else "<=", "value": value, "not_first_at": not_first,
-                              "first": describe(rerun(knob.put(hw, value))["layouts"][0])})
-    return {"name": knob.name, "unit": knob.unit, "preset": preset, "range": [lo, hi],
-            "gap_at_range": [gaps["lo"], gaps["hi"]], "crossings": crossings, "tied_at_preset": tied}
+            crossings.append(
+                {
+                    "direction": ">=" if side == "hi" else "<=",
+                    "value": value,
+                    "not_first_at": not_first,
+                    "first": describe(rerun(knob.put(hw, value))["layouts"][0]),
+                }
+            )
+    return {
+        "name": knob.name,
+        "unit": knob.unit,
+        "preset": preset,
+        "range": [lo, hi],
+        "gap_at_range": [gaps["lo"], gaps["hi"]],
+        "crossings": crossings,
+        "tied_at_preset": tied,
+    }
 
 
 def break_even_line(knob: Knob, entry: dict, t: int) -> str:
@@ -347,11 +425,15 @@ def break_even_line(knob: Knob, entry: dict, t: int) -> str:
         return f"t={t}'s best already ties for first at the preset {knob.label} ({knob.text(preset)})"
     if not entry["crossings"]:
         at = " and ".join("no layout" if g is None else f"{g:+.1%}" for g in entry["gap_at_range"])
-        return (f"no {knob.label} in [{knob.text(lo)}, {knob.text(hi)}] makes t={t} first (preset "
-                f"{knob.text(preset)}; at the two ends t={t}'s best takes {at} time against the first)")
-    return "; ".join(f"t={t} would rank first if the {knob.label} were {SIGN[c['direction']]} "
-                     f"{knob.text(c['value'])} (preset {knob.text(preset)}; there {c['first']} is first)"
-                     for c in entry["crossings"])
+        return (
+            f"no {knob.label} in [{knob.text(lo)}, {knob.text(hi)}] makes t={t} first (preset "
+            f"{knob.text(preset)}; at the two ends t={t}'s best takes {at} time against the first)"
+        )
+    return "; ".join(
+        f"t={t} would rank first if the {knob.label} were {SIGN[c['direction']]} "
+        f"{knob.text(c['value'])} (preset {knob.text(preset)}; there {c['first']} is first)"
+        for c in entry["crossings"]
+    )
 
 
 def _ranking_line(name: str, rows: list[dict]) -> str:
@@ -359,12 +441,16 @@ def _ranking_line(name: str, rows: list[dict]) -> str:
     by_t = _fastest(rows, lambda r: r["tensor_model_parallel_size"])
     if not by_t:
         return f"{name}: nothing fits"
+
     def behind(r: dict) -> str:
         slower = r["iteration_time_s"] / rows[0]["iteration_time_s"] - 1
         return "first" if r is rows[0] else f"{slower:+.1%}"
 
-    return f"{name}, the fastest layout of each t: " + ", ".join(
-        f"{describe(r)} {r['tflops_per_gpu']:.1f} ({behind(r)})" for _, r in sorted(by_t.items())) + " TFLOP/s"
+    return (
+        f"{name}, the fastest layout of each t: "
+        + ", ".join(f"{describe(r)} {r['tflops_per_gpu']:.1f} ({behind(r)})" for _, r in sorted(by_t.items()))
+        + " TFLOP/s"
+    )
 
 
 RANKINGS = {"plain_1f1b": "plain 1F1B only (no interleaving)", "micro_batch_size_1": "b=1 only"}
@@ -372,28 +458,49 @@ RANKINGS = {"plain_1f1b": "plain 1F1B only (no interleaving)", "micro_batch_size
 
 def rankings(fits: list[dict]) -> dict[str, list[dict]]:
     """The layouts that fit without interleaving, and with b = 1, fastest first (the keys of `RANKINGS`)."""
-    return {"plain_1f1b": [r for r in fits if r["num_layers_per_virtual_pipeline_stage"] is None],
-            "micro_batch_size_1": [r for r in fits if r["micro_batch_size"] == 1]}
+    return {
+        "plain_1f1b": [r for r in fits if r["num_layers_per_virtual_pipeline_stage"] is None],
+        "micro_batch_size_1": [r for r in fits if r["micro_batch_size"] == 1],
+    }
 
 
 def _ranking_rows(rows: list[dict]) -> list[dict]:
     """The JSON of the fastest layout of each t among `rows`, fastest first."""
-    return [{"t": x, "layout": describe(r), "tflops_per_gpu": r["tflops_per_gpu"],
-             "iteration_time_s": r["iteration_time_s"]}
-            for x, r in _fastest(rows, lambda r: r["tensor_model_parallel_size"]).items()]
+    return [
+        {
+            "t": x,
+            "layout": describe(r),
+            "tflops_per_gpu": r["tflops_per_gpu"],
+            "iteration_time_s": r["iteration_time_s"],
+        }
+        for x, r in _fastest(rows, lambda r: r["tensor_model_parallel_size"]).items()
+    ]
 
 
-def sensitivity_of_t(cfg: ModelConfig, num_gpus: int, global_batch_size: int, hw: Hardware, fits: list[dict],
-                     recompute: str = "full", **flags) -> dict:
+def sensitivity_of_t(
+    cfg: ModelConfig,
+    num_gpus: int,
+    global_batch_size: int,
+    hw: Hardware,
+    fits: list[dict],
+    recompute: str = "full",
+    **flags,
+) -> dict:
     """How robust the best layout's t is against the next t inside a node (Takeaway #1): for each of `KNOBS` the
     values at which the other t's best layout ranks first, every layout re-predicted and re-ranked at each trial
     value; and the best layout of each t without interleaving and at b = 1."""
     best_t, other = fits[0]["tensor_model_parallel_size"], rival_t(fits, hw.gpus_per_node)
     head = f"Takeaway #1 sensitivity, t={best_t}" + ("" if other is None else f" vs t={other}")
     ranked = rankings(fits)
-    out = {"best_t": best_t, "rival_t": other, "break_even": {}, "lines": [],
-           "rankings": {key: _ranking_rows(rows) for key, rows in ranked.items()}}
+    out = {
+        "best_t": best_t,
+        "rival_t": other,
+        "break_even": {},
+        "lines": [],
+        "rankings": {key: _ranking_rows(rows) for key, rows in ranked.items()},
+    }
     if other is not None:
+
         def rerun(trial: Hardware) -> dict:
             return search(cfg, num_gpus, global_batch_size, trial, recompute, sensitivity=False, **flags)
 

@@ -43,7 +43,7 @@ from functools import lru_cache
 from ptd_jax.config import SCHEDULE_SPECS, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import Hardware
 from ptd_jax.perf.memory import grad_bytes_per_param, memory_per_gpu, state_bytes_per_param
-from ptd_jax.train.flops import flops_per_iteration, hardware_flops_per_iteration, model_flops_per_iteration
+from ptd_jax.perf.flops import flops_per_iteration, hardware_flops_per_iteration, model_flops_per_iteration
 
 HALF = 2  # bytes per 16-bit value
 
@@ -69,8 +69,12 @@ def layer_gemm_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware)
     s, b, h, f = cfg.seq_length, parallel.micro_batch_size, cfg.hidden_size, cfg.ffn_size
     t, a, d_head = parallel.tensor_model_parallel_size, cfg.num_attention_heads, cfg.head_dim
     tokens = s * b
-    dense = (hw.gemm_seconds(tokens, 3 * h / t, h) + hw.gemm_seconds(tokens, h, h / t)
-             + hw.gemm_seconds(tokens, f / t, h) + hw.gemm_seconds(tokens, h, f / t))
+    dense = (
+        hw.gemm_seconds(tokens, 3 * h / t, h)
+        + hw.gemm_seconds(tokens, h, h / t)
+        + hw.gemm_seconds(tokens, f / t, h)
+        + hw.gemm_seconds(tokens, h, f / t)
+    )
     heads = b * a / t  # batched: Q·Kᵀ (s×d_head · d_head×s) and scores·V (s×s · s×d_head) per head
     attention = hw.gemm_seconds(s, s, d_head, heads) + hw.gemm_seconds(s, d_head, s, heads)
     return {"dense": dense, "attention": attention}
@@ -118,8 +122,7 @@ def data_parallel_seconds(params: float, parallel: ParallelConfig, hw: Hardware,
     """The gradient all-reduce over d of a GPU's gradient buffer (`grad_bytes` per parameter); with the distributed
     optimizer a reduce-scatter of it and an all-gather of the 16-bit weights. On InfiniBand once the ring leaves the
     node."""
-    t, p, d = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-               parallel.data_parallel_size)
+    t, p, d = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, parallel.data_parallel_size)
     # data-parallel peers differ in their data coordinate only, which is outermost: they are p·t devices apart
     within = t * p * d <= hw.gpus_per_node
     if parallel.use_distributed_optimizer:  # a reduce-scatter takes an all-gather's time (hardware.py)
@@ -146,8 +149,11 @@ def split_bubble_slots(parallel: ParallelConfig, recompute: str) -> float:
 def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute: str = "full") -> Prediction:
     """Predicted iteration time, terms, bubble and memory of `parallel` (its num_devices GPUs) training `cfg`."""
     parallel.check_model(cfg)
-    t, p, v = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-               parallel.virtual_pipeline_stages)
+    t, p, v = (
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_stages,
+    )
     m, b, s = parallel.num_microbatches, parallel.micro_batch_size, cfg.seq_length
     layers = cfg.num_layers / p  # per pipeline rank, all its chunks
 
@@ -156,10 +162,13 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
     allreduce = tensor_allreduce_seconds(cfg, parallel, hw)
     recompute_split = {  # one layer's recomputed forward: its GEMMs, its elementwise kernels, its all-reduces
         "none": {"gemm": 0.0, "elementwise": 0.0, "tensor_comm": 0.0},
-        "full": {"gemm": gemm["dense"] + gemm["attention"],
-                 "elementwise": hw.memory_seconds(elem["linear"] + elem["softmax"]), "tensor_comm": 2 * allreduce},
-        "selective": {"gemm": gemm["attention"], "elementwise": hw.memory_seconds(elem["softmax"]),
-                      "tensor_comm": 0.0}}[recompute]
+        "full": {
+            "gemm": gemm["dense"] + gemm["attention"],
+            "elementwise": hw.memory_seconds(elem["linear"] + elem["softmax"]),
+            "tensor_comm": 2 * allreduce,
+        },
+        "selective": {"gemm": gemm["attention"], "elementwise": hw.memory_seconds(elem["softmax"]), "tensor_comm": 0.0},
+    }[recompute]
     memory = memory_per_gpu(cfg, parallel, recompute)
     params_last = memory["params"]  # the bottleneck stage's (the fuller of the first and the last)
     grad_bytes = grad_bytes_per_param(cfg)
@@ -171,14 +180,15 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
         "recompute": layers * sum(recompute_split.values()),
         # + the output layer's input-gradient all-reduce (its f operator), and at p = 1 also the vocab-parallel
         # embedding's forward all-reduce (on the first stage otherwise, off the bottleneck rank)
-        "tensor_comm": (layers * 4 + (2 if p == 1 else 1)) * allreduce + layers * regather_seconds(
-            cfg, parallel, hw, recompute),
+        "tensor_comm": (layers * 4 + (2 if p == 1 else 1)) * allreduce
+        + layers * regather_seconds(cfg, parallel, hw, recompute),
         "pipeline_p2p": 2 * v * p2p_seconds(cfg, parallel, hw) if p > 1 else 0.0,
         "grad_accumulation": hw.memory_seconds((HALF + 2 * grad_bytes) * params_last),
     }
     slot = sum(per_mb.values())
-    bubble_slots = split_bubble_slots(parallel, recompute) if SCHEDULE_SPECS[parallel.pipeline_schedule].split else (
-        (p - 1) / v)
+    bubble_slots = (
+        split_bubble_slots(parallel, recompute) if SCHEDULE_SPECS[parallel.pipeline_schedule].split else ((p - 1) / v)
+    )
     state_bytes = state_bytes_per_param(parallel, cfg)
     terms = {name: m * x for name, x in per_mb.items()}
     terms["bubble"] = bubble_slots * slot
@@ -186,10 +196,22 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
     terms["optimizer"] = hw.memory_seconds(2 * state_bytes * params_last)
     total = sum(terms.values())
     B = parallel.global_batch_size
-    flops = {"model": model_flops_per_iteration(cfg, B, vocab),
-             "hardware": hardware_flops_per_iteration(cfg, B, vocab, recompute),
-             "eq3": flops_per_iteration(cfg, B, vocab)}
-    return Prediction(iteration_time_s=total, terms=terms, bubble_fraction=bubble_slots / m,
-                      memory=memory, flops=flops, num_gpus=parallel.num_devices,
-                      details={"microbatch_slot_s": slot, "microbatches": m, "per_microbatch_s": per_mb,
-                               "recompute_split_s": {k: m * layers * x for k, x in recompute_split.items()}})
+    flops = {
+        "model": model_flops_per_iteration(cfg, B, vocab),
+        "hardware": hardware_flops_per_iteration(cfg, B, vocab, recompute),
+        "eq3": flops_per_iteration(cfg, B, vocab),
+    }
+    return Prediction(
+        iteration_time_s=total,
+        terms=terms,
+        bubble_fraction=bubble_slots / m,
+        memory=memory,
+        flops=flops,
+        num_gpus=parallel.num_devices,
+        details={
+            "microbatch_slot_s": slot,
+            "microbatches": m,
+            "per_microbatch_s": per_mb,
+            "recompute_split_s": {k: m * layers * x for k, x in recompute_split.items()},
+        },
+    )

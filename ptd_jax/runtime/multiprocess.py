@@ -69,16 +69,22 @@ def _int_env(environ, name: str) -> int:
         raise ConfigError(f"{name}={environ[name]!r} is not an integer") from None
 
 
-def resolve(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-            environ=None) -> ProcessGroup | None:
+def resolve(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    environ=None,
+) -> ProcessGroup | None:
     """The process group of this run from flags, then the environment (module docstring); None: one process."""
     environ = os.environ if environ is None else environ
     given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
     if any(v is not None for v in given.values()):
         if any(v is None for v in given.values()):
             missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
-            raise ConfigError(f"{', '.join(f'{k}={v}' for k, v in given.items())}: a multi-process run needs all "
-                              f"three (missing {' '.join(missing)})")
+            raise ConfigError(
+                f"{', '.join(f'{k}={v}' for k, v in given.items())}: a multi-process run needs all "
+                f"three (missing {' '.join(missing)})"
+            )
         _check(coordinator_address, num_processes, process_id, ("coordinator_address", "num_processes", "process_id"))
         return ProcessGroup(num_processes, process_id, coordinator_address, "flags") if num_processes > 1 else None
     if ENV_NUM_PROCESSES in environ:
@@ -95,8 +101,9 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     return None
 
 
-def initialize(group: ProcessGroup, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
-               init_timeout_s: int = 300) -> None:
+def initialize(
+    group: ProcessGroup, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S, init_timeout_s: int = 300
+) -> None:
     """`jax.distributed.initialize` for `group`, with CPU collectives over gloo. Must run before JAX starts its
     backend (before any JAX operation); raises ConfigError with one line if the processes cannot connect."""
     import jax
@@ -105,15 +112,20 @@ def initialize(group: ProcessGroup, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT
     _quiet_native_stdout()
     try:
         jax.distributed.initialize(
-            coordinator_address=group.coordinator_address, num_processes=group.num_processes,
-            process_id=group.process_id, initialization_timeout=init_timeout_s,
+            coordinator_address=group.coordinator_address,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
+            initialization_timeout=init_timeout_s,
             heartbeat_timeout_seconds=heartbeat_timeout_s,
             # a process that ends waits this long at the exit barrier for the others
-            shutdown_timeout_seconds=heartbeat_timeout_s)
+            shutdown_timeout_seconds=heartbeat_timeout_s,
+        )
     except (RuntimeError, ValueError) as err:
-        raise ConfigError(f"jax.distributed.initialize ({group.source}: coordinator {group.coordinator_address}, "
-                          f"{group.num_processes} processes, this one {group.process_id}) failed: "
-                          f"{str(err).splitlines()[0][:300]}") from None
+        raise ConfigError(
+            f"jax.distributed.initialize ({group.source}: coordinator {group.coordinator_address}, "
+            f"{group.num_processes} processes, this one {group.process_id}) failed: "
+            f"{str(err).splitlines()[0][:300]}"
+        ) from None
 
     def uncaught(kind, value, traceback):  # print it, then do not wait at the exit barrier for the others
         exit_if_peer_failed(value, "ptd-train")
@@ -152,8 +164,19 @@ def end(code: int) -> int:
 def is_peer_failure(err: BaseException) -> bool:
     """Whether `err` is a collective or the coordination service failing because another process went away."""
     text = str(err)  # JaxRuntimeError from a step; orbax's barriers re-raise it as ValueError
-    return any(s in text for s in ("Gloo", "Connection closed", "Connection reset", "heartbeat", "UNAVAILABLE",
-                                   "DEADLINE_EXCEEDED", "coordination service", "Barrier"))
+    return any(
+        s in text
+        for s in (
+            "Gloo",
+            "Connection closed",
+            "Connection reset",
+            "heartbeat",
+            "UNAVAILABLE",
+            "DEADLINE_EXCEEDED",
+            "coordination service",
+            "Barrier",
+        )
+    )
 
 
 def is_primary() -> bool:
@@ -171,9 +194,12 @@ def exit_if_peer_failed(err: BaseException, prog: str) -> None:
 
     if not jax.distributed.is_initialized() or not is_peer_failure(err):
         return
-    print(f"{prog}: error: process {jax.process_index()} of {jax.process_count()}: another process failed or "
-          f"was killed ({str(err).splitlines()[0][:200]}); stopping (rerun with --load to resume from the newest "
-          f"checkpoint)", file=sys.stderr)
+    print(
+        f"{prog}: error: process {jax.process_index()} of {jax.process_count()}: another process failed or "
+        f"was killed ({str(err).splitlines()[0][:200]}); stopping (rerun with --load to resume from the newest "
+        f"checkpoint)",
+        file=sys.stderr,
+    )
     end(1)
 
 
@@ -234,5 +260,6 @@ def global_batch(mesh, local: np.ndarray, data_ranks: tuple[int, ...], spec):
         k = position[(index[1].start or 0) // b]
         return local[(index[0], slice(k * b, (k + 1) * b), *index[2:])]
 
-    return jax.make_array_from_callback((local.shape[0], d * b, *local.shape[2:]),
-                                        jax.sharding.NamedSharding(mesh, spec), shard)
+    return jax.make_array_from_callback(
+        (local.shape[0], d * b, *local.shape[2:]), jax.sharding.NamedSharding(mesh, spec), shard
+    )

@@ -1,11 +1,16 @@
-"""Which accelerator this machine has, answered without starting a JAX backend: a JAX plugin installed *and* its
-device present. An installed plugin alone is no accelerator: the gpu-compile extra installs the CUDA plugin on
-CPU-only machines, to compile for GPUs that are not here (`ptd_jax/aot`)."""
+"""Platform policy: which accelerator this machine has, and the defaults that depend on it.
+
+Which accelerator, answered without starting a JAX backend: a JAX plugin installed *and* its device present. An
+installed plugin alone is no accelerator: the gpu-compile extra installs the CUDA plugin on CPU-only machines, to
+compile for GPUs that are not here (`ptd_jax/aot`). The pipeline's branching under "auto" depends on the backend
+(`resolve_branching`)."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+
+from ptd_jax.config import SCHEDULE_SPECS
 
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
 
@@ -38,3 +43,20 @@ def tpu_present() -> bool:
 
 def accelerator_present() -> bool:
     return gpu_present() or tpu_present() or other_plugin_installed()
+
+
+def resolve_branching(branching: str, backend: str | None = None, schedule: str | None = None) -> str:
+    """ "auto" is "per-rank" on XLA:CPU (fake devices share the host's cores, so an idle cell's dummy work and the
+    masked embedding and head on every rank cost step time; tensor collectives in pipe-divergent branches are
+    measured correct there) and "uniform" on accelerators (no collective in a pipe-divergent branch, and no
+    device-to-host read of a per-rank predicate); the other two are returned as they are. A schedule on unit ticks
+    (`ScheduleSpec.rows`) runs different kinds on different ranks in one tick: "auto" is "per-rank" for it."""
+    if branching != "auto":
+        return branching
+    if schedule is not None and schedule in SCHEDULE_SPECS and SCHEDULE_SPECS[schedule].rows == "unit":
+        return "per-rank"
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return "per-rank" if backend == "cpu" else "uniform"

@@ -27,11 +27,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from ptd_jax.config import ParallelConfig, resolve_branching
+from ptd_jax.config import ParallelConfig
+from ptd_jax.runtime.platform import resolve_branching
 
-DESCRIPTION = ("the run's train step timed at m and 2m microbatches (fresh state copies, alternating rounds, "
-               "medians); bubble = (T(m) - m*t_mb)/(m*t_mb) with t_mb = (T(2m) - T(m))/m; the m-independent part "
-               "also holds per-step costs (gradient reduction, optimizer), so this is an upper bound")
+DESCRIPTION = (
+    "the run's train step timed at m and 2m microbatches (fresh state copies, alternating rounds, "
+    "medians); bubble = (T(m) - m*t_mb)/(m*t_mb) with t_mb = (T(2m) - T(m))/m; the m-independent part "
+    "also holds per-step costs (gradient reduction, optimizer), so this is an upper bound"
+)
 
 
 def two_point(t_m: float, t_2m: float, m: int) -> dict:
@@ -41,8 +44,12 @@ def two_point(t_m: float, t_2m: float, m: int) -> dict:
     ideal = m * per_mb
     fixed = t_m - ideal
     bubble = fixed / ideal if ideal > 0 else float("nan")
-    return {"per_microbatch_s": per_mb, "fixed_s": fixed, "bubble_fraction": bubble,
-            "idle_share": fixed / t_m if t_m > 0 else float("nan")}
+    return {
+        "per_microbatch_s": per_mb,
+        "fixed_s": fixed,
+        "bubble_fraction": bubble,
+        "idle_share": fixed / t_m if t_m > 0 else float("nan"),
+    }
 
 
 def simulated_two_point(parallel: ParallelConfig, backward_ratio: float = 2.0) -> float:
@@ -50,8 +57,7 @@ def simulated_two_point(parallel: ParallelConfig, backward_ratio: float = 2.0) -
     from ptd_jax.parallel.step import pipeline_schedule
 
     m = parallel.num_microbatches
-    spans = [pipeline_schedule(cfg).simulate(backward_ratio)["makespan"]
-             for cfg in (parallel, doubled(parallel))]
+    spans = [pipeline_schedule(cfg).simulate(backward_ratio)["makespan"] for cfg in (parallel, doubled(parallel))]
     return two_point(spans[0], spans[1], m)["bubble_fraction"]
 
 
@@ -97,8 +103,19 @@ def prepare_2m(state, batch, key, mesh, model_cfg, parallel: ParallelConfig, tra
     return step_2m.lower(state, *twice, key).compile(), twice
 
 
-def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig, train_cfg, optimizer,
-            rounds: int = 3, prepared=None) -> dict:
+def measure(
+    train_step,
+    state,
+    batch,
+    key,
+    mesh,
+    model_cfg,
+    parallel: ParallelConfig,
+    train_cfg,
+    optimizer,
+    rounds: int = 3,
+    prepared=None,
+) -> dict:
     """Time the run's `train_step` (at m) and the same step built at 2m on copies of `state` and a batch of the
     run (tokens, labels, mask [M, d·b, S]; the 2m batch is the batch twice). Returns the two-point split, both
     medians, the simulated bubble and its two-point figure. `prepared`: what `prepare_2m` returned (None: built
@@ -118,13 +135,18 @@ def measure(train_step, state, batch, key, mesh, model_cfg, parallel: ParallelCo
     m = parallel.num_microbatches
     result = two_point(median["m"], median["2m"], m)
     sched = pipeline_schedule(parallel)
-    result.update(m=m, rounds=rounds, median_step_s=median, all_step_s=times,
-                  simulated_bubble=sched.simulate()["bubble_fraction"] if sched else 0.0,
-                  simulated_two_point=simulated_two_point(parallel) if sched else 0.0,
-                  formula_bubble=sched.formula_bubble() if sched else 0.0,
-                  branching=resolve_branching(parallel.pipeline_branching, schedule=parallel.pipeline_schedule),
-                  measurement_s=time.perf_counter() - start,
-                  method=DESCRIPTION)
+    result.update(
+        m=m,
+        rounds=rounds,
+        median_step_s=median,
+        all_step_s=times,
+        simulated_bubble=sched.simulate()["bubble_fraction"] if sched else 0.0,
+        simulated_two_point=simulated_two_point(parallel) if sched else 0.0,
+        formula_bubble=sched.formula_bubble() if sched else 0.0,
+        branching=resolve_branching(parallel.pipeline_branching, schedule=parallel.pipeline_schedule),
+        measurement_s=time.perf_counter() - start,
+        method=DESCRIPTION,
+    )
     return result
 
 
@@ -141,16 +163,20 @@ def _twice(x):
 def describe(result: dict, fake_devices: bool) -> str:
     """The banner line."""
     median = result["median_step_s"]
-    line = (f"pipeline: measured bubble {result['bubble_fraction']:.3f} (simulated {result['simulated_bubble']:.3f}, "
-            f"two-point on the simulated table {result['simulated_two_point']:.3f}; idle share of the step "
-            f"{result['idle_share']:.1%}): train step timed at m={result['m']} ({median['m']:.3f} s) and "
-            f"m={2 * result['m']} ({median['2m']:.3f} s), {result['rounds']} alternating rounds, medians; bubble = "
-            f"fixed part / (m x per-microbatch part), an upper bound (the fixed part also holds per-step costs: "
-            f"gradient reduction, optimizer); "
-            f"{result['measurement_s']:.1f} s, not counted in step times")
+    line = (
+        f"pipeline: measured bubble {result['bubble_fraction']:.3f} (simulated {result['simulated_bubble']:.3f}, "
+        f"two-point on the simulated table {result['simulated_two_point']:.3f}; idle share of the step "
+        f"{result['idle_share']:.1%}): train step timed at m={result['m']} ({median['m']:.3f} s) and "
+        f"m={2 * result['m']} ({median['2m']:.3f} s), {result['rounds']} alternating rounds, medians; bubble = "
+        f"fixed part / (m x per-microbatch part), an upper bound (the fixed part also holds per-step costs: "
+        f"gradient reduction, optimizer); "
+        f"{result['measurement_s']:.1f} s, not counted in step times"
+    )
     if fake_devices:
-        line += (f"; on fake CPU devices, which share the host's cores, time follows the total work of all ranks "
-                 f"(branching {result['branching']}) and a bubble need not show: meaningful on real devices")
+        line += (
+            f"; on fake CPU devices, which share the host's cores, time follows the total work of all ranks "
+            f"(branching {result['branching']}) and a bubble need not show: meaningful on real devices"
+        )
     return line
 
 
@@ -159,8 +185,20 @@ AUTO_MIN_ITERATIONS = 100
 at 2m)."""
 
 
-def after_first_step(enabled: bool | None, train_step, state, batch, key, mesh, model_cfg, parallel: ParallelConfig,
-                     train_cfg, optimizer, iterations_left: int, message) -> dict | None:
+def after_first_step(
+    enabled: bool | None,
+    train_step,
+    state,
+    batch,
+    key,
+    mesh,
+    model_cfg,
+    parallel: ParallelConfig,
+    train_cfg,
+    optimizer,
+    iterations_left: int,
+    message,
+) -> dict | None:
     """The training loop's hook: measure and `message` the banner line, or return None when not measuring.
 
     The measurement needs a second program and a second copy of the state, which may not fit where the run does: a
@@ -180,8 +218,9 @@ def after_first_step(enabled: bool | None, train_step, state, batch, key, mesh, 
     prepared, err = _attempt(prepare_2m, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer)
     if _skipped_by_any(err, message):
         return None
-    result, err = _attempt(measure, train_step, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer,
-                           prepared=prepared)
+    result, err = _attempt(
+        measure, train_step, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer, prepared=prepared
+    )
     if _skipped_by_any(err, message):
         return None
     message(describe(result, fake_devices=jax.devices()[0].platform == "cpu"))

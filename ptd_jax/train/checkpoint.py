@@ -35,16 +35,23 @@ from ptd_jax.optimizer import at_schedule_step, schedule_count
 from ptd_jax.parallel import sharding
 
 FORMAT_VERSION = 1
-ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
-                       "max_position_embeddings")
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "vocab_size",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+)
 """Fields that fix the canonical shapes; everything else (padding, dtype, dropout, layout) may change on load."""
 
 
 def _manager(directory, *, create: bool, keep: int | None = None, async_save: bool = False):
     return ocp.CheckpointManager(
         Path(directory).absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, cleanup_tmp_directories=create,
-                                             enable_async_checkpointing=async_save),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=create, cleanup_tmp_directories=create, enable_async_checkpointing=async_save
+        ),
     )
 
 
@@ -77,8 +84,18 @@ def _canonical_shardings(mesh, optimizer, canonical_abstract, parallel: Parallel
 class Checkpointer:
     """Saves a run's state every `save` call, asynchronously, keeping the newest `keep` steps (None: all)."""
 
-    def __init__(self, directory, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig,
-                 keep: int | None = None, async_save: bool = True, mesh=None, on_devices: bool | None = None):
+    def __init__(
+        self,
+        directory,
+        *,
+        optimizer,
+        model_cfg: ModelConfig,
+        parallel: ParallelConfig,
+        keep: int | None = None,
+        async_save: bool = True,
+        mesh=None,
+        on_devices: bool | None = None,
+    ):
         """`on_devices`: take the canonical form on the devices (None: when several processes run, which must)."""
         self.directory = Path(directory)
         self._manager = _manager(directory, create=True, keep=keep, async_save=async_save)
@@ -89,8 +106,13 @@ class Checkpointer:
     def save(self, iteration: int, state, meta: dict) -> None:
         """Write `state` as step `iteration` (returns once the arrays are copied to the host)."""
         body = {"params": state["params"], "opt_state": state["opt_state"]}
-        to_canonical = partial(sharding.to_canonical, self._optimizer, vocab_size=self._model_cfg.vocab_size,
-                               pipelined=_pipelined(self._parallel), v_shape=_v_shape(self._parallel))
+        to_canonical = partial(
+            sharding.to_canonical,
+            self._optimizer,
+            vocab_size=self._model_cfg.vocab_size,
+            pipelined=_pipelined(self._parallel),
+            v_shape=_v_shape(self._parallel),
+        )
         if self._on_devices:  # several processes: none sees every shard; convert on the devices, each writes its own
             canonical = self._canonical_on_devices(to_canonical, body)
         else:
@@ -98,20 +120,28 @@ class Checkpointer:
             # of that copy (a reshape and a slice), so it costs no device memory and no device time; orbax writes
             # it in the background.
             canonical = to_canonical(jax.device_get(body))
-        meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-                "schedule_step": int(schedule_count(state["opt_state"])), **meta}
-        self._manager.save(iteration, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(canonical["params"]),
-            opt_state=ocp.args.StandardSave(canonical["opt_state"]),
-            meta=ocp.args.JsonSave(meta)), force=True)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "schedule_step": int(schedule_count(state["opt_state"])),
+            **meta,
+        }
+        self._manager.save(
+            iteration,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(canonical["params"]),
+                opt_state=ocp.args.StandardSave(canonical["opt_state"]),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
 
     def _canonical_on_devices(self, to_canonical, body):
         """The canonical form as global arrays in the restore's shardings (one jit; a second copy of the state on
         the devices until orbax has copied it to the host)."""
         if self._convert is None:
             mesh = self._mesh if self._mesh is not None else jax.tree.leaves(body)[0].sharding.mesh
-            shardings = _canonical_shardings(mesh, self._optimizer, jax.eval_shape(to_canonical, body),
-                                             self._parallel)
+            shardings = _canonical_shardings(mesh, self._optimizer, jax.eval_shape(to_canonical, body), self._parallel)
             self._convert = jax.jit(to_canonical, out_shardings=shardings)
         return self._convert(body)
 
@@ -129,15 +159,27 @@ class Checkpointer:
         self.close()
 
 
-def run_meta(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig, *, consumed_samples: int,
-             rng_key, data_config: dict, tokenizer: dict | None = None) -> dict:
+def run_meta(
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    train_cfg: TrainConfig,
+    *,
+    consumed_samples: int,
+    rng_key,
+    data_config: dict,
+    tokenizer: dict | None = None,
+) -> dict:
     """The "meta" item of a step (JSON): what a resume needs besides the arrays, and the data's tokenizer (for
     ptd-generate)."""
-    return {"consumed_samples": consumed_samples, "tokenizer": tokenizer,
-            "rng_key": [int(x) for x in jax.device_get(jax.random.key_data(rng_key)).ravel()],
-            "data": data_config,
-            "model": dataclasses.asdict(model_cfg), "parallel": dataclasses.asdict(parallel),
-            "train": dataclasses.asdict(train_cfg)}
+    return {
+        "consumed_samples": consumed_samples,
+        "tokenizer": tokenizer,
+        "rng_key": [int(x) for x in jax.device_get(jax.random.key_data(rng_key)).ravel()],
+        "data": data_config,
+        "model": dataclasses.asdict(model_cfg),
+        "parallel": dataclasses.asdict(parallel),
+        "train": dataclasses.asdict(train_cfg),
+    }
 
 
 def read_meta(directory, step: int) -> dict:
@@ -146,12 +188,14 @@ def read_meta(directory, step: int) -> dict:
         with _manager(path, create=False) as manager:
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
-        raise ConfigError(f"--load {directory} step {step} has no readable metadata ({type(err).__name__}: "
-                          f"{err})".splitlines()[0]) from None
+        raise ConfigError(
+            f"--load {directory} step {step} has no readable metadata ({type(err).__name__}: {err})".splitlines()[0]
+        ) from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
-        raise ConfigError(f"--load {directory} step {step} has format_version={version}, this ptd_jax reads "
-                          f"{FORMAT_VERSION}")
+        raise ConfigError(
+            f"--load {directory} step {step} has format_version={version}, this ptd_jax reads {FORMAT_VERSION}"
+        )
     missing = [k for k in ("iteration", "consumed_samples", "rng_key", "data", "model", "train") if k not in meta]
     if missing or not isinstance(meta["model"], dict):
         raise ConfigError(f"--load {directory} step {step} has incomplete metadata (missing {missing or ['model']})")
@@ -170,14 +214,16 @@ def check_architecture(directory, step: int, meta: dict, model_cfg: ModelConfig)
     saved, wanted = _shape_fields(meta["model"]), _shape_fields(dataclasses.asdict(model_cfg))
     mismatched = {k: (saved[k], wanted[k]) for k in ARCHITECTURE_FIELDS if saved[k] != wanted[k]}
     if mismatched:
-        raise ConfigError(f"--load {directory} step {step} has a different architecture (saved, requested): "
-                          f"{mismatched}")
+        raise ConfigError(
+            f"--load {directory} step {step} has a different architecture (saved, requested): {mismatched}"
+        )
 
 
 def data_config_changes(saved: dict, current: dict) -> dict:
     """{key: (saved, current)} for every data setting that differs. The data is known by its file name and its
     sizes, not its folder (a job may stage it elsewhere), and the split by its fractions ("969, 30, 1" is
     "969,30,1")."""
+
     def comparable(config: dict) -> dict:
         out = {k: v for k, v in config.items() if k != "data_path"}
         out["data_name"] = Path(config.get("data_path") or "").name
@@ -187,12 +233,23 @@ def data_config_changes(saved: dict, current: dict) -> dict:
         return out
 
     a, b = comparable(saved), comparable(current)
-    return {k: (saved.get(k, a.get(k)), current.get(k, b.get(k))) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)}
+    return {
+        k: (saved.get(k, a.get(k)), current.get(k, b.get(k))) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+    }
 
 
-def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConfig, parallel: ParallelConfig,
-            mesh, load_optim: bool = True, iteration: int = 0):
+def restore(
+    directory,
+    step: int,
+    like_state,
+    *,
+    optimizer,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    mesh,
+    load_optim: bool = True,
+    iteration: int = 0,
+):
     """{"params", "opt_state"} of step `step` of `directory`, in the layout (and shardings) of `like_state`.
     Without `load_optim` the optimizer state of `like_state` is kept (Megatron's --no-load-optim), its schedule
     counter set to `iteration`."""
@@ -201,8 +258,16 @@ def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConf
     body = {"params": like_state["params"]}
     if load_optim:
         body["opt_state"] = like_state["opt_state"]
-    canonical = jax.eval_shape(partial(sharding.to_canonical, optimizer, vocab_size=model_cfg.vocab_size,
-                                       pipelined=pipelined, v_shape=_v_shape(parallel)), body)
+    canonical = jax.eval_shape(
+        partial(
+            sharding.to_canonical,
+            optimizer,
+            vocab_size=model_cfg.vocab_size,
+            pipelined=pipelined,
+            v_shape=_v_shape(parallel),
+        ),
+        body,
+    )
     shardings = _canonical_shardings(mesh, optimizer, canonical, parallel)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), canonical, shardings)
     items = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}
@@ -210,12 +275,19 @@ def restore(directory, step: int, like_state, *, optimizer, model_cfg: ModelConf
         with _manager(directory, create=False) as manager:
             restored = manager.restore(step, args=ocp.args.Composite(**items))
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"--load {directory} step {step} cannot be restored into this model "
-                          f"({type(err).__name__}: {err})".splitlines()[0]) from None
+        raise ConfigError(
+            f"--load {directory} step {step} cannot be restored into this model "
+            f"({type(err).__name__}: {err})".splitlines()[0]
+        ) from None
     restored = {name: restored[name] for name in abstract}
-    to_layout = partial(sharding.from_canonical, optimizer,
-                        padded_vocab_size=model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size), p=p, v=v,
-                        v_shape=_v_shape(parallel))
+    to_layout = partial(
+        sharding.from_canonical,
+        optimizer,
+        padded_vocab_size=model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size),
+        p=p,
+        v=v,
+        v_shape=_v_shape(parallel),
+    )
     out_shardings = jax.tree.map(lambda x: x.sharding, body)
     state = jax.jit(to_layout, out_shardings=out_shardings)(restored)
     if not load_optim:  # fresh moments, but the learning rate goes on from the checkpoint's iteration
@@ -239,12 +311,24 @@ def set_step(state, iteration: int, mesh):
 def save_params(directory, model_cfg: ModelConfig, params, step: int = 0, tokenizer: dict | None = None) -> None:
     """A parameters-only checkpoint of canonical `params` (what `ptd-convert from-hf` writes); it loads with
     `--load D --finetune` under any layout."""
-    meta = {"format_version": FORMAT_VERSION, "iteration": step, "consumed_samples": 0, "rng_key": None,
-            "data": {}, "model": dataclasses.asdict(model_cfg), "parallel": {}, "train": {}, "params_only": True,
-            "tokenizer": tokenizer}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "iteration": step,
+        "consumed_samples": 0,
+        "rng_key": None,
+        "data": {},
+        "model": dataclasses.asdict(model_cfg),
+        "parallel": {},
+        "train": {},
+        "params_only": True,
+        "tokenizer": tokenizer,
+    }
     with _manager(directory, create=True) as manager:
-        manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                   meta=ocp.args.JsonSave(meta)), force=True)
+        manager.save(
+            step,
+            args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
         manager.wait_until_finished()
 
 
@@ -262,11 +346,13 @@ def read_params(directory, step: int | None = None):
         with _manager(directory, create=False) as manager:
             params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{directory} step {step} has no readable parameters ({type(err).__name__}: "
-                          f"{err})".splitlines()[0]) from None
+        raise ConfigError(
+            f"{directory} step {step} has no readable parameters ({type(err).__name__}: {err})".splitlines()[0]
+        ) from None
     try:
         cfg = ModelConfig(**meta["model"])
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"{directory} step {step} has a model configuration this ptd_jax cannot read "
-                          f"({err})".splitlines()[0]) from None
+        raise ConfigError(
+            f"{directory} step {step} has a model configuration this ptd_jax cannot read ({err})".splitlines()[0]
+        ) from None
     return cfg, jax.tree.map(np.asarray, params)

@@ -30,9 +30,11 @@ class SkipCounter:
         self.window += skipped
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if self.in_a_row >= self.max_in_a_row:
-            raise DivergedError(f"stopping at iteration {iteration}: max_skipped_iters={self.max_in_a_row} "
-                                f"iterations in a row had a non-finite loss or gradients (loss scale "
-                                f"{loss_scale:g}); no checkpoint written from them")
+            raise DivergedError(
+                f"stopping at iteration {iteration}: max_skipped_iters={self.max_in_a_row} "
+                f"iterations in a row had a non-finite loss or gradients (loss scale "
+                f"{loss_scale:g}); no checkpoint written from them"
+            )
 
     def take_window(self) -> int:
         window, self.window = self.window, 0
@@ -42,8 +44,11 @@ class SkipCounter:
 @jax.jit
 def state_is_finite(state) -> jax.Array:
     """Whether every floating-point element of the parameters and optimizer state is finite."""
-    leaves = [x for x in jax.tree.leaves({"params": state["params"], "opt_state": state["opt_state"]})
-              if jnp.issubdtype(x.dtype, jnp.floating)]
+    leaves = [
+        x
+        for x in jax.tree.leaves({"params": state["params"], "opt_state": state["opt_state"]})
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 

@@ -41,16 +41,27 @@ class Hook:
     first: bool = False
 
     def due(self, info: StepInfo) -> bool:
-        return bool((self.every and info.iteration % self.every == 0) or (self.final and info.final)
-                    or (self.exiting and info.exiting) or (self.first and info.first))
+        return bool(
+            (self.every and info.iteration % self.every == 0)
+            or (self.final and info.final)
+            or (self.exiting and info.exiting)
+            or (self.first and info.first)
+        )
 
 
 @dataclass
 class Hooks:
     hooks: list[Hook] = field(default_factory=list)
 
-    def add_hook(self, fn: Callable[[StepInfo], None], every: int | None = None, *, final: bool = False,
-                 exiting: bool = False, first: bool = False) -> None:
+    def add_hook(
+        self,
+        fn: Callable[[StepInfo], None],
+        every: int | None = None,
+        *,
+        final: bool = False,
+        exiting: bool = False,
+        first: bool = False,
+    ) -> None:
         """Run `fn(info)` every `every` iterations (None or 0: never by count), and/or at the final iteration,
         at an exit-interval stop, after the first step."""
         self.hooks.append(Hook(fn, every, final, exiting, first))

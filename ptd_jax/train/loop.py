@@ -30,11 +30,19 @@ from ptd_jax.optimizer import make_optimizer
 from ptd_jax.runtime import multiprocess
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import BATCH_SPEC, param_specs
-from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_train_step,
-                                   pipeline_schedule)
+from ptd_jax.parallel.step import (
+    init_sharded_state,
+    make_parallel_eval_step,
+    make_parallel_train_step,
+    pipeline_schedule,
+)
 from ptd_jax.train import bubble, checkpoint
-from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
-                                 model_flops_per_iteration)
+from ptd_jax.perf.hardware import device_peak_tflops
+from ptd_jax.perf.flops import (
+    flops_per_iteration,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+)
 from ptd_jax.train.guards import SkipCounter, state_is_finite, with_loss_scale
 from ptd_jax.train.hooks import Hooks, StepInfo, StepTimer
 from ptd_jax.train.interrupt import StopSignals, Terminated
@@ -90,13 +98,16 @@ class RunOptions:
 
 def iteration_flops(model_cfg, parallel, train_cfg, sched=None) -> dict[str, float]:
     """FLOPs of one iteration, all devices: model (no recomputation: TFLOP/s and MFU), hardware (what runs:
-    recomputation and the pipeline table's extra work) and the paper's eq. (3) (train/flops.py)."""
+    recomputation and the pipeline table's extra work) and the paper's eq. (3) (perf/flops.py)."""
     B = parallel.global_batch_size
     vocab = model_cfg.padded_vocab_size(parallel.tensor_model_parallel_size)  # the logits actually computed
-    return {"model": model_flops_per_iteration(model_cfg, B, vocab),
-            "hardware": hardware_flops_per_iteration(model_cfg, B, vocab, train_cfg.recompute_granularity, sched,
-                                                     parallel.pipeline_branching),
-            "eq3": flops_per_iteration(model_cfg, B, vocab)}
+    return {
+        "model": model_flops_per_iteration(model_cfg, B, vocab),
+        "hardware": hardware_flops_per_iteration(
+            model_cfg, B, vocab, train_cfg.recompute_granularity, sched, parallel.pipeline_branching
+        ),
+        "eq3": flops_per_iteration(model_cfg, B, vocab),
+    }
 
 
 def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops, num_devices, flops):
@@ -117,8 +128,9 @@ def _log_record(iteration, metrics, step_time, model_cfg, parallel, peak_tflops,
     }
 
 
-def train(model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig,
-          options: RunOptions | None = None) -> dict:
+def train(
+    model_cfg: ModelConfig, parallel: ParallelConfig, train_cfg: TrainConfig, options: RunOptions | None = None
+) -> dict:
     """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line).
 
     1. Refuse what cannot run, before data or devices are touched (the layout, the resume point; ptd-train has
@@ -187,12 +199,19 @@ class _Run:
 
     def save(self, done: int) -> None:
         consumed = self.consumed + (done - self.start) * self.parallel.global_batch_size
-        meta = checkpoint.run_meta(self.model_cfg, self.parallel, self.train_cfg, consumed_samples=consumed,
-                                   rng_key=self.dropout_key, data_config=self.data.data_config(),
-                                   tokenizer=self.options.tokenizer)
+        meta = checkpoint.run_meta(
+            self.model_cfg,
+            self.parallel,
+            self.train_cfg,
+            consumed_samples=consumed,
+            rng_key=self.dropout_key,
+            data_config=self.data.data_config(),
+            tokenizer=self.options.tokenizer,
+        )
         if not bool(state_is_finite(self.state)):  # the guards keep this from happening; never write it if it does
-            self.logger.message(f"ptd_jax: not saving iteration {done}: the parameters or optimizer state are not "
-                                f"finite")
+            self.logger.message(
+                f"ptd_jax: not saving iteration {done}: the parameters or optimizer state are not finite"
+            )
             return
         self.saver.save(done, self.state, {**meta, "loss_scale": loss_scale_meta(self.state.get("loss_scale"))})
 
@@ -202,44 +221,91 @@ def _prepare(model_cfg, parallel, train_cfg, options) -> _Run:
     messages: list[str] = []
     resume = resume_point(options, model_cfg, train_cfg, messages)  # refusals first: before data or devices
     default = not (options.data_path or options.train_data_path or options.mock_data)
-    data = GPTData(default_corpus(progress=options.progress) if default else options.data_path or None,
-                   seq_length=model_cfg.seq_length, global_batch_size=parallel.global_batch_size,
-                   eval_iters=train_cfg.eval_iters, seed=train_cfg.seed, split=options.split,
-                   vocab_size=model_cfg.vocab_size, cache_dir=options.data_cache_path,
-                   train_path=options.train_data_path, valid_path=options.valid_data_path,
-                   test_path=options.test_data_path, mock=options.mock_data)
+    data = GPTData(
+        default_corpus(progress=options.progress) if default else options.data_path or None,
+        seq_length=model_cfg.seq_length,
+        global_batch_size=parallel.global_batch_size,
+        eval_iters=train_cfg.eval_iters,
+        seed=train_cfg.seed,
+        split=options.split,
+        vocab_size=model_cfg.vocab_size,
+        cache_dir=options.data_cache_path,
+        train_path=options.train_data_path,
+        valid_path=options.valid_data_path,
+        test_path=options.test_data_path,
+        mock=options.mock_data,
+    )
     data_path = data.name
     if resume is not None and not options.finetune:
         check_data_config(options, resume[0], resume[1]["data"], data.data_config(), messages)
     optimizer = make_optimizer(train_cfg)
     mesh = make_mesh(parallel)
-    state, dropout_key, start, consumed = _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh,
-                                                         resume, messages)
+    state, dropout_key, start, consumed = _initial_state(
+        model_cfg, parallel, train_cfg, options, optimizer, mesh, resume, messages
+    )
     num_params = gpt.count_params(state["params"])
     train_step, eval_step = _steps(model_cfg, parallel, train_cfg, options, optimizer, mesh, state)
     primary = jax.process_index() == 0  # only process 0 prints and writes metrics
-    run = _Run(model_cfg, parallel, train_cfg, options, data, data_path, mesh, optimizer, state, dropout_key, start,
-               consumed, train_step, eval_step, logger=None, primary=primary, num_params=num_params, done=start)
-    run.peak, run.peak_source = device_peak_tflops(jax.local_devices()[0].device_kind,
-                                                   model_cfg.dtype in ("bfloat16", "float16"), options.peak_tflops,
-                                                   jax.local_device_count())
+    run = _Run(
+        model_cfg,
+        parallel,
+        train_cfg,
+        options,
+        data,
+        data_path,
+        mesh,
+        optimizer,
+        state,
+        dropout_key,
+        start,
+        consumed,
+        train_step,
+        eval_step,
+        logger=None,
+        primary=primary,
+        num_params=num_params,
+        done=start,
+    )
+    run.peak, run.peak_source = device_peak_tflops(
+        jax.local_devices()[0].device_kind,
+        model_cfg.dtype in ("bfloat16", "float16"),
+        options.peak_tflops,
+        jax.local_device_count(),
+    )
     run.device_kind = jax.local_devices()[0].device_kind
     if data.valid is None and train_cfg.eval_iters > 0 and primary:
-        print(f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
-              f"no validation loss will be reported", file=sys.stderr)
+        print(
+            f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
+            f"no validation loss will be reported",
+            file=sys.stderr,
+        )
     # each process reads only its data ranks' rows, and the global arrays are assembled from them
     run.ranks = multiprocess.local_data_ranks(mesh)
     run.rows = None if len(run.ranks) == parallel.data_parallel_size else local_rows(parallel, run.ranks)
-    run.logger = MetricsLogger(train_cfg.train_iters, start_iter=start, quiet=not primary,
-                               metrics_file=options.metrics_file if primary else None,
-                               progress=options.progress and primary)
+    run.logger = MetricsLogger(
+        train_cfg.train_iters,
+        start_iter=start,
+        quiet=not primary,
+        metrics_file=options.metrics_file if primary else None,
+        progress=options.progress and primary,
+    )
     for text in messages:
         run.logger.message(text)
     run.sched = pipeline_schedule(parallel) if parallel.pipeline_model_parallel_size > 1 else None
     run.flops = iteration_flops(model_cfg, parallel, train_cfg, run.sched)
-    run.saver = (checkpoint.Checkpointer(options.save, optimizer=optimizer, model_cfg=model_cfg, parallel=parallel,
-                                         keep=options.keep_checkpoints, async_save=options.async_save, mesh=mesh)
-                 if options.save else None)
+    run.saver = (
+        checkpoint.Checkpointer(
+            options.save,
+            optimizer=optimizer,
+            model_cfg=model_cfg,
+            parallel=parallel,
+            keep=options.keep_checkpoints,
+            async_save=options.async_save,
+            mesh=mesh,
+        )
+        if options.save
+        else None
+    )
     return run
 
 
@@ -252,8 +318,9 @@ def _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh, res
         state = init_state(init_key, model_cfg, optimizer, train_cfg)
     else:  # a full restore needs only the shapes and shardings: no second copy of the state on the devices
         restoring_all = resume is not None and options.load_optim and not options.finetune
-        state = init_sharded_state(init_key, model_cfg, optimizer, mesh, parallel, shapes_only=restoring_all,
-                                   train_cfg=train_cfg)
+        state = init_sharded_state(
+            init_key, model_cfg, optimizer, mesh, parallel, shapes_only=restoring_all, train_cfg=train_cfg
+        )
     if resume is None:
         return state, dropout_key, 0, 0
     load_step, meta = resume
@@ -263,23 +330,39 @@ def _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh, res
         dropout_key = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
     load_optim = options.load_optim and not options.finetune
     state = checkpoint.set_step(
-        checkpoint.restore(options.load, load_step, state, optimizer=optimizer, model_cfg=model_cfg,
-                           parallel=parallel, mesh=mesh, load_optim=load_optim,
-                           iteration=0 if options.finetune else checkpoint.schedule_step(meta)), start, mesh)
+        checkpoint.restore(
+            options.load,
+            load_step,
+            state,
+            optimizer=optimizer,
+            model_cfg=model_cfg,
+            parallel=parallel,
+            mesh=mesh,
+            load_optim=load_optim,
+            iteration=0 if options.finetune else checkpoint.schedule_step(meta),
+        ),
+        start,
+        mesh,
+    )
     state = with_loss_scale(state, meta if load_optim else None, model_cfg, train_cfg, mesh)
-    messages.append(f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
-                    f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
-                    f"{'' if load_optim else '; optimizer state not loaded'})")
+    messages.append(
+        f"ptd_jax: {'fine-tuning from' if options.finetune else 'resuming from'} iteration "
+        f"{meta['iteration']} of {options.load} (consumed samples {meta['consumed_samples']}"
+        f"{'' if load_optim else '; optimizer state not loaded'})"
+    )
     return state, dropout_key, start, consumed
 
 
 def _steps(model_cfg, parallel, train_cfg, options, optimizer, mesh, state):
     """(train_step, eval_step): the shard_map steps, or the single-device reference ones."""
     if options.reference_step:
-        return (make_train_step(model_cfg, train_cfg, optimizer, poison_steps=options.poison_steps),
-                make_eval_step(model_cfg))
-    train_step = make_parallel_train_step(mesh, model_cfg, parallel, train_cfg, optimizer, state,
-                                          poison_steps=options.poison_steps)
+        return (
+            make_train_step(model_cfg, train_cfg, optimizer, poison_steps=options.poison_steps),
+            make_eval_step(model_cfg),
+        )
+    train_step = make_parallel_train_step(
+        mesh, model_cfg, parallel, train_cfg, optimizer, state, poison_steps=options.poison_steps
+    )
     pipelined = parallel.pipeline_model_parallel_size > 1
     return train_step, make_parallel_eval_step(mesh, model_cfg, parallel, param_specs(state["params"], pipelined))
 
@@ -292,18 +375,23 @@ def _announce(run: _Run) -> None:
         f"t={parallel.tensor_model_parallel_size}, B={parallel.global_batch_size} b={parallel.micro_batch_size} "
         f"m={parallel.num_microbatches}, {model_cfg.dtype}, attention {model_cfg.attention_backend}, fused "
         f"LayerNorm/loss kernels {'on' if model_cfg.fused_kernels else 'off'}, peak {run.peak:.3g} TFLOP/s/device "
-        f"({run.peak_source}), data {run.data_path}")
+        f"({run.peak_source}), data {run.data_path}"
+    )
     if sched is not None:
         sim = sched.simulate()
         formula, w = sched.formula_bubble(), f", in flight F to W {sched.peak_in_flight}" if sched.split else ""
         formula = "no closed form" if formula is None else f"formula {formula:.3f}"
-        run.logger.message(f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} ticks, "
-                           f"simulated bubble {sim['bubble_fraction']:.3f} ({formula}), "
-                           f"peak stash per rank {sched.peak_stash}{w}; measured bubble: after the first step")
-    run.logger.message(f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
-                       f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="
-                       f"{run.train_cfg.recompute_granularity}{', the pipeline table' if sched else ''}), paper eq. "
-                       f"(3) {flops['eq3']:.3g}")
+        run.logger.message(
+            f"pipeline: {sched.name} p={sched.p} v={sched.v} m={sched.m}: {sched.ticks} ticks, "
+            f"simulated bubble {sim['bubble_fraction']:.3f} ({formula}), "
+            f"peak stash per rank {sched.peak_stash}{w}; measured bubble: after the first step"
+        )
+    run.logger.message(
+        f"FLOPs per iteration: model {flops['model']:.3g} (TFLOP/s and MFU), hardware "
+        f"{flops['hardware']:.3g} ({flops['hardware'] / flops['model']:.2f}x: recompute="
+        f"{run.train_cfg.recompute_granularity}{', the pipeline table' if sched else ''}), paper eq. "
+        f"(3) {flops['eq3']:.3g}"
+    )
 
 
 def _hooks(run: _Run, timer: StepTimer) -> Hooks:
@@ -325,20 +413,39 @@ def _after_first_step(run: _Run, info: StepInfo) -> None:
     run.first_loss = float(info.metrics["lm_loss"])
     # a failure (in any process) skips the measurement with one line, in every process alike
     run.measured_bubble = bubble.after_first_step(
-        run.options.measure_bubble, run.train_step, info.state, info.batch, run.dropout_key, run.mesh,
-        run.model_cfg, run.parallel, run.train_cfg, run.optimizer, run.train_cfg.train_iters - run.start,
-        run.logger.message)
+        run.options.measure_bubble,
+        run.train_step,
+        info.state,
+        info.batch,
+        run.dropout_key,
+        run.mesh,
+        run.model_cfg,
+        run.parallel,
+        run.train_cfg,
+        run.optimizer,
+        run.train_cfg.train_iters - run.start,
+        run.logger.message,
+    )
 
 
 def _log(run: _Run, timer: StepTimer, info: StepInfo) -> None:
     step_time, includes_compile = timer.lap(info.metrics)
-    record = _log_record(info.iteration, info.metrics, step_time, run.model_cfg, run.parallel, run.peak,
-                         run.parallel.num_devices, run.flops)
+    record = _log_record(
+        info.iteration,
+        info.metrics,
+        step_time,
+        run.model_cfg,
+        run.parallel,
+        run.peak,
+        run.parallel.num_devices,
+        run.flops,
+    )
     record["includes_compile"] = includes_compile
     record["skipped_iters"], record["loss_scale"] = run.skips.take_window(), float(info.metrics["loss_scale"])
     run.records.append(record)
-    run.logger.log_train(record, consumed_samples=run.consumed + (info.iteration - run.start) *
-                         run.parallel.global_batch_size)
+    run.logger.log_train(
+        record, consumed_samples=run.consumed + (info.iteration - run.start) * run.parallel.global_batch_size
+    )
     if run.options.on_record is not None:
         run.options.on_record(record)
 
@@ -346,8 +453,9 @@ def _log(run: _Run, timer: StepTimer, info: StepInfo) -> None:
 def _evaluate(run: _Run, info: StepInfo) -> None:
     losses = [float(run.eval_step(info.state["params"], *run.to_devices(b))) for b in run.data.valid_batches(run.rows)]
     valid = float(np.mean(losses)) if losses else None
-    run.logger.log_eval({"kind": "valid", "iteration": info.iteration, "valid_lm_loss": valid,
-                         "valid_ppl": math.exp(min(valid, 50))})
+    run.logger.log_eval(
+        {"kind": "valid", "iteration": info.iteration, "valid_lm_loss": valid, "valid_ppl": math.exp(min(valid, 50))}
+    )
 
 
 def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:

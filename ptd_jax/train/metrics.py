@@ -3,7 +3,7 @@ records, a final summary and a loss-curve PNG.
 
 One record per logged iteration carries at least iteration, lm_loss, grad_norm, lr, step_time_s, tokens_per_s,
 tflops_per_device and mfu (docs/architecture.md, "Interfaces") — later tools parse these names. Throughput comes
-three ways (train/flops.py): `tflops_per_device` and `mfu` count model FLOPs (no recomputation) and MFU divides
+three ways (perf/flops.py): `tflops_per_device` and `mfu` count model FLOPs (no recomputation) and MFU divides
 them by the device's dense peak; `hardware_tflops_per_device` counts what was executed (recomputation, the
 pipeline's extra work); `eq3_tflops_per_device` is the paper's eq. (3), comparable with its tables.
 """
@@ -56,23 +56,35 @@ def log_line(record: dict, total_iters: int, consumed_samples: int | None = None
     fields = [f" iteration {record['iteration']:8d}/{total_iters:8d}"]
     if consumed_samples is not None:
         fields.append(f"consumed samples: {consumed_samples:12d}")
-    fields += [f"elapsed time per iteration (ms): {record['step_time_s'] * 1000:.1f}",
-               f"learning rate: {record['lr']:.6E}", f"lm loss: {record['lm_loss']:.6E}",
-               f"grad norm: {record['grad_norm']:.3f}"]
+    fields += [
+        f"elapsed time per iteration (ms): {record['step_time_s'] * 1000:.1f}",
+        f"learning rate: {record['lr']:.6E}",
+        f"lm loss: {record['lm_loss']:.6E}",
+        f"grad norm: {record['grad_norm']:.3f}",
+    ]
     if "loss_scale" in record:
         fields.append(f"loss scale: {record['loss_scale']:g}")
     if "skipped_iters" in record:
         fields.append(f"number of skipped iterations: {record['skipped_iters']:3d}")
-    fields += [f"tokens/s: {record['tokens_per_s']:.0f}",
-               f"TFLOP/s/device: model {record['tflops_per_device']:.3g} hardware "
-               f"{record['hardware_tflops_per_device']:.3g} eq3 {record['eq3_tflops_per_device']:.3g}",
-               f"MFU: {record['mfu']:.1%}"]
+    fields += [
+        f"tokens/s: {record['tokens_per_s']:.0f}",
+        f"TFLOP/s/device: model {record['tflops_per_device']:.3g} hardware "
+        f"{record['hardware_tflops_per_device']:.3g} eq3 {record['eq3_tflops_per_device']:.3g}",
+        f"MFU: {record['mfu']:.1%}",
+    ]
     return " | ".join(fields) + " |"
 
 
 class MetricsLogger:
-    def __init__(self, total_iters: int, *, start_iter: int = 0, metrics_file: str | None = None,
-                 progress: bool = True, quiet: bool = False):
+    def __init__(
+        self,
+        total_iters: int,
+        *,
+        start_iter: int = 0,
+        metrics_file: str | None = None,
+        progress: bool = True,
+        quiet: bool = False,
+    ):
         """`quiet`: no messages (the processes of a multi-process run other than process 0)."""
         self.records: list[dict] = []
         self._quiet = quiet
@@ -89,8 +101,15 @@ class MetricsLogger:
         # a terminal gets the bar; a file or a pipe gets one line per log interval (a bar there is a stream of
         # carriage-return updates)
         self._lines = progress and not _is_terminal(sys.stderr)
-        self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it", file=sys.stderr,
-                         disable=not progress or self._lines, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total_iters,
+            initial=start_iter,
+            desc="train",
+            unit="it",
+            file=sys.stderr,
+            disable=not progress or self._lines,
+            dynamic_ncols=True,
+        )
 
     def _write(self, record: dict) -> None:
         if self._file:
@@ -106,18 +125,23 @@ class MetricsLogger:
         if self._lines:
             self.message(log_line(record, self._total, consumed_samples))
             return
-        self._bar.set_postfix(loss=f"{record['lm_loss']:.4f}", lr=f"{record['lr']:.2e}",
-                              tok_s=f"{record['tokens_per_s']:.0f}",
-                              TFLOPs=f"model {record['tflops_per_device']:.3g} hw "
-                                     f"{record['hardware_tflops_per_device']:.3g} eq3 "
-                                     f"{record['eq3_tflops_per_device']:.3g}",
-                              MFU=f"{record['mfu']:.1%}")
+        self._bar.set_postfix(
+            loss=f"{record['lm_loss']:.4f}",
+            lr=f"{record['lr']:.2e}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            TFLOPs=f"model {record['tflops_per_device']:.3g} hw "
+            f"{record['hardware_tflops_per_device']:.3g} eq3 "
+            f"{record['eq3_tflops_per_device']:.3g}",
+            MFU=f"{record['mfu']:.1%}",
+        )
 
     def log_eval(self, record: dict) -> None:
         self.eval_records.append(record)
         self._write(record)
-        self.message(f"iteration {record['iteration']}: validation lm loss {record['valid_lm_loss']:.4f} "
-                     f"(ppl {record['valid_ppl']:.2f})")
+        self.message(
+            f"iteration {record['iteration']}: validation lm loss {record['valid_lm_loss']:.4f} "
+            f"(ppl {record['valid_ppl']:.2f})"
+        )
 
     def message(self, text: str) -> None:
         if not self._quiet:
@@ -139,8 +163,12 @@ class MetricsLogger:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot([r["iteration"] for r in self.records], [r["lm_loss"] for r in self.records], label="train")
         if self.eval_records:
-            ax.plot([r["iteration"] for r in self.eval_records], [r["valid_lm_loss"] for r in self.eval_records],
-                    "o-", label="validation")
+            ax.plot(
+                [r["iteration"] for r in self.eval_records],
+                [r["valid_lm_loss"] for r in self.eval_records],
+                "o-",
+                label="validation",
+            )
         ax.set_xlabel("iteration")
         ax.set_ylabel("lm loss (nats/token)")
         ax.grid(alpha=0.3)

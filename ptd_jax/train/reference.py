@@ -19,15 +19,28 @@ from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, p
 from ptd_jax.optimizer import State, global_norm, learning_rate_schedule, new_state, schedule_count
 
 
-def init_state(key: jax.Array, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
-               train_cfg: TrainConfig | None = None) -> State:
+def init_state(
+    key: jax.Array,
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    train_cfg: TrainConfig | None = None,
+) -> State:
     state = new_state(gpt.init_params(key, model_cfg), optimizer)
     loss_scale = init_loss_scale(model_cfg, train_cfg or TrainConfig())
     return state if loss_scale is None else {**state, "loss_scale": loss_scale}
 
 
-def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_cfg: ModelConfig, *,
-                         recompute: str = "none", key=None, loss_scale=None):
+def accumulate_gradients(
+    params,
+    tokens_MxBxS,
+    labels_MxBxS,
+    mask_MxBxS,
+    model_cfg: ModelConfig,
+    *,
+    recompute: str = "none",
+    key=None,
+    loss_scale=None,
+):
     """Sum over microbatches of d(loss_sum / total_tokens)/d(params), accumulated in float32 (or float64).
     With a `loss_scale` the backward runs on the loss times the scale (total_tokens / scale as the divisor) and
     the float32 sums are unscaled after.
@@ -52,13 +65,19 @@ def accumulate_gradients(params, tokens_MxBxS, labels_MxBxS, mask_MxBxS, model_c
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, gpt.acc_dtype(x.dtype)), params)
     indices = jnp.arange(tokens_MxBxS.shape[0])
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), acc), zeros),
-                                    (indices, tokens_MxBxS, labels_MxBxS, mask_MxBxS))
+    (loss, grads), _ = jax.lax.scan(
+        body, (jnp.zeros((), acc), zeros), (indices, tokens_MxBxS, labels_MxBxS, mask_MxBxS)
+    )
     return (loss, grads) if loss_scale is None else unscale(loss, grads, scale)
 
 
-def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: optax.GradientTransformation, *,
-                    poison_steps: tuple[int, ...] = ()):
+def make_train_step(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    optimizer: optax.GradientTransformation,
+    *,
+    poison_steps: tuple[int, ...] = (),
+):
     """jit(state, tokens, labels, mask [M, b, S], key) -> (state, metrics); the state is donated. A non-finite
     loss or gradient skips the update (`loss_scale.guarded_update`); `poison_steps` is its test hook."""
     schedule = learning_rate_schedule(train_cfg)
@@ -66,9 +85,16 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: o
 
     def step(state, tokens, labels, mask, key):
         key = jax.random.fold_in(key, state["step"]) if use_dropout else None
-        loss, grads = accumulate_gradients(state["params"], tokens, labels, mask, model_cfg,
-                                           recompute=train_cfg.recompute_granularity, key=key,
-                                           loss_scale=current_scale(state) if "loss_scale" in state else None)
+        loss, grads = accumulate_gradients(
+            state["params"],
+            tokens,
+            labels,
+            mask,
+            model_cfg,
+            recompute=train_cfg.recompute_granularity,
+            key=key,
+            loss_scale=current_scale(state) if "loss_scale" in state else None,
+        )
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         loss, grads = poison(loss, grads, state["step"], poison_steps)
         grad_norm = global_norm(grads)

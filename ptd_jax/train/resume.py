@@ -31,18 +31,22 @@ def resume_point(options, model_cfg: ModelConfig, train_cfg: TrainConfig, messag
     meta = checkpoint.read_meta(options.load, step)
     checkpoint.check_architecture(options.load, step, meta, model_cfg)
     if meta.get("params_only") and not options.finetune:
-        raise ConfigError(f"--load {options.load} step {step} holds parameters only (written by ptd-convert): "
-                          f"load it with --finetune")
+        raise ConfigError(
+            f"--load {options.load} step {step} holds parameters only (written by ptd-convert): load it with --finetune"
+        )
     if not options.finetune:
         if meta["iteration"] > train_cfg.train_iters:
-            raise ConfigError(f"--load {options.load} is at iteration {meta['iteration']}, past "
-                              f"train_iters={train_cfg.train_iters}")
+            raise ConfigError(
+                f"--load {options.load} is at iteration {meta['iteration']}, past train_iters={train_cfg.train_iters}"
+            )
         saved = meta["train"]
         was = (saved.get("lr_decay_iters") or saved.get("train_iters"), saved.get("lr_warmup_iters"))
         if was != (train_cfg.decay_iters, train_cfg.lr_warmup_iters):
-            messages.append(f"ptd_jax: note: the learning-rate schedule changes on resume: decay over "
-                            f"{train_cfg.decay_iters} iterations with {train_cfg.lr_warmup_iters} of warm-up, was "
-                            f"{was[0]} and {was[1]} (fix --lr-decay-iters to keep it)")
+            messages.append(
+                f"ptd_jax: note: the learning-rate schedule changes on resume: decay over "
+                f"{train_cfg.decay_iters} iterations with {train_cfg.lr_warmup_iters} of warm-up, was "
+                f"{was[0]} and {was[1]} (fix --lr-decay-iters to keep it)"
+            )
     return step, meta
 
 
@@ -54,8 +58,10 @@ def check_save_dir(options, load_step: int | None) -> None:
     steps = checkpoint.all_steps(options.save)
     resuming_here = options.load and same_folder(options.save, options.load) and not options.finetune
     if steps and not (resuming_here and load_step == steps[-1]):
-        raise ConfigError(f"--save {options.save} already holds checkpoints of another run (steps {steps}); "
-                          f"resume it with --load {options.save}, or save elsewhere")
+        raise ConfigError(
+            f"--save {options.save} already holds checkpoints of another run (steps {steps}); "
+            f"resume it with --load {options.save}, or save elsewhere"
+        )
 
 
 def check_data_config(options, step: int, saved: dict, current: dict, messages: list[str]) -> None:
@@ -63,11 +69,14 @@ def check_data_config(options, step: int, saved: dict, current: dict, messages: 
     say what changed); note data that only moved."""
     changes = checkpoint.data_config_changes(saved, current)
     if saved.get("data_path") != current.get("data_path") and "data_name" not in changes:
-        messages.append(f"ptd_jax: the data moved: {saved.get('data_path')} -> {current.get('data_path')} "
-                        f"(same name and sizes)")
+        messages.append(
+            f"ptd_jax: the data moved: {saved.get('data_path')} -> {current.get('data_path')} (same name and sizes)"
+        )
     if not changes:
         return
     if not options.override_data_config:
-        raise ConfigError(f"--load {options.load} step {step} was trained with another data configuration "
-                          f"(saved, now): {changes}; pass --override-data-config to accept the change")
+        raise ConfigError(
+            f"--load {options.load} step {step} was trained with another data configuration "
+            f"(saved, now): {changes}; pass --override-data-config to accept the change"
+        )
     messages.append(f"ptd_jax: --override-data-config: the data configuration changes (saved, now): {changes}")

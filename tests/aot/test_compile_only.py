@@ -9,14 +9,34 @@ from pathlib import Path
 
 import pytest
 
-from ptd_jax.aot.targets import TARGETS
+from ptd_jax.perf.hardware import TARGETS
 from ptd_jax.cli.train import main
 
-ISSUE_COMMAND = ["--compile-only", "--num-gpus", "8", "--tensor-model-parallel-size", "2",
-                 "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                 "--pipeline-schedule", "interleaved", "--bf16", "--json"]
-KEYS = {"target", "num_gpus", "memory_bytes_per_gpu", "device_memory_bytes", "fits", "compile_time_s", "collectives",
-        "kernels"}
+ISSUE_COMMAND = [
+    "--compile-only",
+    "--num-gpus",
+    "8",
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+    "--pipeline-schedule",
+    "interleaved",
+    "--bf16",
+    "--json",
+]
+KEYS = {
+    "target",
+    "num_gpus",
+    "memory_bytes_per_gpu",
+    "device_memory_bytes",
+    "fits",
+    "compile_time_s",
+    "collectives",
+    "kernels",
+}
 
 
 def compile_only(argv, capsys):
@@ -35,8 +55,13 @@ def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
     assert 0 < summary["memory_bytes_per_gpu"] < summary["device_memory_bytes"]
     assert summary["layout"] | {"virtual": 2} == summary["layout"] and summary["layout"]["data"] == 2
     # auto resolves as on a GPU: uniform branching, the Pallas kernels (compiled by Triton, not interpreted)
-    assert summary["resolved"] == {"pipeline_branching": "uniform", "attention_backend": "pallas",
-                                   "fused_kernels": True, "dtype": "bfloat16", "vocab_size": 257}
+    assert summary["resolved"] == {
+        "pipeline_branching": "uniform",
+        "attention_backend": "pallas",
+        "fused_kernels": True,
+        "dtype": "bfloat16",
+        "vocab_size": 257,
+    }
     assert summary["memory_budget_bytes"] == int(0.75 * TARGETS[target].memory_bytes)
     assert summary["kernels"]["pallas_triton"] > 0
     # tensor all-reduces in groups of 2, the data-parallel gradient all-reduce over 2, the pipe ring
@@ -46,27 +71,46 @@ def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
 
 def test_per_rank_branching_compiles_for_8_h100s(capsys):
     """Per-rank branching puts tensor collectives in pipe-divergent conditionals: XLA:GPU compiles them."""
-    code, out, _ = compile_only([*ISSUE_COMMAND, "--target", "h100-sxm", "--pipeline-branching", "per-rank"],
-                                capsys)
+    code, out, _ = compile_only([*ISSUE_COMMAND, "--target", "h100-sxm", "--pipeline-branching", "per-rank"], capsys)
     summary = json.loads(out)
     assert code == 0 and summary["resolved"]["pipeline_branching"] == "per-rank"
     assert summary["collectives"]["all-reduce"]["count"] > 0
 
 
 def test_a_step_that_does_not_fit_exits_1_with_the_bytes(capsys):
-    code, out, err = compile_only(["--compile-only", "--target", "a100-80gb", "--num-gpus", "8", "--model-preset",
-                                   "1.3b", "--micro-batch-size", "32", "--global-batch-size", "256", "--bf16"], capsys)
+    code, out, err = compile_only(
+        [
+            "--compile-only",
+            "--target",
+            "a100-80gb",
+            "--num-gpus",
+            "8",
+            "--model-preset",
+            "1.3b",
+            "--micro-batch-size",
+            "32",
+            "--global-batch-size",
+            "256",
+            "--bf16",
+        ],
+        capsys,
+    )
     assert code == 1 and "DOES NOT FIT" in out and "compile time" in out and "kernels:" in out
     line = err.strip().splitlines()[-1]
     assert line.startswith("ptd-train: the step needs ")
     assert line.endswith("bytes per GPU but one a100-80gb has 63,825,051,648 usable (0.75 of 85,100,068,864)")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num-gpus", "12", "--global-batch-size", "12", "--micro-batch-size", "1"], "num_gpus=12 must be 1..8 or a "
-                                                                                    "multiple of 8"),
-    (["--fake-devices", "8"], "drop fake_devices=8"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--num-gpus", "12", "--global-batch-size", "12", "--micro-batch-size", "1"],
+            "num_gpus=12 must be 1..8 or a multiple of 8",
+        ),
+        (["--fake-devices", "8"], "drop fake_devices=8"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     code, out, err = compile_only(["--compile-only", "--target", "h200", "--bf16", *argv], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
@@ -78,9 +122,26 @@ def test_compile_flags_need_compile_only(capsys):
 
 
 def test_the_preset_decides_the_vocabulary(capsys):
-    code, out, _ = compile_only(["--compile-only", "--model-preset", "gpt2-small", "--num-layers", "2",
-                                 "--num-gpus", "1", "--micro-batch-size", "1", "--global-batch-size", "1",
-                                 "--seq-length", "128", "--bf16", "--json"], capsys)
+    code, out, _ = compile_only(
+        [
+            "--compile-only",
+            "--model-preset",
+            "gpt2-small",
+            "--num-layers",
+            "2",
+            "--num-gpus",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--seq-length",
+            "128",
+            "--bf16",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0 and json.loads(out)["resolved"]["vocab_size"] == 50257
 
 
@@ -88,11 +149,14 @@ def test_without_the_plugin_one_line_says_what_to_install(monkeypatch, capsys):
     from ptd_jax.aot import compile as aot
 
     monkeypatch.setattr(aot, "plugin_installed", lambda: False)
-    code, out, err = compile_only(["--compile-only", "--num-gpus", "1", "--micro-batch-size", "1",
-                                   "--global-batch-size", "1"], capsys)
+    code, out, err = compile_only(
+        ["--compile-only", "--num-gpus", "1", "--micro-batch-size", "1", "--global-batch-size", "1"], capsys
+    )
     assert code == 2 and out == ""
-    assert err == ("ptd-train: error: compiling for GPUs needs the CUDA plugin: pip install -e '.[gpu-compile]' (the "
-                   "CUDA plugin for this jax, no GPU needed)\n")
+    assert err == (
+        "ptd-train: error: compiling for GPUs needs the CUDA plugin: pip install -e '.[gpu-compile]' (the "
+        "CUDA plugin for this jax, no GPU needed)\n"
+    )
 
 
 def test_the_installed_plugin_changes_nothing_without_a_gpu():
@@ -106,9 +170,16 @@ def test_the_installed_plugin_changes_nothing_without_a_gpu():
         pytest.skip("a GPU is here: this test is about machines without one")
     assert not platform.gpu_present() and not platform.accelerator_present()
     code = "import ptd_jax, jax; print(jax.devices()[0].platform)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={
-        k: v for k, v in __import__("os").environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS",
-                                                                       "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={
+            k: v
+            for k, v in __import__("os").environ.items()
+            if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+        },
+    )
     assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "cpu", "")
 
 
@@ -118,8 +189,27 @@ def test_plan_search_verify_compiles_the_best_layouts(capsys):
     (within 15%: the model counts what the program stashes), and no layout predicted to fit that does not."""
     from ptd_jax.cli.plan import main as plan
 
-    assert plan(["search", "--model-preset", "1.3b", "--num-gpus", "8", "--global-batch-size", "16", "--hardware",
-                 "h100-sxm", "--recompute-granularity", "none", "--verify", "2", "--json"]) == 0
+    assert (
+        plan(
+            [
+                "search",
+                "--model-preset",
+                "1.3b",
+                "--num-gpus",
+                "8",
+                "--global-batch-size",
+                "16",
+                "--hardware",
+                "h100-sxm",
+                "--recompute-granularity",
+                "none",
+                "--verify",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     verified = json.loads(capsys.readouterr().out)["verified"]
     assert len(verified) == 2
     for row in verified:

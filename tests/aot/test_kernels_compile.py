@@ -10,11 +10,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_kernels as pk
 from ptd_jax.aot.compile import virtual_devices
-from ptd_jax.aot.targets import TARGETS
+from ptd_jax.perf.hardware import TARGETS
 
 TARGET_NAMES = ["a100-80gb", "h100-sxm"]  # sm_80, sm_90 (the h200 is an sm_90 die too)
-HEAD_DIMS = [64, 80, 96, 128]               # Table 1: h / heads is 96 (1.7B) ... 160 -> padded to 128 tiles below
-LAYER_NORM_WIDTHS = [2048, 12288, 25600]    # 1.3B, 145B, 1T
+HEAD_DIMS = [64, 80, 96, 128]  # Table 1: h / heads is 96 (1.7B) ... 160 -> padded to 128 tiles below
+LAYER_NORM_WIDTHS = [2048, 12288, 25600]  # 1.3B, 145B, 1T
 VOCAB_SHARDS = [51200 // t for t in (1, 2, 4, 8)]
 
 
@@ -45,8 +45,7 @@ def test_layer_norm_compiles(target, width):
     gpu = one_gpu(target)
     x = jax.ShapeDtypeStruct((256, width), jnp.bfloat16, sharding=gpu)
     w = jax.ShapeDtypeStruct((width,), jnp.float32, sharding=gpu)
-    compiles(jax.value_and_grad(lambda x, w, b: pk.layer_norm(x, w, b).astype(jnp.float32).sum(), (0, 1, 2)),
-             x, w, w)
+    compiles(jax.value_and_grad(lambda x, w, b: pk.layer_norm(x, w, b).astype(jnp.float32).sum(), (0, 1, 2)), x, w, w)
 
 
 @pytest.mark.parametrize("target", TARGET_NAMES)
@@ -63,14 +62,20 @@ def test_an_oversized_block_is_refused_at_compile_time(target, requested):
     """256 x 256 tiles at head dim 128 ask for more shared memory than one block may have on either GPU; the
     error names the target's own limit (`shared_memory_per_block_optin`)."""
     q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16, sharding=one_gpu(target))
-    limit = TARGETS[target].shared_memory_per_block_optin
-    with pytest.raises(Exception, match=f"Shared memory size limit exceeded: requested {requested}, available: "
-                                        f"{limit}"):
+    limit = TARGETS[target].chip.shared_memory_per_block_optin
+    with pytest.raises(
+        Exception, match=f"Shared memory size limit exceeded: requested {requested}, available: {limit}"
+    ):
         compiles(jax.value_and_grad(flash_loss(pk.BlockSizes(256, 256)), (0, 1, 2)), q, q, q)
 
 
 def test_the_planner_and_the_compiler_describe_the_same_gpus():
+    """One catalogue: every planner preset is a compile target, with the chip of its generation."""
     from ptd_jax.perf.hardware import HARDWARE
 
     assert set(HARDWARE) == set(TARGETS)
-    assert {n: HARDWARE[n].memory_bytes for n in TARGETS} == {n: t.memory_bytes for n, t in TARGETS.items()}
+    assert {n: t.chip.compute_capability for n, t in TARGETS.items()} == {
+        "a100-80gb": (8, 0),
+        "h100-sxm": (9, 0),
+        "h200": (9, 0),
+    }

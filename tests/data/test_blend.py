@@ -91,8 +91,16 @@ def test_blend_samples_are_the_datasets_samples_and_do_not_depend_on_how_many_ar
 def test_data_config_names_the_blend_and_a_single_prefix_keeps_its_old_record(small_corpus, random_corpus):
     args = dict(seq_length=S, global_batch_size=8, eval_iters=0, seed=3)
     single = GPTData(small_corpus, **args).data_config()
-    assert set(single) == {"data_path", "seed", "global_batch_size", "seq_length", "split", "num_documents",
-                           "num_tokens", "bin_bytes"}
+    assert set(single) == {
+        "data_path",
+        "seed",
+        "global_batch_size",
+        "seq_length",
+        "split",
+        "num_documents",
+        "num_tokens",
+        "bin_bytes",
+    }
     a = GPTData(("1", small_corpus, "3", random_corpus), **args).data_config()
     b = GPTData(("2", small_corpus, "6", random_corpus), **args).data_config()
     c = GPTData(("1", small_corpus, "1", random_corpus), **args).data_config()
@@ -100,14 +108,20 @@ def test_data_config_names_the_blend_and_a_single_prefix_keeps_its_old_record(sm
     assert [row[:2] for row in a["blend"]] == [[0.25, "small_text_document"], [0.75, "random_document"]]
 
 
-@pytest.mark.parametrize("words, message", [
-    (["0.5", "a", "-1", "b"], "data_path: weight -1.0 of 'b' is negative"),
-    (["0", "a", "0", "b"], "data_path: the weights [0.0, 0.0] sum to zero"),
-    (["0.5", "a", "0.5"], "data_path needs one prefix or pairs of weight and prefix (w1 prefix1 w2 prefix2 ...), got 3 "
-                          "values: 0.5 a 0.5"),
-    (["a", "b"], "data_path: weight 'a' (before 'b') is not a number"),
-    (["nan", "a", "1", "b"], "data_path: weight 'nan' of 'a' is not a finite number"),
-])
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        (["0.5", "a", "-1", "b"], "data_path: weight -1.0 of 'b' is negative"),
+        (["0", "a", "0", "b"], "data_path: the weights [0.0, 0.0] sum to zero"),
+        (
+            ["0.5", "a", "0.5"],
+            "data_path needs one prefix or pairs of weight and prefix (w1 prefix1 w2 prefix2 ...), got 3 "
+            "values: 0.5 a 0.5",
+        ),
+        (["a", "b"], "data_path: weight 'a' (before 'b') is not a number"),
+        (["nan", "a", "1", "b"], "data_path: weight 'nan' of 'a' is not a finite number"),
+    ],
+)
 def test_bad_weights_are_refused_naming_the_values(words, message):
     with pytest.raises(DataError) as err:
         parse_blend("data_path", words)
@@ -116,8 +130,16 @@ def test_bad_weights_are_refused_naming_the_values(words, message):
 
 def test_separate_split_paths_use_each_dataset_whole(small_corpus, random_corpus):
     """--train-data-path / --valid-data-path: no --split; train is stream 0 of all of its documents, valid stream 1."""
-    data = GPTData(None, seq_length=S, global_batch_size=8, eval_iters=2, seed=3, train_path=random_corpus,
-                   valid_path=("1", small_corpus, "1", random_corpus), test_path=small_corpus)
+    data = GPTData(
+        None,
+        seq_length=S,
+        global_batch_size=8,
+        eval_iters=2,
+        seed=3,
+        train_path=random_corpus,
+        valid_path=("1", small_corpus, "1", random_corpus),
+        test_path=small_corpus,
+    )
     indexed = IndexedDataset(random_corpus)
     everything = np.arange(len(indexed.doc_index) - 1)
     alone = GPTDataset(indexed, everything, S, 3, 0).batch(0, 8)

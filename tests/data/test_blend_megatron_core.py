@@ -11,8 +11,15 @@ mcore_utils = pytest.importorskip("megatron.core.datasets.utils")
 
 from ptd_jax.data.blend import BlendIndex, normalize  # noqa: E402
 
-WEIGHT_SETS = [[0.3, 0.7], [1, 2, 3], [5, 0, 1, 1e-3], [1] * 9,
-               [0.1, 0.2, 0.3, 0.15, 0.25, 0.01, 0.7, 0.3, 0.9, 0.05], [1e-6, 1.0], [17, 4, 93, 2, 2]]
+WEIGHT_SETS = [
+    [0.3, 0.7],
+    [1, 2, 3],
+    [5, 0, 1, 1e-3],
+    [1] * 9,
+    [0.1, 0.2, 0.3, 0.15, 0.25, 0.01, 0.7, 0.3, 0.9, 0.05],
+    [1e-6, 1.0],
+    [17, 4, 93, 2, 2],
+]
 
 
 @pytest.mark.parametrize("weights", WEIGHT_SETS, ids=str)

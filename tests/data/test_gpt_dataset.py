@@ -27,7 +27,7 @@ def test_samples_are_windows_of_the_shuffled_document_stream(small_corpus):
         stream = np.concatenate([data.indexed[int(i)] for i in epoch.order]).astype(np.int32)
         for i in (0, 3, 17, ds.samples_per_epoch - 1):
             start = int(epoch.shuffle[i]) * ds.seq_length
-            np.testing.assert_array_equal(ds[e * ds.samples_per_epoch + i], stream[start:start + ds.seq_length + 1])
+            np.testing.assert_array_equal(ds[e * ds.samples_per_epoch + i], stream[start : start + ds.seq_length + 1])
     batch = data.train_batch(2)
     np.testing.assert_array_equal(batch.tokens[:, 1:], batch.labels[:, :-1])
     assert batch.tokens.shape == (8, 32) and batch.loss_mask.sum() == 8 * 32
@@ -47,7 +47,7 @@ def test_train_samples_and_train_batch_agree(small_corpus):
     data = make_data(small_corpus)
     run = data.train_samples(0, 5 * 8).tokens
     for i in range(5):
-        np.testing.assert_array_equal(data.train_batch(i).tokens, run[i * 8:(i + 1) * 8])
+        np.testing.assert_array_equal(data.train_batch(i).tokens, run[i * 8 : (i + 1) * 8])
     np.testing.assert_array_equal(data.train_samples(13, 3).tokens, run[13:16])
     single = np.stack([data.train[k] for k in range(13, 16)])
     np.testing.assert_array_equal(data.train.batch(13, 3), single)
@@ -76,9 +76,16 @@ def test_valid_batches_are_fixed_and_absent_when_not_asked_for(small_corpus):
 def test_data_config_names_what_the_stream_depends_on(small_corpus):
     config = make_data(small_corpus).data_config()
     indexed = IndexedDataset(small_corpus)
-    assert config == {"data_path": small_corpus, "seed": 7, "global_batch_size": 8, "seq_length": 32,
-                      "split": "969,30,1", "num_documents": len(indexed.doc_index) - 1,
-                      "num_tokens": indexed.num_tokens, "bin_bytes": indexed.num_tokens * 2}
+    assert config == {
+        "data_path": small_corpus,
+        "seed": 7,
+        "global_batch_size": 8,
+        "seq_length": 32,
+        "split": "969,30,1",
+        "num_documents": len(indexed.doc_index) - 1,
+        "num_tokens": indexed.num_tokens,
+        "bin_bytes": indexed.num_tokens * 2,
+    }
     assert make_data(small_corpus, seed=8).data_config()["seed"] == 8
 
 
@@ -152,8 +159,11 @@ def test_empty_corpus_is_an_error(tmp_path):
 def test_too_little_data_for_one_sample(tmp_path):
     with IndexedDatasetWriter(tmp_path / "tiny") as writer:
         writer.add_document([1, 2, 3])
-    with pytest.raises(DataError, match=r"holds 3 tokens in 1 sequences, fewer than one sample of "
-                                        r"seq_length\+1=33"):
+    with pytest.raises(
+        DataError,
+        match=r"holds 3 tokens in 1 sequences, fewer than one sample of "
+        r"seq_length\+1=33",
+    ):
         GPTDataset(IndexedDataset(tmp_path / "tiny"), np.array([0]), 32, seed=0)
 
 

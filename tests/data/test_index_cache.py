@@ -1,6 +1,5 @@
 """The epoch index cache beside the data (ptd_jax/data/gpt_dataset.py, "The index cache")."""
 
-
 import numpy as np
 import pytest
 
@@ -53,9 +52,13 @@ def test_small_epochs_are_not_written_by_default(corpus):
 
 def test_the_key_changes_with_what_the_arrays_depend_on(corpus):
     indexed = IndexedDataset(corpus)
-    keys = {GPTDataset(indexed, np.arange(50), 8, seed=1).key, GPTDataset(indexed, np.arange(50), 8, seed=2).key,
-            GPTDataset(indexed, np.arange(50), 8, seed=1, stream=1).key,
-            GPTDataset(indexed, np.arange(50), 9, seed=1).key, GPTDataset(indexed, np.arange(49), 8, seed=1).key}
+    keys = {
+        GPTDataset(indexed, np.arange(50), 8, seed=1).key,
+        GPTDataset(indexed, np.arange(50), 8, seed=2).key,
+        GPTDataset(indexed, np.arange(50), 8, seed=1, stream=1).key,
+        GPTDataset(indexed, np.arange(50), 9, seed=1).key,
+        GPTDataset(indexed, np.arange(49), 8, seed=1).key,
+    }
     assert len(keys) == 5
 
 
@@ -65,8 +68,16 @@ def test_an_unwritable_cache_still_works_and_leaves_nothing(corpus, tmp_path):
     expected = GPTDataset(IndexedDataset(corpus), np.arange(50), 8, seed=1).batch(0, 300)
     ds = GPTDataset(IndexedDataset(corpus), np.arange(50), 8, seed=1, cache_dir=blocker / "cache", cache_min_size=0)
     np.testing.assert_array_equal(ds.batch(0, 300), expected)
-    data = GPTData(corpus, seq_length=8, global_batch_size=4, eval_iters=1, seed=1, split="9,1,0",
-                   vocab_size=60000, cache_dir=blocker / "cache")
+    data = GPTData(
+        corpus,
+        seq_length=8,
+        global_batch_size=4,
+        eval_iters=1,
+        seed=1,
+        split="9,1,0",
+        vocab_size=60000,
+        cache_dir=blocker / "cache",
+    )
     assert data.train_batch(0).tokens.shape == (4, 8)
     assert files(tmp_path) == ["data", "not_a_folder"]
 

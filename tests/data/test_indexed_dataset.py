@@ -5,8 +5,13 @@ import struct
 import numpy as np
 import pytest
 
-from ptd_jax.data.indexed_dataset import (IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype,
-                                          default_cache_dir)
+from ptd_jax.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    IndexedDatasetWriter,
+    best_dtype,
+    default_cache_dir,
+)
 
 
 def write(prefix, docs, dtype=np.uint16):
@@ -35,11 +40,16 @@ def test_header_bytes_are_megatrons(tmp_path):
     prefix = tmp_path / "ds"
     write(prefix, DOCS, np.uint16)
     lengths = [3, 2, 5, 1]
-    expected = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)
-                + struct.pack("<Q", 4) + struct.pack("<Q", 5)
-                + struct.pack("<4i", *lengths)
-                + struct.pack("<4q", 0, 6, 10, 20)      # byte pointers: cumulative lengths x 2 bytes
-                + struct.pack("<5q", 0, 1, 2, 3, 4))    # document index starts at 0 and ends at N
+    expected = (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", 8)
+        + struct.pack("<Q", 4)
+        + struct.pack("<Q", 5)
+        + struct.pack("<4i", *lengths)
+        + struct.pack("<4q", 0, 6, 10, 20)  # byte pointers: cumulative lengths x 2 bytes
+        + struct.pack("<5q", 0, 1, 2, 3, 4)
+    )  # document index starts at 0 and ends at N
     assert (tmp_path / "ds.idx").read_bytes() == expected
     assert (tmp_path / "ds.bin").read_bytes() == np.array(sum(DOCS, []), dtype="<u2").tobytes()
 
@@ -48,8 +58,12 @@ def test_reads_a_hand_made_megatron_file_with_multi_sequence_documents(tmp_path)
     seqs = [[5, 6], [7], [8, 9, 10]]
     (tmp_path / "m.bin").write_bytes(np.array(sum(seqs, []), dtype="<i4").tobytes())
     (tmp_path / "m.idx").write_bytes(
-        b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 4, 3, 3) + struct.pack("<3i", 2, 1, 3)
-        + struct.pack("<3q", 0, 8, 12) + struct.pack("<3q", 0, 2, 3))  # two documents: seqs {0,1} and {2}
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<QBQQ", 1, 4, 3, 3)
+        + struct.pack("<3i", 2, 1, 3)
+        + struct.pack("<3q", 0, 8, 12)
+        + struct.pack("<3q", 0, 2, 3)
+    )  # two documents: seqs {0,1} and {2}
     ds = IndexedDataset(tmp_path / "m")
     assert ds.dtype == np.int32 and list(ds.doc_index) == [0, 2, 3]
     np.testing.assert_array_equal(ds[2], [8, 9, 10])
@@ -102,8 +116,10 @@ def test_bad_dtype_code_and_version(tmp_path):
 
 
 def test_failed_write_leaves_nothing(tmp_path):
-    with pytest.raises(IndexedDatasetError, match=r"do not fit dtype=uint8"), \
-            IndexedDatasetWriter(tmp_path / "ds", dtype=np.uint8) as writer:
+    with (
+        pytest.raises(IndexedDatasetError, match=r"do not fit dtype=uint8"),
+        IndexedDatasetWriter(tmp_path / "ds", dtype=np.uint8) as writer,
+    ):
         writer.add_document([1, 2])
         writer.add_document([300])
     assert list(tmp_path.iterdir()) == []
@@ -132,8 +148,12 @@ def test_data_without_stats_is_scanned_once(tmp_path):
     tokens = np.arange(3 * 7, dtype="<u2")[::-1].copy()
     (tmp_path / "m.bin").write_bytes(tokens.tobytes())
     (tmp_path / "m.idx").write_bytes(
-        b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 4) + struct.pack("<3i", 7, 7, 7)
-        + struct.pack("<3q", 0, 14, 28) + struct.pack("<4q", 0, 1, 2, 3))
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<QBQQ", 1, 8, 3, 4)
+        + struct.pack("<3i", 7, 7, 7)
+        + struct.pack("<3q", 0, 14, 28)
+        + struct.pack("<4q", 0, 1, 2, 3)
+    )
     stats_file = default_cache_dir(tmp_path / "m") / "m.stats.json"
     assert not stats_file.exists()
     assert IndexedDataset(tmp_path / "m").max_token() == 20
@@ -167,7 +187,7 @@ def test_read_pieces(tmp_path, monkeypatch, positioned_reads):
     ds = IndexedDataset(tmp_path / "ds")
     tokens = np.asarray(sum(DOCS, []))
     starts, counts = np.array([9, 0, 4, 10, 3]), np.array([2, 3, 0, 1, 6])
-    expected = np.concatenate([tokens[a:a + n] for a, n in zip(starts, counts)])
+    expected = np.concatenate([tokens[a : a + n] for a, n in zip(starts, counts)])
     got = ds.read_pieces(starts, counts)
     assert got.dtype == np.uint16
     np.testing.assert_array_equal(got, expected)

@@ -29,8 +29,21 @@ def test_folder_text_and_jsonl(tmp_path, capsys):
 
 def test_json_keys(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "abc"}) + "\n")
-    assert main(["--input", str(tmp_path / "d.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                 "--json-keys", "body", "--no-append-eod", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--input",
+                str(tmp_path / "d.jsonl"),
+                "--output-prefix",
+                str(tmp_path / "o"),
+                "--json-keys",
+                "body",
+                "--no-append-eod",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     np.testing.assert_array_equal(IndexedDataset(tmp_path / "o_body_document")[0], [97, 98, 99])
 
 
@@ -39,8 +52,20 @@ def test_empty_corpus_exits_2_and_writes_nothing(tmp_path):
     (tmp_path / "in" / "empty.txt").write_text("")
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ptd_jax.cli.preprocess", "--input", str(tmp_path / "in"),
-                           "--output-prefix", str(out / "x"), "--no-progress"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ptd_jax.cli.preprocess",
+            "--input",
+            str(tmp_path / "in"),
+            "--output-prefix",
+            str(out / "x"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "is empty: 1 file(s) hold no text" in proc.stderr
     assert list(out.iterdir()) == []
@@ -50,8 +75,7 @@ def test_missing_input_and_bad_json(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "nope"), "--output-prefix", str(tmp_path / "o")]) == 2
     assert "is neither a file nor a folder" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{oops\n')
-    assert main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                 "--no-progress"]) == 2
+    assert main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "bad.jsonl:2 is not valid JSON" in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))
 
@@ -64,8 +88,10 @@ def test_gpt2_bpe_tokens_as_uint16(gpt2_files, tmp_path, capsys):
     texts = ["def fibonacci(n):\n    return a", "héllo wörld ✓"]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1]]
-    assert main(["--input", str(tmp_path / "d.jsonl"), "--output-prefix", str(tmp_path / "o"), "--no-progress",
-                 *flags]) == 0
+    assert (
+        main(["--input", str(tmp_path / "d.jsonl"), "--output-prefix", str(tmp_path / "o"), "--no-progress", *flags])
+        == 0
+    )
     out, err = capsys.readouterr()
     tok = GPT2BPETokenizer(*gpt2_files)
     assert json.loads(out.splitlines()[-1])["tokenizer"] == "GPT2BPETokenizer"

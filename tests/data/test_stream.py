@@ -35,7 +35,7 @@ def reference_epoch(indexed, docs, seq_length, seed, stream, epoch):
     order = first + rng.permutation(stop - first)
     shuffle = rng.permutation(per_epoch)
     concatenation = np.concatenate([indexed[int(j)] for j in order]).astype(np.int32)
-    return np.stack([concatenation[w * seq_length:w * seq_length + seq_length + 1] for w in shuffle])
+    return np.stack([concatenation[w * seq_length : w * seq_length + seq_length + 1] for w in shuffle])
 
 
 def test_first_samples_do_not_depend_on_how_many_are_read(small_corpus):
@@ -51,8 +51,8 @@ def test_first_samples_do_not_depend_on_how_many_are_read(small_corpus):
     docs = split_documents(len(long.indexed.doc_index) - 1, "969,30,1")[0]
     for e in (0, 1, 2000 * 8 // per_epoch - 1):
         expected = reference_epoch(long.indexed, docs, S, 3, 0, e)[:, :-1]
-        got = long_run[e * per_epoch:(e + 1) * per_epoch]
-        np.testing.assert_array_equal(got, expected[:len(got)])
+        got = long_run[e * per_epoch : (e + 1) * per_epoch]
+        np.testing.assert_array_equal(got, expected[: len(got)])
     deep = 10**7 + 5  # far beyond any run: still a window of its own epoch
     e, i = divmod(deep, per_epoch)
     np.testing.assert_array_equal(long.train[deep], reference_epoch(long.indexed, docs, S, 3, 0, e)[i])

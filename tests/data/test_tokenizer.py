@@ -7,13 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from ptd_jax.data.tokenizer import (ByteTokenizer, GPT2BPETokenizer, TokenizerError, build_tokenizer,
-                                    from_description)
+from ptd_jax.data.tokenizer import ByteTokenizer, GPT2BPETokenizer, TokenizerError, build_tokenizer, from_description
 
-TEXTS = ["def fibonacci(n):\n    return a",
-         "  two  spaces,\ttab\n\nand 'quotes' don't",
-         "héllo wörld ✓ 日本語 🙂", "The quick brown fox jumps over the lazy dog.",
-         "x = [1, 2, 3]  # numbers 12345", ""]
+TEXTS = [
+    "def fibonacci(n):\n    return a",
+    "  two  spaces,\ttab\n\nand 'quotes' don't",
+    "héllo wörld ✓ 日本語 🙂",
+    "The quick brown fox jumps over the lazy dog.",
+    "x = [1, 2, 3]  # numbers 12345",
+    "",
+]
 
 
 def test_byte_tokenizer_round_trip():
@@ -52,8 +55,11 @@ def test_description_rebuilds_the_tokenizer(gpt2_files, tmp_path):
     assert again.encode(TEXTS[2]).tolist() == tok.encode(TEXTS[2]).tolist()
     assert isinstance(from_description(ByteTokenizer().describe()), ByteTokenizer)
     gone = {**tok.describe(), "merge_file": str(tmp_path / "moved.txt")}
-    with pytest.raises(TokenizerError, match=r"tokenizer file '.*moved.txt' is gone: give --tokenizer-type "
-                                             r"GPT2BPETokenizer --merge-file"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"tokenizer file '.*moved.txt' is gone: give --tokenizer-type "
+        r"GPT2BPETokenizer --merge-file",
+    ):
         from_description(gone)
 
 

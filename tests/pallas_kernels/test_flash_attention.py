@@ -7,10 +7,13 @@ import pytest
 
 from pallas_kernels import BlockSizes, flash_attention, flash_attention_reference
 
-SHAPES = [((2, 64, 3, 16), BlockSizes(16, 16)), ((1, 96, 2, 32), BlockSizes(32, 16)),
-          ((1, 24, 2, 8), BlockSizes(64, 64)),  # sequence shorter than a block -> one block of 32
-          ((1, 40, 2, 8), BlockSizes(16, 32)),  # not a multiple of the blocks -> padded to 64
-          ((1, 32, 2, 12), BlockSizes(16, 16))]  # head_dims 8 and 12 run at width 16 (Triton's smallest dot)
+SHAPES = [
+    ((2, 64, 3, 16), BlockSizes(16, 16)),
+    ((1, 96, 2, 32), BlockSizes(32, 16)),
+    ((1, 24, 2, 8), BlockSizes(64, 64)),  # sequence shorter than a block -> one block of 32
+    ((1, 40, 2, 8), BlockSizes(16, 32)),  # not a multiple of the blocks -> padded to 64
+    ((1, 32, 2, 12), BlockSizes(16, 16)),
+]  # head_dims 8 and 12 run at width 16 (Triton's smallest dot)
 
 
 def inputs(shape, dtype, seed=0):
@@ -34,8 +37,9 @@ def test_forward_and_gradients_match_the_reference(shape, blocks, dtype, tol):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
-    got = jax.grad(loss(lambda q, k, v: flash_attention(q, k, v, block_sizes=blocks, interpret=True)),
-                   argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(
+        loss(lambda q, k, v: flash_attention(q, k, v, block_sizes=blocks, interpret=True)), argnums=(0, 1, 2)
+    )(q, k, v)
     want = jax.grad(loss(flash_attention_reference), argnums=(0, 1, 2))(q, k, v)
     for name, g, w in zip("qkv", got, want):
         assert rel(g, w) <= tol * 2, f"d{name}"
@@ -44,8 +48,14 @@ def test_forward_and_gradients_match_the_reference(shape, blocks, dtype, tol):
 @pytest.mark.parametrize("seq", [32, 40], ids=["blocks", "padded-keys-masked"])
 def test_non_causal_mode(seq):
     q, k, v, do = inputs((1, seq, 2, 8), jnp.float32)
-    attend = lambda q, k, v: flash_attention(q, k, v, causal=False, block_sizes=BlockSizes(16, 16),  # noqa: E731
-                                             interpret=True)
+    attend = lambda q, k, v: flash_attention(
+        q,
+        k,
+        v,
+        causal=False,
+        block_sizes=BlockSizes(16, 16),  # noqa: E731
+        interpret=True,
+    )
     assert rel(attend(q, k, v), flash_attention_reference(q, k, v, causal=False)) <= 1e-5
     got = jax.grad(lambda *a: jnp.sum(attend(*a) * do), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(lambda *a: jnp.sum(flash_attention_reference(*a, causal=False) * do), argnums=(0, 1, 2))(q, k, v)
@@ -90,18 +100,22 @@ def test_pallas_kernels_inside_a_tensor_parallel_training_step(small_corpus, tmp
     from ptd_jax.config import ModelConfig, ParallelConfig
 
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32)
-    parallel = ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2, micro_batch_size=2,
-                              global_batch_size=8)
+    parallel = ParallelConfig(
+        data_parallel_size=2, tensor_model_parallel_size=2, micro_batch_size=2, global_batch_size=8
+    )
     xla = _loss_trace(cfg, parallel, small_corpus, tmp_path / "xla.jsonl")
-    fused = _loss_trace(cfg.replace(attention_backend="pallas", fused_kernels=True), parallel, small_corpus,
-                        tmp_path / "pallas.jsonl")
+    fused = _loss_trace(
+        cfg.replace(attention_backend="pallas", fused_kernels=True), parallel, small_corpus, tmp_path / "pallas.jsonl"
+    )
     assert len(xla) == 4
     np.testing.assert_allclose(fused, xla, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d, p, t, sp", [pytest.param(1, 2, 2, True, marks=pytest.mark.slow),
-                                         pytest.param(2, 1, 2, False, marks=pytest.mark.slow)],
-                         ids=["p2t2-sequence-parallel-interleaved", "d2t2"])  # p2t2: the trace test above has it
+@pytest.mark.parametrize(
+    "d, p, t, sp",
+    [pytest.param(1, 2, 2, True, marks=pytest.mark.slow), pytest.param(2, 1, 2, False, marks=pytest.mark.slow)],
+    ids=["p2t2-sequence-parallel-interleaved", "d2t2"],
+)  # p2t2: the trace test above has it
 def test_every_kernel_gives_the_xla_gradients_at_odd_widths(d, p, t, sp):
     """Loss, every gradient and the grad norm of one parallel step with every kernel against the same step by
     XLA, at widths that take every padded or masked path: hidden 48 (LayerNorm columns masked to 64), head_dim
@@ -115,10 +129,16 @@ def test_every_kernel_gives_the_xla_gradients_at_odd_widths(d, p, t, sp):
     from ptd_jax.parallel.step import make_parallel_grad_step
 
     cfg = ModelConfig(num_layers=4, hidden_size=48, num_attention_heads=4, seq_length=24, vocab_size=200)
-    parallel = ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                              virtual_pipeline_stages=2 if p > 1 else 1,
-                              pipeline_schedule="interleaved" if p > 1 else "1f1b", sequence_parallel=sp,
-                              micro_batch_size=2, global_batch_size=4 * d)
+    parallel = ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        virtual_pipeline_stages=2 if p > 1 else 1,
+        pipeline_schedule="interleaved" if p > 1 else "1f1b",
+        sequence_parallel=sp,
+        micro_batch_size=2,
+        global_batch_size=4 * d,
+    )
     params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
     if p > 1:
         params["layers"] = sharding.stage_layers(params["layers"], p, 2)
@@ -132,8 +152,9 @@ def test_every_kernel_gives_the_xla_gradients_at_odd_widths(d, p, t, sp):
     (loss, grads, norm), (ref_loss, ref_grads, ref_norm) = out["kernels"], out["xla"]
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
     assert float(norm) == pytest.approx(float(ref_norm), rel=1e-5)
-    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads),
-                          jax.tree.leaves(ref_grads)):
+    for path, g, r in zip(
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+    ):
         assert rel(g, r) <= 1e-5, jax.tree_util.keystr(path[0])
 
 

@@ -13,8 +13,9 @@ TRITON = "__gpu$xla.gpu.triton"
 
 
 def triton_calls(fn, *args) -> int:
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+    )(*args)
     return exported.mlir_module().count(f"@{TRITON}(")
 
 
@@ -26,9 +27,11 @@ def grads(fn, argnums):
     return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
 
 
-@pytest.mark.parametrize("shape, causal", [((1, 2048, 16, 128), True), ((2, 1000, 4, 96), True),
-                                           ((1, 8, 2, 8), True), ((1, 48, 2, 64), False)],
-                         ids=["1.3b", "ragged-seq-head-dim-96", "tiny", "non-causal-ragged"])
+@pytest.mark.parametrize(
+    "shape, causal",
+    [((1, 2048, 16, 128), True), ((2, 1000, 4, 96), True), ((1, 8, 2, 8), True), ((1, 48, 2, 64), False)],
+    ids=["1.3b", "ragged-seq-head-dim-96", "tiny", "non-causal-ragged"],
+)
 def test_flash_attention_lowers_to_triton(shape, causal):
     q = spec(shape)
     attend = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
@@ -74,21 +77,42 @@ def test_the_3d_parallel_step_with_every_kernel_lowers_to_triton(monkeypatch):
     from ptd_jax.parallel.step import make_parallel_grad_step
 
     monkeypatch.setattr(gpt, "interpret_kernels", lambda: False)  # as on a GPU host
-    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, dtype="bfloat16",
-                      attention_backend="pallas", fused_kernels=True)
-    parallel = ParallelConfig(data_parallel_size=2, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
-                              virtual_pipeline_stages=2, pipeline_schedule="interleaved", sequence_parallel=True,
-                              micro_batch_size=2, global_batch_size=8,
-                              pipeline_branching="uniform")  # what "auto" runs on a GPU (the mesh here is CPU's)
+    cfg = ModelConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=64,
+        dtype="bfloat16",
+        attention_backend="pallas",
+        fused_kernels=True,
+    )
+    parallel = ParallelConfig(
+        data_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        tensor_model_parallel_size=2,
+        virtual_pipeline_stages=2,
+        pipeline_schedule="interleaved",
+        sequence_parallel=True,
+        micro_batch_size=2,
+        global_batch_size=8,
+        pipeline_branching="uniform",
+    )  # what "auto" runs on a GPU (the mesh here is CPU's)
     params = jax.eval_shape(lambda k: gpt.init_params(k, cfg, tensor_parallel_size=2), jax.random.key(0))
     params["layers"] = jax.eval_shape(lambda layers: sharding.stage_layers(layers, 2, 2), params["layers"])
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, sharding.param_specs(params, pipelined=True))
     tokens = spec((parallel.num_microbatches, 4, cfg.seq_length), jnp.int32)
-    exported = jax.export.export(step, platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
-        params, tokens, tokens, tokens)
+    exported = jax.export.export(
+        step, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+    )(params, tokens, tokens, tokens)
     text = exported.mlir_module()
     assert exported.nr_devices == 8 and f"@{TRITON}(" in text
-    for kernel in ("flash_attention_fwd", "flash_attention_dkdv", "flash_attention_dq", "layer_norm_fwd",
-                   "layer_norm_bwd", "cross_entropy_stats", "cross_entropy_grad"):
+    for kernel in (
+        "flash_attention_fwd",
+        "flash_attention_dkdv",
+        "flash_attention_dq",
+        "layer_norm_fwd",
+        "layer_norm_bwd",
+        "cross_entropy_stats",
+        "cross_entropy_grad",
+    ):
         assert kernel in text, kernel

@@ -17,9 +17,11 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape, blocks", [((4, 16, 32), LNBlocks(16)), ((3, 10, 64), LNBlocks(128)),
-                                           ((3, 10, 48), LNBlocks(16))],
-                         ids=["blocks", "one-padded-block", "ragged-rows-width-not-power-of-2"])
+@pytest.mark.parametrize(
+    "shape, blocks",
+    [((4, 16, 32), LNBlocks(16)), ((3, 10, 64), LNBlocks(128)), ((3, 10, 48), LNBlocks(16))],
+    ids=["blocks", "one-padded-block", "ragged-rows-width-not-power-of-2"],
+)
 def test_layer_norm_forward_and_gradients(shape, blocks, dtype, tol):
     k = jax.random.split(jax.random.key(0), 4)
     x = (jax.random.normal(k[0], shape) * 3 + 1).astype(dtype)
@@ -50,9 +52,11 @@ def test_layer_norm_errors_name_shapes():
         layer_norm(x, jnp.ones(7), jnp.zeros(8), interpret=True)
 
 
-@pytest.mark.parametrize("N, V, blocks", [(32, 384, CEBlocks(16, 128)), (40, 384, CEBlocks(16, 256)),
-                                         (24, 300, CEBlocks(16, 64))],
-                         ids=["blocks", "ragged-rows-and-vocab", "vocab-not-a-multiple-of-16"])
+@pytest.mark.parametrize(
+    "N, V, blocks",
+    [(32, 384, CEBlocks(16, 128)), (40, 384, CEBlocks(16, 256)), (24, 300, CEBlocks(16, 64))],
+    ids=["blocks", "ragged-rows-and-vocab", "vocab-not-a-multiple-of-16"],
+)
 def test_cross_entropy_forward_and_gradient_with_padded_vocabulary(N, V, blocks):
     """V=384 with block_vocab 256 runs whole 128-column steps; N=40 rows leave a padded last row block; V=300
     has no power-of-two divisor >= 8, so its last 64-column step is masked (44 real columns)."""
@@ -64,8 +68,9 @@ def test_cross_entropy_forward_and_gradient_with_padded_vocabulary(N, V, blocks)
     got = softmax_cross_entropy(x, y, vocab_size=real, block_sizes=blocks, interpret=True)
     want = cross_entropy_reference(x, y, vocab_size=real)
     assert rel(got, want) <= 1e-5
-    dgot = jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, y, vocab_size=real, block_sizes=blocks,
-                                                            interpret=True) * g))(x)
+    dgot = jax.grad(
+        lambda x: jnp.sum(softmax_cross_entropy(x, y, vocab_size=real, block_sizes=blocks, interpret=True) * g)
+    )(x)
     dwant = jax.grad(lambda x: jnp.sum(cross_entropy_reference(x, y, vocab_size=real) * g))(x)
     assert rel(dgot, dwant) <= 1e-5
     assert not np.any(np.asarray(dgot[:, real:]))
@@ -82,8 +87,11 @@ def test_cross_entropy_shard_statistics_compose_like_the_vocab_parallel_loss():
     stats = []
     for r in range(t):
         valid = jnp.clip(jnp.asarray(real - r * shard, jnp.int32), 0, shard).reshape(1)
-        stats.append(shard_statistics(x[:, r * shard:(r + 1) * shard], (y - r * shard).astype(jnp.int32), valid,
-                            CEBlocks(16, 64), True))
+        stats.append(
+            shard_statistics(
+                x[:, r * shard : (r + 1) * shard], (y - r * shard).astype(jnp.int32), valid, CEBlocks(16, 64), True
+            )
+        )
     m = jnp.max(jnp.stack([s[0] for s in stats]), axis=0)
     total = sum(jnp.where(jnp.isfinite(s[0]), s[1] * jnp.exp(s[0] - m), 0.0) for s in stats)
     target = sum(s[2] for s in stats)
@@ -94,8 +102,9 @@ def test_cross_entropy_shape_errors():
     with pytest.raises(ValueError, match=r"logits must be \[N, V\] and labels \[N\]"):
         softmax_cross_entropy(jnp.ones((4, 8)), jnp.zeros((3,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match=r"block_vocab=384 must be a positive power of two"):
-        softmax_cross_entropy(jnp.ones((4, 768)), jnp.zeros((4,), jnp.int32), block_sizes=CEBlocks(4, 384),
-                              interpret=True)
+        softmax_cross_entropy(
+            jnp.ones((4, 768)), jnp.zeros((4,), jnp.int32), block_sizes=CEBlocks(4, 384), interpret=True
+        )
 
 
 def test_kernels_inside_shard_map_match_the_references():
@@ -117,21 +126,22 @@ def test_kernels_inside_shard_map_match_the_references():
         return jnp.sum(ce(ln(x, w, b) @ head, y))
 
     def reference(x, w, b, head):
-        return loss(layer_norm_reference, lambda z, y: cross_entropy_reference(z, y, vocab_size=real),
-                    x, w, b, head)
+        return loss(layer_norm_reference, lambda z, y: cross_entropy_reference(z, y, vocab_size=real), x, w, b, head)
 
     def body(x, w, b, head, y):
         start = jax.lax.axis_index("tensor") * head.shape[1]
-        ce = lambda z, _: softmax_cross_entropy(z, y, vocab_size=real, vocab_start=start, axis_name="tensor",
-                                                 block_sizes=CEBlocks(8, 64), interpret=True)
+        ce = lambda z, _: softmax_cross_entropy(
+            z, y, vocab_size=real, vocab_start=start, axis_name="tensor", block_sizes=CEBlocks(8, 64), interpret=True
+        )
         ln = lambda *a: layer_norm(*a, block_sizes=LNBlocks(8), interpret=True)
         value, grads = jax.value_and_grad(lambda *a: loss(ln, ce, *a), argnums=(0, 1, 2, 3))(x, w, b, head)
         return (jax.lax.psum(value, "data"), *grads)  # replicated inputs' gradients arrive summed over data
 
     specs = (P("data"), P(), P(), P(None, "tensor"), P("data"))
     put = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, b, head, y), specs)]
-    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
-                                out_specs=(P(), P("data"), P(), P(), P(None, "tensor"))))(*put)
+    got = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P("data"), P(), P(), P(None, "tensor")))
+    )(*put)
     want_value, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3))(x, w, b, head)
     assert rel(got[0], want_value) <= 1e-5
     for name, g, r in zip(("dx", "dw", "db", "dhead"), got[1:], want_grads):

@@ -20,8 +20,14 @@ TRAIN = TrainConfig(train_iters=20, lr=3e-3, lr_warmup_iters=2)
 
 
 def layout(d, p, t, distributed):
-    return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                          micro_batch_size=1, global_batch_size=8, use_distributed_optimizer=distributed)
+    return ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        micro_batch_size=1,
+        global_batch_size=8,
+        use_distributed_optimizer=distributed,
+    )
 
 
 def test_the_data_split_takes_the_outermost_free_dim_that_d_divides():
@@ -76,8 +82,9 @@ def test_checkpoints_load_into_either_optimizer(tmp_path, save_distributed):
     mesh = make_mesh(saved_layout)
     state = init_sharded_state(jax.random.key(0), CFG, opt, mesh, saved_layout)
     state = jax.tree.map(lambda x: x + 0.5 if x.dtype == np.float32 else x, state)  # moments not all zero
-    with checkpoint.Checkpointer(tmp_path, optimizer=opt, model_cfg=CFG, parallel=saved_layout,
-                                 async_save=False) as saver:
+    with checkpoint.Checkpointer(
+        tmp_path, optimizer=opt, model_cfg=CFG, parallel=saved_layout, async_save=False
+    ) as saver:
         saver.save(3, state, {"note": "test"})
     like = init_sharded_state(jax.random.key(1), CFG, opt, mesh, load_layout, shapes_only=True)
     restored = checkpoint.restore(tmp_path, 3, like, optimizer=opt, model_cfg=CFG, parallel=load_layout, mesh=mesh)
@@ -85,8 +92,9 @@ def test_checkpoints_load_into_either_optimizer(tmp_path, save_distributed):
         for b, shape in zip(jax.tree.leaves(restored[tree]), jax.tree.leaves(like[tree]), strict=True):
             assert b.sharding == shape.sharding
     # the padded vocabulary rows (0.5 here) are not part of a checkpoint: compare the canonical forms
-    canonical = [to_canonical(opt, jax.device_get(s), vocab_size=CFG.vocab_size, pipelined=True)
-                 for s in (state, restored)]
+    canonical = [
+        to_canonical(opt, jax.device_get(s), vocab_size=CFG.vocab_size, pipelined=True) for s in (state, restored)
+    ]
     for a, b in zip(jax.tree.leaves(canonical[0]), jax.tree.leaves(canonical[1]), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -98,7 +106,8 @@ def test_bytes_per_parameter_are_megatrons_with_microbatches_accumulated_in_plac
     and the master shards split on an inner dim (a transposed copy after the all-gather) it held +27% here."""
     from experiments.bench.bench_optimizer_memory import measure
 
-    row = measure("float16", 2, True, 4, model=dict(num_layers=4, hidden_size=256, num_attention_heads=4,
-                                                        vocab_size=512))
+    row = measure(
+        "float16", 2, True, 4, model=dict(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=512)
+    )
     assert row["state_bytes_per_param"] == pytest.approx(6.0, abs=0.01)  # 12/d: master weights and two moments
     assert abs(row["relative_error"]) < 0.10, row

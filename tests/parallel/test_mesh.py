@@ -8,8 +8,11 @@ from ptd_jax.parallel.mesh import MESH_AXES, make_mesh, set_fake_devices
 
 
 def test_mesh_axes_and_tensor_innermost():
-    mesh = make_mesh(ParallelConfig(data_parallel_size=2, pipeline_model_parallel_size=2,
-                                    tensor_model_parallel_size=2, global_batch_size=2))
+    mesh = make_mesh(
+        ParallelConfig(
+            data_parallel_size=2, pipeline_model_parallel_size=2, tensor_model_parallel_size=2, global_batch_size=2
+        )
+    )
     assert mesh.axis_names == MESH_AXES == ("data", "pipe", "tensor")
     assert dict(mesh.shape) == {"data": 2, "pipe": 2, "tensor": 2}
     ids = [[[d.id for d in row] for row in plane] for plane in mesh.devices]
@@ -30,7 +33,10 @@ def test_more_devices_than_exist():
 def test_fake_devices_too_late_is_a_clear_error():
     assert len(jax.devices()) == 8  # the backend is up (conftest asked for 8)
     set_fake_devices(8)  # asking for what exists is fine
-    with pytest.raises(ConfigError, match=r"fake devices=4 requested but the JAX CPU backend is already "
-                                          r"initialised with 8 device"):
+    with pytest.raises(
+        ConfigError,
+        match=r"fake devices=4 requested but the JAX CPU backend is already "
+        r"initialised with 8 device",
+    ):
         set_fake_devices(4)
     assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]

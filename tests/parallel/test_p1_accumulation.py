@@ -21,8 +21,16 @@ B, S, M = 4, 8, 4
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_p1_microbatch_table_with_dropout_equals_the_reference(recompute):
     with jax.enable_x64(True):
-        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=S, vocab_size=97,
-                          hidden_dropout=0.2, dtype="float64", param_dtype="float64")
+        cfg = ModelConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            seq_length=S,
+            vocab_size=97,
+            hidden_dropout=0.2,
+            dtype="float64",
+            param_dtype="float64",
+        )
         tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0, recompute_granularity=recompute)
         parallel = ParallelConfig(micro_batch_size=B // M, global_batch_size=B)
         assert accumulation_schedule(parallel).p == 1  # the table, not one value_and_grad
@@ -39,13 +47,19 @@ def test_p1_microbatch_table_with_dropout_equals_the_reference(recompute):
         _, metrics = step(state, tokens, labels, mask, key)
         # the step's stream: fold_in(fold_in(key, step 0), data rank 0), then per microbatch as the reference
         ref_key = jax.random.fold_in(jax.random.fold_in(key, 0), 0)
-        ref_loss, ref_grads = accumulate_gradients(params, tokens, labels, mask, cfg, recompute=recompute,
-                                                   key=ref_key)
-        ref_norm = float(sharding.global_norm(ref_grads, jax.tree.map(lambda _: jax.sharding.PartitionSpec(),
-                                                                      ref_grads)))
-        _, plain = accumulate_gradients(params, tokens, labels, mask, cfg.replace(hidden_dropout=0.0,
-                                                                                 attention_dropout=0.0))
+        ref_loss, ref_grads = accumulate_gradients(params, tokens, labels, mask, cfg, recompute=recompute, key=ref_key)
+        ref_norm = float(
+            sharding.global_norm(ref_grads, jax.tree.map(lambda _: jax.sharding.PartitionSpec(), ref_grads))
+        )
+        _, plain = accumulate_gradients(
+            params, tokens, labels, mask, cfg.replace(hidden_dropout=0.0, attention_dropout=0.0)
+        )
         assert float(metrics["lm_loss"]) == pytest.approx(float(ref_loss), rel=1e-12)
         assert float(metrics["grad_norm"]) == pytest.approx(ref_norm, rel=1e-12)
-        assert abs(ref_norm - float(sharding.global_norm(plain, jax.tree.map(
-            lambda _: jax.sharding.PartitionSpec(), plain)))) > 1e-3  # dropout did act
+        assert (
+            abs(
+                ref_norm
+                - float(sharding.global_norm(plain, jax.tree.map(lambda _: jax.sharding.PartitionSpec(), plain)))
+            )
+            > 1e-3
+        )  # dropout did act

@@ -30,8 +30,13 @@ def batch(seed=1):
 
 
 def layout(d, t, sp=False):
-    return ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=B // M // d,
-                          global_batch_size=B, sequence_parallel=sp)
+    return ParallelConfig(
+        data_parallel_size=d,
+        tensor_model_parallel_size=t,
+        micro_batch_size=B // M // d,
+        global_batch_size=B,
+        sequence_parallel=sp,
+    )
 
 
 def compare(d, t, sp, cfg, rtol):
@@ -44,8 +49,9 @@ def compare(d, t, sp, cfg, rtol):
     step = make_parallel_grad_step(mesh, cfg, parallel, specs)
     loss, grads, norm = step(jax.device_put(params, sharding.named(mesh, specs)), tokens, labels, mask)
     assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
-    for path, ref, got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads),
-                              jax.tree.leaves(grads)):
+    for path, ref, got in zip(
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads), jax.tree.leaves(grads)
+    ):
         assert got.shape == ref.shape
         err = float(jnp.max(jnp.abs(got - ref))) / float(jnp.max(jnp.abs(ref)))
         assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
@@ -60,8 +66,10 @@ def test_float64_loss_and_gradients_equal_the_reference(d, t, sp):
         compare(d, t, sp, CFG.replace(dtype="float64", param_dtype="float64"), rtol=1e-12)
 
 
-@pytest.mark.parametrize("d, t, sp", [pytest.param(2, 4, False, marks=pytest.mark.slow),
-                                      pytest.param(1, 8, True, marks=pytest.mark.slow), (4, 2, True)])
+@pytest.mark.parametrize(
+    "d, t, sp",
+    [pytest.param(2, 4, False, marks=pytest.mark.slow), pytest.param(1, 8, True, marks=pytest.mark.slow), (4, 2, True)],
+)
 def test_float32_loss_and_gradients_within_roundoff(d, t, sp):
     """float32 changes only the order of sums (t partial products per all-reduce, d partial gradients): errors
     of a few ulps (1e-7) grown by sqrt of the number of terms stay below 1e-5 here; 2e-5 still catches any
@@ -90,8 +98,13 @@ NUM_LEAVES, REPLICATED_LEAVES = 16, 9  # 7 leaves split over tensor (TENSOR_SPLI
 
 def step_collectives(d, t, sp, recompute="none", L=2, m=2):
     cfg = CFG.replace(num_layers=L)
-    parallel = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=1,
-                              global_batch_size=m * d, sequence_parallel=sp)
+    parallel = ParallelConfig(
+        data_parallel_size=d,
+        tensor_model_parallel_size=t,
+        micro_batch_size=1,
+        global_batch_size=m * d,
+        sequence_parallel=sp,
+    )
     tcfg = TrainConfig(recompute_granularity=recompute)
     opt = make_optimizer(tcfg)
     mesh = make_mesh(parallel)
@@ -128,8 +141,8 @@ def test_sequence_parallel_collectives():
         # layers fwd, final LN -> logits, layers bwd (the reduce-scatters' transposes and the re-issued
         # all-gathers), embed bwd
         "all_gather@tensor": m * (2 * L + 1 + 2 * L + 2 * L + 1),
-        "reduce_scatter@tensor": m * (2 * L + 1 + 2 * L + 1),   # layers fwd, embedding, layers bwd, logits bwd
-        "psum_invariant@tensor": m * 2 + 1,                      # cross-entropy sums, grad norm
+        "reduce_scatter@tensor": m * (2 * L + 1 + 2 * L + 1),  # layers fwd, embedding, layers bwd, logits bwd
+        "psum_invariant@tensor": m * 2 + 1,  # cross-entropy sums, grad norm
         "pmax@tensor": m,
         "psum_invariant@data": NUM_LEAVES - REPLICATED_LEAVES + 2,
         "psum_invariant@data,tensor": REPLICATED_LEAVES,
@@ -143,21 +156,49 @@ def test_data_parallel_only_reduces_once_per_step():
 
 # --- end to end: ptd-train traces ----------------------------------------------------------------------------
 
+
 def test_ptd_train_trace_at_d2_t4_matches_the_single_device_reference(small_corpus, tmp_path):
     """20 float32 iterations through the CLI at (d, t) = (2, 4) on 8 devices vs the reference step on one."""
     from ptd_jax.cli.train import run
     from ptd_jax.train import RunOptions, train
 
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "8", "--seq-length", "32",
-             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-3",
-             "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--data-path", small_corpus,
-             "--no-progress"]
+    flags = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "20",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-iters",
+        "2",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--data-path",
+        small_corpus,
+        "--no-progress",
+    ]
     run([*flags, "--tensor-model-parallel-size", "4", "--metrics-file", str(tmp_path / "tp.jsonl")])
     model_cfg = CFG.replace(seq_length=32)
-    train(model_cfg, ParallelConfig(micro_batch_size=4, global_batch_size=8),
-          TrainConfig(train_iters=20, lr=3e-3, min_lr=2e-4, lr_warmup_iters=2, log_interval=1, eval_iters=0),
-          RunOptions(data_path=small_corpus, progress=False, reference_step=True,
-                     metrics_file=str(tmp_path / "ref.jsonl")))
+    train(
+        model_cfg,
+        ParallelConfig(micro_batch_size=4, global_batch_size=8),
+        TrainConfig(train_iters=20, lr=3e-3, min_lr=2e-4, lr_warmup_iters=2, log_interval=1, eval_iters=0),
+        RunOptions(
+            data_path=small_corpus, progress=False, reference_step=True, metrics_file=str(tmp_path / "ref.jsonl")
+        ),
+    )
     tp = [json.loads(line)["lm_loss"] for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
     ref = [json.loads(line)["lm_loss"] for line in (tmp_path / "ref.jsonl").read_text().splitlines()]
     assert len(tp) == len(ref) == 20

@@ -24,16 +24,25 @@ def test_two_point_recovers_the_fixed_part_over_the_ideal():
 def test_the_two_point_figure_of_the_simulated_table_is_its_bubble(schedule, v, m):
     from ptd_jax.parallel.step import pipeline_schedule
 
-    parallel = ParallelConfig(pipeline_model_parallel_size=4, virtual_pipeline_stages=v, pipeline_schedule=schedule,
-                              micro_batch_size=1, global_batch_size=m)
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=schedule,
+        micro_batch_size=1,
+        global_batch_size=m,
+    )
     simulated = pipeline_schedule(parallel).simulate()["bubble_fraction"]
     assert bubble.simulated_two_point(parallel) == pytest.approx(simulated, rel=0.02)
 
 
 def test_the_loop_logs_the_measured_bubble_after_the_first_step(small_corpus, capsys):
     parallel = ParallelConfig(pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=8)
-    summary = train(TINY, parallel, TrainConfig(train_iters=3, lr=3e-3, log_interval=1, eval_iters=0),
-                    RunOptions(data_path=small_corpus, progress=False, measure_bubble=True))
+    summary = train(
+        TINY,
+        parallel,
+        TrainConfig(train_iters=3, lr=3e-3, log_interval=1, eval_iters=0),
+        RunOptions(data_path=small_corpus, progress=False, measure_bubble=True),
+    )
     measured = summary["measured_bubble"]
     assert measured["m"] == 4 and set(measured["median_step_s"]) == {"m", "2m"}
     t_m, t_2m = measured["median_step_s"]["m"], measured["median_step_s"]["2m"]
@@ -49,6 +58,10 @@ def test_the_loop_logs_the_measured_bubble_after_the_first_step(small_corpus, ca
 def test_short_runs_and_p1_do_not_measure(small_corpus):
     run = RunOptions(data_path=small_corpus, progress=False)
     tcfg = TrainConfig(train_iters=2, lr=3e-3, log_interval=1, eval_iters=0)
-    assert train(TINY, ParallelConfig(pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=8),
-                 tcfg, run)["measured_bubble"] is None
+    assert (
+        train(TINY, ParallelConfig(pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=8), tcfg, run)[
+            "measured_bubble"
+        ]
+        is None
+    )
     assert bubble.after_first_step(True, *[None] * 5, TINY, ParallelConfig(), None, None, 500, print) is None

@@ -21,15 +21,39 @@ from ptd_jax.parallel.step import init_sharded_state
 from ptd_jax.train import RunOptions, checkpoint, train
 
 MODEL = ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=257)
-SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--global-batch-size", "8", "--no-progress", "--lr", "1e-3", "--lr-warmup-iters", "2", "--eval-iters", "0",
-         "--log-interval", "1"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--global-batch-size",
+    "8",
+    "--no-progress",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+]
 
 
 def layout(d, p, t, v, B=8):
-    return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                          virtual_pipeline_stages=v, pipeline_schedule="interleaved" if v > 1 else "1f1b",
-                          micro_batch_size=1, global_batch_size=B)
+    return ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        virtual_pipeline_stages=v,
+        pipeline_schedule="interleaved" if v > 1 else "1f1b",
+        micro_batch_size=1,
+        global_batch_size=B,
+    )
 
 
 def random_state(parallel, optimizer, seed=0):
@@ -42,8 +66,9 @@ def random_state(parallel, optimizer, seed=0):
     noisy = [x + jax.random.normal(k, x.shape, x.dtype) if x.ndim else x for x, k in zip(leaves, keys)]
     noisy = jax.tree.unflatten(tree, noisy)
     padded = MODEL.padded_vocab_size(parallel.tensor_model_parallel_size)
-    back = sharding.from_canonical(optimizer, noisy, padded, parallel.pipeline_model_parallel_size,
-                                   parallel.virtual_pipeline_stages)
+    back = sharding.from_canonical(
+        optimizer, noisy, padded, parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages
+    )
     shardings = jax.tree.map(lambda x: x.sharding, {"params": state["params"], "opt_state": state["opt_state"]})
     back = jax.device_put(back, shardings)
     return {**back, "step": state["step"]}, mesh
@@ -62,8 +87,9 @@ def test_a_checkpoint_of_one_layout_restores_exactly_into_another(tmp_path, targ
     dest = layout(*target)
     dest_mesh = make_mesh(dest)
     like = init_sharded_state(jax.random.key(9), MODEL, optimizer, dest_mesh, dest)
-    restored = checkpoint.restore(tmp_path, 3, like, optimizer=optimizer, model_cfg=MODEL, parallel=dest,
-                                  mesh=dest_mesh)
+    restored = checkpoint.restore(
+        tmp_path, 3, like, optimizer=optimizer, model_cfg=MODEL, parallel=dest, mesh=dest_mesh
+    )
     for name in ("params", "opt_state"):
         got = jax.tree.map(lambda x: x.sharding, restored[name])
         assert jax.tree.leaves(got) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, like[name]))
@@ -71,25 +97,40 @@ def test_a_checkpoint_of_one_layout_restores_exactly_into_another(tmp_path, targ
     have = sharding.to_canonical(optimizer, restored, MODEL.vocab_size, dest.pipeline_model_parallel_size > 1)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), want, have)
     word = np.asarray(restored["params"]["embed"]["word"])
-    assert word.shape[0] == MODEL.padded_vocab_size(target[2]) and not word[MODEL.vocab_size:].any()
+    assert word.shape[0] == MODEL.padded_vocab_size(target[2]) and not word[MODEL.vocab_size :].any()
     mu_word = np.asarray(restored["opt_state"][0].mu["embed"]["word"])
-    assert not mu_word[MODEL.vocab_size:].any()
+    assert not mu_word[MODEL.vocab_size :].any()
 
 
 def _losses(path):
-    return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in map(json.loads, open(path))
-            if r.get("kind") == "train"}
+    return {
+        r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in map(json.loads, open(path)) if r.get("kind") == "train"
+    }
 
 
-LAYOUTS = {"1x1x1": ["--fake-devices", "1", "--micro-batch-size", "8", "--hidden-dropout", "0.1"],  # + the RNG
-           "3d-interleaved": ["--fake-devices", "8", "--tensor-model-parallel-size", "2",
-                              "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                              "--pipeline-schedule", "interleaved", "--micro-batch-size", "2"]}
+LAYOUTS = {
+    "1x1x1": ["--fake-devices", "1", "--micro-batch-size", "8", "--hidden-dropout", "0.1"],  # + the RNG
+    "3d-interleaved": [
+        "--fake-devices",
+        "8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--pipeline-schedule",
+        "interleaved",
+        "--micro-batch-size",
+        "2",
+    ],
+}
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.parametrize("name", [pytest.param("1x1x1"), pytest.param("3d-interleaved", marks=pytest.mark.slow)])
@@ -100,13 +141,35 @@ def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, t
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "b.jsonl")
     a = run_cli(*common, "--train-iters", "20", "--metrics-file", str(tmp_path / "a.jsonl"))
     assert a.returncode == 0, a.stderr
-    b1 = run_cli(*common, "--train-iters", "10", "--save", ckpt, "--load", ckpt, "--save-interval", "5",
-                 "--metrics-file", metrics)
+    b1 = run_cli(
+        *common,
+        "--train-iters",
+        "10",
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--save-interval",
+        "5",
+        "--metrics-file",
+        metrics,
+    )
     assert b1.returncode == 0, b1.stderr
     assert "holds no checkpoint yet: starting from scratch" in b1.stderr
     shutil.rmtree(tmp_path / "ckpt" / "10")  # resume from 5: iterations 6-10 of the metrics file are cut back
-    b2 = run_cli(*common, "--train-iters", "40", "--exit-interval", "20", "--save", ckpt, "--load", ckpt,
-                 "--metrics-file", metrics)
+    b2 = run_cli(
+        *common,
+        "--train-iters",
+        "40",
+        "--exit-interval",
+        "20",
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--metrics-file",
+        metrics,
+    )
     assert b2.returncode == 0, b2.stderr
     assert "resuming from iteration 5" in b2.stderr
     summary = json.loads(b2.stdout.splitlines()[-1])
@@ -123,9 +186,12 @@ def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, t
 def straight_run(small_corpus, tmp_path_factory):
     """8 iterations at (d,p,t,v) = (2,2,2,1), saving at 3 (and 8): the run that never changes layout."""
     root = tmp_path_factory.mktemp("straight")
-    summary = train(MODEL.replace(seq_length=32), layout(2, 2, 2, 1), RESHARD_TRAIN.replace(save_interval=3),
-                    RunOptions(data_path=small_corpus, progress=False, save=str(root / "ckpt"),
-                               metrics_file=str(root / "a.jsonl")))
+    summary = train(
+        MODEL.replace(seq_length=32),
+        layout(2, 2, 2, 1),
+        RESHARD_TRAIN.replace(save_interval=3),
+        RunOptions(data_path=small_corpus, progress=False, save=str(root / "ckpt"), metrics_file=str(root / "a.jsonl")),
+    )
     assert summary["iterations"] == 8 and checkpoint.all_steps(root / "ckpt") == [3, 6, 8]
     return root
 
@@ -133,8 +199,14 @@ def straight_run(small_corpus, tmp_path_factory):
 RESHARD_TRAIN = TrainConfig(train_iters=8, lr=1e-3, lr_warmup_iters=2, log_interval=1, eval_iters=0)
 
 
-@pytest.mark.parametrize("target", [(1, 4, 2, 2), pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
-                                    pytest.param((1, 2, 4, 1), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "target",
+    [
+        (1, 4, 2, 2),
+        pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
+        pytest.param((1, 2, 4, 1), marks=pytest.mark.slow),
+    ],
+)
 def test_resharded_training_continues_as_if_the_layout_never_changed(small_corpus, straight_run, tmp_path, target):
     """Load step 3 of the (2,2,2,1) run at `target` and train 5 more: the losses equal the unchanged run's
     (rtol 1e-5) — parameters and optimizer state were carried over."""
@@ -142,8 +214,12 @@ def test_resharded_training_continues_as_if_the_layout_never_changed(small_corpu
     shutil.copytree(straight_run / "ckpt", ckpt)
     for step in (6, 8):
         shutil.rmtree(ckpt / str(step))  # --load takes the newest: make it step 3
-    train(MODEL.replace(seq_length=32), layout(*target), RESHARD_TRAIN,
-          RunOptions(data_path=small_corpus, progress=False, load=str(ckpt), metrics_file=str(tmp_path / "b.jsonl")))
+    train(
+        MODEL.replace(seq_length=32),
+        layout(*target),
+        RESHARD_TRAIN,
+        RunOptions(data_path=small_corpus, progress=False, load=str(ckpt), metrics_file=str(tmp_path / "b.jsonl")),
+    )
     a, b = _losses(straight_run / "a.jsonl"), _losses(tmp_path / "b.jsonl")
     assert sorted(b) == [4, 5, 6, 7, 8]
     for i in b:
@@ -155,13 +231,29 @@ def test_sigkill_during_an_asynchronous_save_leaves_the_last_complete_step(small
     """SIGKILL while orbax writes a step (its temporary folder exists): the step is not listed, the previous one
     loads, and the resumed run cleans the partial folder up."""
     ckpt = tmp_path / "ckpt"
-    args = [*SMALL, "--fake-devices", "1", "--micro-batch-size", "8", "--data-path", small_corpus,
-            "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1"]
+    args = [
+        *SMALL,
+        "--fake-devices",
+        "1",
+        "--micro-batch-size",
+        "8",
+        "--data-path",
+        small_corpus,
+        "--save",
+        str(ckpt),
+        "--load",
+        str(ckpt),
+        "--save-interval",
+        "1",
+    ]
     partial, steps = None, []
     for _ in range(3):  # the save may finish between seeing its folder and the kill: then try again
         shutil.rmtree(ckpt, ignore_errors=True)
-        proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli.train", *args, "--train-iters", "100000"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ptd_jax.cli.train", *args, "--train-iters", "100000"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.time() + 300
         try:
             while time.time() < deadline and proc.poll() is None:
@@ -206,18 +298,29 @@ def test_resume_options_no_load_optim_override_data_config_and_finetune(small_co
     but not Adam's moments; --override-data-config takes another seed and says so; --finetune starts at 0. The
     refusals are in tests/test_bad_input_train.py."""
     ckpt = str(tmp_path / "ckpt")
-    base = [*SMALL, "--micro-batch-size", "1", "--tensor-model-parallel-size", "1",
-            "--pipeline-model-parallel-size", "1", "--data-path", small_corpus, "--lr-decay-iters", "6"]
-    code, err, _ = _main(*base, "--train-iters", "2", "--save", ckpt, "--keep-checkpoints", "1",
-                         "--save-interval", "1")
+    base = [
+        *SMALL,
+        "--micro-batch-size",
+        "1",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--data-path",
+        small_corpus,
+        "--lr-decay-iters",
+        "6",
+    ]
+    code, err, _ = _main(*base, "--train-iters", "2", "--save", ckpt, "--keep-checkpoints", "1", "--save-interval", "1")
     assert code == 0, err
     assert checkpoint.all_steps(ckpt) == [2]  # --keep-checkpoints 1 dropped step 1
 
     runs = {}
-    for name, extra in {"resume": [], "no-optim": ["--no-load-optim", "--save", str(tmp_path / "no-optim"),
-                                                   "--save-interval", "1"],
-                        "override": ["--seed", "7", "--override-data-config", "--save", str(tmp_path / "override")]
-                        }.items():
+    for name, extra in {
+        "resume": [],
+        "no-optim": ["--no-load-optim", "--save", str(tmp_path / "no-optim"), "--save-interval", "1"],
+        "override": ["--seed", "7", "--override-data-config", "--save", str(tmp_path / "override")],
+    }.items():
         metrics = str(tmp_path / f"{name}.jsonl")
         code, err, summary = _main(*base, "--train-iters", "4", "--load", ckpt, "--metrics-file", metrics, *extra)
         assert code == 0 and summary["start_iteration"] == 2 and summary["iterations"] == 2, err

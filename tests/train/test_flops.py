@@ -1,8 +1,14 @@
 import pytest
 
 from ptd_jax.config import PAPER_VOCAB_SIZE, model_preset
-from ptd_jax.train.flops import (device_peak_tflops, flops_per_iteration, hardware_flops_per_iteration,
-                                 model_flops_per_iteration, num_params, training_days)
+from ptd_jax.perf.flops import (
+    flops_per_iteration,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    num_params,
+    training_days,
+)
+from ptd_jax.perf.hardware import device_peak_tflops
 
 
 def test_eq3_by_hand_for_the_paper_1_7b_preset():
@@ -11,8 +17,9 @@ def test_eq3_by_hand_for_the_paper_1_7b_preset():
     1 + s/(6h) + V/(16lh) = 1 + 2048/13824 + 51200/884736 = 1 + 0.1481481… + 0.0578704… = 1.2060185…
     so F = 1.54668e16 FLOPs per iteration."""
     cfg = model_preset("paper-1.7b")
-    assert flops_per_iteration(cfg, 512, PAPER_VOCAB_SIZE) == pytest.approx(12_824_703_626_379_264 * 1.2060185185,
-                                                                           rel=1e-9)
+    assert flops_per_iteration(cfg, 512, PAPER_VOCAB_SIZE) == pytest.approx(
+        12_824_703_626_379_264 * 1.2060185185, rel=1e-9
+    )
     assert flops_per_iteration(cfg, 512, PAPER_VOCAB_SIZE) == pytest.approx(1.54668e16, rel=1e-5)
 
 
@@ -56,7 +63,8 @@ def test_model_flops_follow_the_ffn_width():
     wide = cfg.replace(ffn_hidden_size=8 * cfg.hidden_size)
     tokens, h, L = 8 * cfg.seq_length, cfg.hidden_size, cfg.num_layers
     assert model_flops_per_iteration(wide, 8) - model_flops_per_iteration(cfg, 8) == pytest.approx(
-        3 * 4 * h * 4 * h * tokens * L, rel=1e-12)
+        3 * 4 * h * 4 * h * tokens * L, rel=1e-12
+    )
 
 
 def test_hardware_flops_by_recompute_policy():
@@ -67,8 +75,9 @@ def test_hardware_flops_by_recompute_policy():
     from ptd_jax.config import ModelConfig
 
     cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
-    assert hardware_flops_per_iteration(cfg, 2, 6400, "none") == 10_670_309_376 == model_flops_per_iteration(
-        cfg, 2, 6400)
+    assert (
+        hardware_flops_per_iteration(cfg, 2, 6400, "none") == 10_670_309_376 == model_flops_per_iteration(cfg, 2, 6400)
+    )
     assert hardware_flops_per_iteration(cfg, 2, 6400, "selective") == 10_804_527_104
     assert hardware_flops_per_iteration(cfg, 2, 6400, "full") == 12_012_486_656
 
@@ -76,16 +85,19 @@ def test_hardware_flops_by_recompute_policy():
 BENCH = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
 
 
-@pytest.mark.parametrize("case", [
-    # Matmul FLOPs counted on the traced executor's jaxpr by experiments/bench/pipeline_flops.py (recompute full:
-    # results/pipeline_flops.json; none and selective: the same `measure` with the step's recompute set), per
-    # device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
-    (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "full", 96905199616.0, [55834574848.0] * 3 + [75967234048.0]),
-    (BENCH, "interleaved", 4, 2, 8, 1, "full", 86436216832.0, [55834574848.0] * 3 + [75967234048.0]),
-    ("1.3b", "1f1b-lockstep", 4, 1, 16, 2, "full", 61074434949120.0, [42880953483264.0] * 3 + [53034256171008.0]),
-    (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "none", 82141249536.0, [45097156608.0] * 3 + [65229815808.0]),
-    (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "selective", 83617644544.0, [46170898432.0] * 3 + [66303557632.0]),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # Matmul FLOPs counted on the traced executor's jaxpr by experiments/bench/pipeline_flops.py (recompute full:
+        # results/pipeline_flops.json; none and selective: the same `measure` with the step's recompute set), per
+        # device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
+        (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "full", 96905199616.0, [55834574848.0] * 3 + [75967234048.0]),
+        (BENCH, "interleaved", 4, 2, 8, 1, "full", 86436216832.0, [55834574848.0] * 3 + [75967234048.0]),
+        ("1.3b", "1f1b-lockstep", 4, 1, 16, 2, "full", 61074434949120.0, [42880953483264.0] * 3 + [53034256171008.0]),
+        (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "none", 82141249536.0, [45097156608.0] * 3 + [65229815808.0]),
+        (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "selective", 83617644544.0, [46170898432.0] * 3 + [66303557632.0]),
+    ],
+)
 def test_pipeline_hardware_flops_equal_the_traced_executor(case):
     from ptd_jax.config import ModelConfig
     from ptd_jax.parallel.pipeline import build
@@ -94,14 +106,17 @@ def test_pipeline_hardware_flops_equal_the_traced_executor(case):
     cfg = model_preset(model) if isinstance(model, str) else ModelConfig(**model)
     sched = build(schedule, p, v, m)
     V = cfg.padded_vocab_size(t)
-    assert hardware_flops_per_iteration(cfg, m, V, recompute, sched, "uniform") == pytest.approx(uniform * p * t,
-                                                                                                rel=1e-12)
+    assert hardware_flops_per_iteration(cfg, m, V, recompute, sched, "uniform") == pytest.approx(
+        uniform * p * t, rel=1e-12
+    )
     assert hardware_flops_per_iteration(cfg, m, V, recompute, sched, "per-rank") == pytest.approx(
-        sum(per_rank) * t, rel=1e-12)
+        sum(per_rank) * t, rel=1e-12
+    )
 
 
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("1f1b-lockstep", 1),
-                                         ("zb-h1", 1), ("zb-v", 2)])
+@pytest.mark.parametrize(
+    "schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("1f1b-lockstep", 1), ("zb-h1", 1), ("zb-v", 2)]
+)
 def test_per_rank_pipeline_runs_the_model_flops_plus_the_recomputation_only(schedule, v):
     """Under "per-rank" branching no idle cell computes, so a pipeline executes what one device would: the model
     FLOPs, plus the recomputation of the policy (none: the stashed vjp residuals, nothing again; selective and full:
@@ -112,10 +127,12 @@ def test_per_rank_pipeline_runs_the_model_flops_plus_the_recomputation_only(sche
     sched = build(schedule, 4, v, 8)
     for recompute in ("none", "selective", "full"):
         assert hardware_flops_per_iteration(cfg, 16, None, recompute, sched, "per-rank") == pytest.approx(
-            hardware_flops_per_iteration(cfg, 16, None, recompute), rel=1e-12)
+            hardware_flops_per_iteration(cfg, 16, None, recompute), rel=1e-12
+        )
     if sched.spec.rows == "lockstep":  # unit tables run per-rank only
         assert hardware_flops_per_iteration(cfg, 16, None, "none", sched, "uniform") > model_flops_per_iteration(
-            cfg, 16)
+            cfg, 16
+        )
 
 
 SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=8, vocab_size=6400, seq_length=256)
@@ -135,15 +152,17 @@ def test_hardware_flops_count_what_the_attention_backend_executes():
     layer: none 10,670,309,376 − 2·(402,653,184 − 234,881,024) = 10,334,765,056; full + 2·(536,870,912 +
     67,108,864) = 11,542,724,608. The model FLOPs (MFU's numerator) stay the model's whatever the backend."""
     from ptd_jax.config import ModelConfig
-    from ptd_jax.train.flops import attention_flops
+    from ptd_jax.perf.flops import attention_flops
 
     xla = ModelConfig(**SMALL)
     pallas, cudnn = xla.replace(attention_backend="pallas"), xla.replace(attention_backend="cudnn")
     assert attention_flops(pallas, 256) == (41_943_040, 146_800_640)
     assert attention_flops(xla, 256) == (67_108_864, 134_217_728)
-    expected = {pallas: (10_619_977_728, 10_619_977_728, 11_861_491_712),
-                cudnn: (10_334_765_056, 10_334_765_056, 11_542_724_608),
-                xla: (10_670_309_376, 10_804_527_104, 12_012_486_656)}
+    expected = {
+        pallas: (10_619_977_728, 10_619_977_728, 11_861_491_712),
+        cudnn: (10_334_765_056, 10_334_765_056, 11_542_724_608),
+        xla: (10_670_309_376, 10_804_527_104, 12_012_486_656),
+    }
     for cfg, counts in expected.items():
         got = tuple(hardware_flops_per_iteration(cfg, 2, 6400, r) for r in ("none", "selective", "full"))
         assert got == counts, cfg.attention_backend
@@ -155,7 +174,7 @@ def test_flash_tiling_is_the_kernels():
     `BlockSizes.for_seq`'s; at s = 2048, n = 32 blocks: n(n+1)/2 = 528 pairs, 33/64 of the dense forward."""
     from pallas_kernels.flash_attention import BlockSizes
 
-    from ptd_jax.train.flops import flash_block_pairs
+    from ptd_jax.perf.flops import flash_block_pairs
 
     for s in (8, 16, 100, 256, 1000, 2048):
         blocks, padded = BlockSizes().for_seq(s)
@@ -180,8 +199,9 @@ def test_the_flash_kernels_run_per_recompute_policy():
     from ptd_jax.analysis.jaxpr import tally
     from ptd_jax.config import ModelConfig
 
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=128, seq_length=128,
-                      attention_backend="pallas")
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=128, seq_length=128, attention_backend="pallas"
+    )
     params = gpt.init_params(jax.random.key(0), cfg)
     tokens = jnp.zeros((2, 128), jnp.int32)
 
@@ -191,7 +211,11 @@ def test_the_flash_kernels_run_per_recompute_policy():
         return Counter({str(eqn.params["name"]).split()[0]: 1})
 
     for recompute, forwards in (("none", 2), ("selective", 2), ("full", 4)):
-        jaxpr = jax.make_jaxpr(jax.grad(lambda p, r=recompute: gpt.loss_sum(p, tokens, tokens, tokens + 1, cfg,
-                                                                           recompute=r)))(params)
-        assert dict(tally(jaxpr.jaxpr, kernels)) == {"flash_attention_fwd": forwards, "flash_attention_dkdv": 2,
-                                                     "flash_attention_dq": 2}, recompute
+        jaxpr = jax.make_jaxpr(
+            jax.grad(lambda p, r=recompute: gpt.loss_sum(p, tokens, tokens, tokens + 1, cfg, recompute=r))
+        )(params)
+        assert dict(tally(jaxpr.jaxpr, kernels)) == {
+            "flash_attention_fwd": forwards,
+            "flash_attention_dkdv": 2,
+            "flash_attention_dq": 2,
+        }, recompute

@@ -13,17 +13,52 @@ import numpy as np
 from ptd_jax.train import checkpoint
 from tests.conftest import signal_after_logged
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--no-progress", "--eval-iters", "0", "--fake-devices", "1", "--micro-batch-size", "8",
-        "--global-batch-size", "8"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--no-progress",
+    "--eval-iters",
+    "0",
+    "--fake-devices",
+    "1",
+    "--micro-batch-size",
+    "8",
+    "--global-batch-size",
+    "8",
+]
 
 
 def test_sigterm_saves_the_step_it_stops_at_and_exits_143(small_corpus, tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "ptd_jax.cli.train", *TINY, "--data-path", small_corpus,
-                             "--train-iters", "100000", "--save", str(ckpt), "--save-interval", "100000",
-                             "--log-interval", "1", "--metrics-file", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ptd_jax.cli.train",
+            *TINY,
+            "--data-path",
+            small_corpus,
+            "--train-iters",
+            "100000",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "100000",
+            "--log-interval",
+            "1",
+            "--metrics-file",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = signal_after_logged(proc, metrics, 1, signal.SIGTERM)  # after the first logged step
     assert proc.returncode == 143, err[-3000:]
     last = err.strip().splitlines()[-1]

@@ -24,10 +24,12 @@ def test_gradient_accumulation_equals_full_batch_gradient(small_corpus, m, b):
     """The reference step's loss and grads do not depend on how the global batch is cut into microbatches."""
     with jax.enable_x64(True):
         cfg, params = _x64_setup()
-        batch = GPTData(small_corpus, seq_length=32, global_batch_size=8, eval_iters=0,
-                        seed=0).train_batch(1)
-        full = jax.jit(jax.value_and_grad(
-            lambda p: gpt.loss_sum(p, batch.tokens, batch.labels, batch.loss_mask, cfg) / batch.loss_mask.sum()))
+        batch = GPTData(small_corpus, seq_length=32, global_batch_size=8, eval_iters=0, seed=0).train_batch(1)
+        full = jax.jit(
+            jax.value_and_grad(
+                lambda p: gpt.loss_sum(p, batch.tokens, batch.labels, batch.loss_mask, cfg) / batch.loss_mask.sum()
+            )
+        )
         loss_ref, grads_ref = full(params)
         parallel = ParallelConfig(micro_batch_size=b, global_batch_size=8)
         assert parallel.num_microbatches == m
@@ -39,13 +41,13 @@ def test_gradient_accumulation_equals_full_batch_gradient(small_corpus, m, b):
 
 def test_train_step_applies_adamw(small_corpus):
     """One step by hand: first Adam step moves each weight by lr·(sign of grad) (+ decoupled decay)."""
-    tcfg = TrainConfig(train_iters=2, lr=1e-2, lr_warmup_iters=0, lr_decay_style="constant", clip_grad=0.0,
-                       weight_decay=0.0)
+    tcfg = TrainConfig(
+        train_iters=2, lr=1e-2, lr_warmup_iters=0, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.0
+    )
     opt = make_optimizer(tcfg)
     state = init_state(jax.random.key(0), TINY, opt)
     before = jax.tree.map(np.asarray, state["params"])
-    batch = GPTData(small_corpus, seq_length=32, global_batch_size=4, eval_iters=0,
-                    seed=0).train_batch(0)
+    batch = GPTData(small_corpus, seq_length=32, global_batch_size=4, eval_iters=0, seed=0).train_batch(0)
     parallel = ParallelConfig(micro_batch_size=2, global_batch_size=4)
     _, grads = accumulate_gradients(state["params"], *microbatches(batch, parallel), TINY)
     new_state, metrics = make_train_step(TINY, tcfg, opt)(state, *microbatches(batch, parallel), jax.random.key(1))

@@ -5,12 +5,12 @@
     table.py      the orders placed on ticks (one placement, by the spec's row rule), buffer slots, the validator
                   and the simulator. Pure Python.
     plot.py       the timeline as a PNG (paper Figure 4).
-    choose.py     `--pipeline-schedule auto`: the shortest simulated step that fits. Pure Python.
     lowering.py   the table as the executor's integer columns, its ticks cut into runs of a static pattern (numpy).
     stash.py      what a layer saves for its backward and its W (`jax.vjp` residuals, matmul taps) in slot buffers.
     executor.py   one SPMD program: `lax.scan` over the ticks inside the step's shard_map (JAX).
 
-The CLI is `ptd_jax/cli/schedule.py` (`ptd-schedule`). Importing this package does not import JAX: schedules can be
+The CLI is `ptd_jax/cli/schedule.py` (`ptd-schedule`); `--pipeline-schedule auto` is
+`ptd_jax/perf/auto_schedule.py`. Importing this package does not import JAX: schedules can be
 built, checked and drawn anywhere.
 """
 

@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from ptd_jax import model as gpt
-from ptd_jax.config import ModelConfig, resolve_branching
+from ptd_jax.config import ModelConfig
+from ptd_jax.runtime.platform import resolve_branching
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
@@ -75,7 +76,7 @@ class Options:
     sequence_parallel: bool = False
     scatter_gather: bool = True
     recompute: str = "none"  # "none" | "selective" | "full" (`model.remat_layer`)
-    branching: str = "auto"  # "uniform" | "per-rank" | "auto" (`config.resolve_branching`)
+    branching: str = "auto"  # "uniform" | "per-rank" | "auto" (`runtime.platform.resolve_branching`)
     key: jax.Array | None = None  # dropout: microbatch i draws from fold_in(key, i)
 
 

@@ -346,8 +346,12 @@ def _interleaved_slots(p: int, v: int, m: int, g: int, split: bool) -> dict | No
     return {"rec": min(p * v + p - 1, m * v), "hold": 0, "w": 0}  # stage 0 (docs/architecture.md, "Pipeline")
 
 
-RECORD_SLOTS = {"gpipe": _gpipe_slots, "1f1b": _1f1b_slots, "1f1b-lockstep": _lockstep_1f1b_slots,
-                "interleaved": _interleaved_slots}
+RECORD_SLOTS = {
+    "gpipe": _gpipe_slots,
+    "1f1b": _1f1b_slots,
+    "1f1b-lockstep": _lockstep_1f1b_slots,
+    "interleaved": _interleaved_slots,
+}
 """Closed forms of a table's record slots by order builder (`ScheduleSpec.orders`), where one is known: the
 planner sizes thousands of layouts without building their tables. Checked against the tables in the tests."""
 

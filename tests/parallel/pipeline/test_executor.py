@@ -18,8 +18,13 @@ from ptd_jax.analysis.jaxpr import equations, is_call, named_calls
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.pipeline import build, build_forward_only
 from ptd_jax.parallel.pipeline.lowering import columns, tick_runs
-from ptd_jax.parallel.step import (init_sharded_state, make_parallel_eval_step, make_parallel_grad_step,
-                                   make_parallel_train_step, pipeline_schedule)
+from ptd_jax.parallel.step import (
+    init_sharded_state,
+    make_parallel_eval_step,
+    make_parallel_grad_step,
+    make_parallel_train_step,
+    pipeline_schedule,
+)
 from ptd_jax.train.reference import accumulate_gradients, make_eval_step
 
 B, S = 8, 16
@@ -42,10 +47,18 @@ def model_cfg(p, x64=True):
 
 
 def layout(d, p, t, schedule, v, sp=False, scatter_gather=True, branching="uniform"):
-    return ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                          virtual_pipeline_stages=v, pipeline_schedule=schedule, micro_batch_size=1,
-                          global_batch_size=B, sequence_parallel=sp, scatter_gather=scatter_gather,
-                          pipeline_branching=branching)
+    return ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=schedule,
+        micro_batch_size=1,
+        global_batch_size=B,
+        sequence_parallel=sp,
+        scatter_gather=scatter_gather,
+        pipeline_branching=branching,
+    )
 
 
 def batch(m):
@@ -60,8 +73,11 @@ def staged(params, p, v):
 
 
 def compare(parallel, cfg, rtol, recompute="none"):
-    p, v, t = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages,
-               parallel.tensor_model_parallel_size)
+    p, v, t = (
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_stages,
+        parallel.tensor_model_parallel_size,
+    )
     params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
     m = parallel.num_microbatches * parallel.data_parallel_size  # reference microbatches of b rows each
     ref_loss, ref_grads = jax.jit(accumulate_gradients, static_argnums=4)(params, *batch(m), cfg)
@@ -69,13 +85,15 @@ def compare(parallel, cfg, rtol, recompute="none"):
     turn = v_shaped(parallel.pipeline_schedule)  # ZB-V stores its chunks in the V (`sharding.stage_layers`)
     pp = {**params, "layers": sharding.stage_layers(params["layers"], p, v, turn)}
     specs = sharding.param_specs(pp, pipelined=True)
-    step = make_parallel_grad_step(mesh, cfg, parallel, specs, scatter_gather=parallel.scatter_gather,
-                                   recompute=recompute)
+    step = make_parallel_grad_step(
+        mesh, cfg, parallel, specs, scatter_gather=parallel.scatter_gather, recompute=recompute
+    )
     loss, grads, norm = step(jax.device_put(pp, sharding.named(mesh, specs)), *batch(parallel.num_microbatches))
     grads = {**grads, "layers": sharding.unstage_layers(grads["layers"], turn)}
     assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
-    for path, ref, got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads),
-                              jax.tree.leaves(grads)):
+    for path, ref, got in zip(
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads), jax.tree.leaves(grads)
+    ):
         err = float(jnp.max(jnp.abs(got - ref))) / float(jnp.max(jnp.abs(ref)))
         assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
     ref_norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(ref_grads))))
@@ -86,11 +104,22 @@ def compare(parallel, cfg, rtol, recompute="none"):
 # uniform branching once (more below: sequence parallelism, recomputation, evaluation, dropout); `pytest -m slow`
 # runs the whole product (p = 8, (1,2,1), (1,2,4) too).
 # GPipe: the distributed optimizer's training step below.
-COVERING = {((1, 4, 2), "interleaved", "uniform"), ((2, 2, 2), "1f1b", "per-rank"), ((1, 4, 1), "zb-h1", "per-rank"),
-            ((1, 4, 2), "zb-v", "per-rank"), ((1, 4, 1), "1f1b-lockstep", "uniform")}
-PRODUCT = [pytest.param(d, p, t, s, v, b, id=f"d{d}p{p}t{t}-{s}-{b}",
-                        marks=() if ((d, p, t), s, b) in COVERING else pytest.mark.slow)
-           for d, p, t in LAYOUTS for s, v in SCHEDULES for b in branchings(s) if p >= SCHEDULE_SPECS[s].min_p]
+COVERING = {
+    ((1, 4, 2), "interleaved", "uniform"),
+    ((2, 2, 2), "1f1b", "per-rank"),
+    ((1, 4, 1), "zb-h1", "per-rank"),
+    ((1, 4, 2), "zb-v", "per-rank"),
+    ((1, 4, 1), "1f1b-lockstep", "uniform"),
+}
+PRODUCT = [
+    pytest.param(
+        d, p, t, s, v, b, id=f"d{d}p{p}t{t}-{s}-{b}", marks=() if ((d, p, t), s, b) in COVERING else pytest.mark.slow
+    )
+    for d, p, t in LAYOUTS
+    for s, v in SCHEDULES
+    for b in branchings(s)
+    if p >= SCHEDULE_SPECS[s].min_p
+]
 
 
 def test_the_exactness_cases_cover_every_schedule():
@@ -109,16 +138,29 @@ def test_float64_pipeline_equals_the_reference(d, p, t, schedule, v, branching):
 
 # Tables the layouts above do not reach: an uneven microbatch group (G = 3 ≠ p, m % G = 2), fewer microbatches
 # than stages (m = 2 < p = 4), three chunks per rank; each under every recompute policy (none by default).
-ODD_TABLES = {"uneven-group": (dict(pipeline_model_parallel_size=2, virtual_pipeline_stages=2,
-                                    pipeline_schedule="interleaved", microbatch_group_size=3), 4),
-              "m-below-p": (dict(pipeline_model_parallel_size=4, pipeline_schedule="1f1b", micro_batch_size=4), 8),
-              "v3": (dict(pipeline_model_parallel_size=2, virtual_pipeline_stages=3,
-                          pipeline_schedule="interleaved"), 6)}
+ODD_TABLES = {
+    "uneven-group": (
+        dict(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_stages=2,
+            pipeline_schedule="interleaved",
+            microbatch_group_size=3,
+        ),
+        4,
+    ),
+    "m-below-p": (dict(pipeline_model_parallel_size=4, pipeline_schedule="1f1b", micro_batch_size=4), 8),
+    "v3": (dict(pipeline_model_parallel_size=2, virtual_pipeline_stages=3, pipeline_schedule="interleaved"), 6),
+}
 
 
-@pytest.mark.parametrize("table, recompute", [
-    pytest.param(name, r, id=f"{name}-{r}", marks=() if (name, r) == ("v3", "none") else pytest.mark.slow)
-    for name in ODD_TABLES for r in ("none", "selective", "full")])
+@pytest.mark.parametrize(
+    "table, recompute",
+    [
+        pytest.param(name, r, id=f"{name}-{r}", marks=() if (name, r) == ("v3", "none") else pytest.mark.slow)
+        for name in ODD_TABLES
+        for r in ("none", "selective", "full")
+    ],
+)
 def test_float64_pipeline_on_odd_tables(table, recompute):
     overrides, num_layers = ODD_TABLES[table]
     parallel = layout(1, 2, 1, "gpipe", 1, branching="per-rank").replace(**overrides)
@@ -129,27 +171,47 @@ def test_float64_pipeline_on_odd_tables(table, recompute):
 # Each recompute policy on a split schedule (with sequence parallelism once) in the default run; the fused ones'
 # full recomputation below; the rest under -m slow.
 RECOMPUTE_QUICK = {((2, 2, 2), "1f1b", "selective", True), ((1, 4, 2), "zb-v", "full", False)}
-RECOMPUTE_CASES = sorted(RECOMPUTE_QUICK | {((d, p, t), s, r, sp) for (d, p, t), s, _ in COVERING | {
-    ((1, 8, 1), "gpipe", "uniform")} for r in ("selective", "full") for sp in (False,)} | {
-    ((2, 2, 2), s, "none", True) for s in ("zb-h1", "zb-v", "1f1b")})
+RECOMPUTE_CASES = sorted(
+    RECOMPUTE_QUICK
+    | {
+        ((d, p, t), s, r, sp)
+        for (d, p, t), s, _ in COVERING | {((1, 8, 1), "gpipe", "uniform")}
+        for r in ("selective", "full")
+        for sp in (False,)
+    }
+    | {((2, 2, 2), s, "none", True) for s in ("zb-h1", "zb-v", "1f1b")}
+)
 
 
-@pytest.mark.parametrize("dpt, schedule, recompute, sp", [
-    pytest.param(*c, id=f"d{c[0][0]}p{c[0][1]}t{c[0][2]}-{c[1]}-{c[2]}{'-sp' if c[3] else ''}",
-                 marks=() if c in RECOMPUTE_QUICK else pytest.mark.slow) for c in RECOMPUTE_CASES])
+@pytest.mark.parametrize(
+    "dpt, schedule, recompute, sp",
+    [
+        pytest.param(
+            *c,
+            id=f"d{c[0][0]}p{c[0][1]}t{c[0][2]}-{c[1]}-{c[2]}{'-sp' if c[3] else ''}",
+            marks=() if c in RECOMPUTE_QUICK else pytest.mark.slow,
+        )
+        for c in RECOMPUTE_CASES
+    ],
+)
 def test_float64_pipeline_recompute_policies(dpt, schedule, recompute, sp):
     d, p, t = dpt
     v = dict(SCHEDULES)[schedule]
     with jax.enable_x64(True):
-        compare(layout(d, p, t, schedule, v, sp=sp, branching="per-rank"), model_cfg(p), rtol=1e-12,
-                recompute=recompute)
+        compare(
+            layout(d, p, t, schedule, v, sp=sp, branching="per-rank"), model_cfg(p), rtol=1e-12, recompute=recompute
+        )
 
 
-@pytest.mark.parametrize("sp, scatter_gather, branching", [
-    pytest.param(True, True, "uniform", id="sequence-parallel-uniform"),
-    pytest.param(False, False, "uniform", id="no-scatter-gather-uniform", marks=pytest.mark.slow),
-    pytest.param(True, True, "per-rank", id="sequence-parallel-per-rank", marks=pytest.mark.slow),
-    pytest.param(False, False, "per-rank", id="no-scatter-gather-per-rank", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "sp, scatter_gather, branching",
+    [
+        pytest.param(True, True, "uniform", id="sequence-parallel-uniform"),
+        pytest.param(False, False, "uniform", id="no-scatter-gather-uniform", marks=pytest.mark.slow),
+        pytest.param(True, True, "per-rank", id="sequence-parallel-per-rank", marks=pytest.mark.slow),
+        pytest.param(False, False, "per-rank", id="no-scatter-gather-per-rank", marks=pytest.mark.slow),
+    ],
+)
 def test_float64_pipeline_variants(sp, scatter_gather, branching):
     with jax.enable_x64(True):
         compare(layout(1, 2, 2, "interleaved", 2, sp, scatter_gather, branching), model_cfg(2), rtol=1e-12)
@@ -172,8 +234,11 @@ def test_pipeline_evaluation_equals_the_reference(branching):
     mesh = make_mesh(parallel)
     pp = staged(params, 2, 2)
     specs = sharding.param_specs(pp, pipelined=True)
-    got = float(make_parallel_eval_step(mesh, cfg, parallel, specs)(jax.device_put(pp, sharding.named(mesh, specs)),
-                                                                    *batch(parallel.num_microbatches)))
+    got = float(
+        make_parallel_eval_step(mesh, cfg, parallel, specs)(
+            jax.device_put(pp, sharding.named(mesh, specs)), *batch(parallel.num_microbatches)
+        )
+    )
     assert got == pytest.approx(ref, rel=1e-6)
 
 
@@ -197,15 +262,21 @@ def test_float64_pipeline_evaluation_equals_the_reference(schedule, v):
 
 # --- collectives of one tick -----------------------------------------------------------------------------------
 
+
 def tick_bodies(jaxpr, sched):
     """[(kinds, scan body)] of the executor's runs (`tick_runs`) that send, in order: the scans whose body issues
     the pipe ring itself (a chunk's layer scan does not)."""
-    found = [e for e in equations(jaxpr) if e.primitive.name == "scan"
-             and any(q.primitive.name == "ppermute" for q in e.params["jaxpr"].jaxpr.eqns)]
+    found = [
+        e
+        for e in equations(jaxpr)
+        if e.primitive.name == "scan" and any(q.primitive.name == "ppermute" for q in e.params["jaxpr"].jaxpr.eqns)
+    ]
     runs = [run for run in tick_runs(sched) if any(dirs for _, dirs in run[0])]  # a tick that sends nothing: no ring
     assert [e.params["length"] for e in found] == [n for _, _, n in runs]
-    return [("".join(kinds for kinds, _ in pattern), e.params["jaxpr"].jaxpr)
-            for (pattern, _, _), e in zip(runs, found, strict=True)]
+    return [
+        ("".join(kinds for kinds, _ in pattern), e.params["jaxpr"].jaxpr)
+        for (pattern, _, _), e in zip(runs, found, strict=True)
+    ]
 
 
 def _calls(eqn, name) -> bool:
@@ -239,18 +310,29 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     counts = {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[-1])).items()}
     assert counts == {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[0])).items()}
     if sp:  # the layers' forward all-gathers are issued again (their outputs are not stashed): 2 per layer more
-        expected = {"reduce_scatter@tensor": 1 + 2 * k, "all_gather@tensor": 1 + 2 * k + 2 * k + 1,
-                    "psum_invariant@tensor": 2, "pmax@tensor": 1, "ppermute@pipe": 1}
+        expected = {
+            "reduce_scatter@tensor": 1 + 2 * k,
+            "all_gather@tensor": 1 + 2 * k + 2 * k + 1,
+            "psum_invariant@tensor": 2,
+            "pmax@tensor": 1,
+            "ppermute@pipe": 1,
+        }
     else:
-        expected = {"psum_invariant@tensor": 2 + 1 + 2 * k, "all_gather_invariant@tensor": 1, "pmax@tensor": 1,
-                    "ppermute@pipe": 1}
+        expected = {
+            "psum_invariant@tensor": 2 + 1 + 2 * k,
+            "all_gather_invariant@tensor": 1,
+            "pmax@tensor": 1,
+            "ppermute@pipe": 1,
+        }
     assert counts == expected
 
 
 # --- what each tick computes ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("schedule, p, v, m", [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("gpipe", 2, 1, 4),
-                                                ("zb-v", 4, 2, 8)])
+
+@pytest.mark.parametrize(
+    "schedule, p, v, m", [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("gpipe", 2, 1, 4), ("zb-v", 4, 2, 8)]
+)
 def test_the_head_and_the_embedding_run_only_where_the_table_needs_them(schedule, p, v, m):
     """Per cell: the head only in the last virtual stage's backward cells (B or I: m of them, on the last stage's
     rank), the embedding only in virtual stage 0's F and B/I cells (2m, on rank 0), nothing in idle or W cells."""
@@ -282,9 +364,16 @@ def test_tick_runs_cover_the_table_in_order():
     more often than `lowering.MAX_RUNS` is one run of the union of its ticks' kinds and directions."""
     from ptd_jax.parallel.pipeline.lowering import patterns, union
 
-    for schedule, p, v, m, G in [("gpipe", 4, 1, 8, None), ("1f1b", 4, 1, 8, None), ("interleaved", 4, 2, 8, None),
-                                 ("1f1b", 4, 1, 2, None), ("interleaved", 2, 2, 8, 3), ("interleaved", 2, 3, 6, None),
-                                 ("zb-h1", 4, 1, 8, None), ("zb-v", 4, 2, 8, None)]:
+    for schedule, p, v, m, G in [
+        ("gpipe", 4, 1, 8, None),
+        ("1f1b", 4, 1, 8, None),
+        ("interleaved", 4, 2, 8, None),
+        ("1f1b", 4, 1, 2, None),
+        ("interleaved", 2, 2, 8, 3),
+        ("interleaved", 2, 3, 6, None),
+        ("zb-h1", 4, 1, 8, None),
+        ("zb-v", 4, 2, 8, None),
+    ]:
         sched = build(schedule, p, v, m, G)
         pats, runs = patterns(sched), tick_runs(sched)
         assert [first for _, first, _ in runs] == list(np.cumsum([0] + [len(pt) * n for pt, _, n in runs])[:-1])
@@ -304,8 +393,11 @@ def test_tick_runs_cover_the_table_in_order():
 def _dot_output_dims(jaxpr, skip=None):
     """Output widths of the matmuls inside `jaxpr` (each traced once), not counting those inside calls named
     `skip`."""
-    return [e.outvars[0].aval.shape[-1] for e in equations(jaxpr, skip=lambda e: is_call(e, skip))
-            if e.primitive.name == "dot_general"]
+    return [
+        e.outvars[0].aval.shape[-1]
+        for e in equations(jaxpr, skip=lambda e: is_call(e, skip))
+        if e.primitive.name == "dot_general"
+    ]
 
 
 def _inputs_reached(jaxpr, var) -> set[int]:
@@ -362,6 +454,7 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
 
 # --- dropout ------------------------------------------------------------------------------------------------------
 
+
 def one_training_step(parallel, cfg, tcfg, key=7):
     """(loss, grad norm, updated parameters in model order) of one training step from `init_sharded_state`."""
     opt = make_optimizer(tcfg)
@@ -375,15 +468,19 @@ def one_training_step(parallel, cfg, tcfg, key=7):
     return float(metrics["lm_loss"]), float(metrics["grad_norm"]), params
 
 
-@pytest.mark.parametrize("d, t, schedule, v, branching, sp, recompute", [
-    pytest.param(1, 2, "interleaved", 2, "uniform", False, "none", marks=pytest.mark.slow),
-    pytest.param(1, 2, "interleaved", 2, "per-rank", True, "none", marks=pytest.mark.slow),
-    pytest.param(2, 1, "1f1b", 1, "per-rank", False, "none", marks=pytest.mark.slow),
-    pytest.param(1, 1, "gpipe", 1, "uniform", False, "none", marks=pytest.mark.slow),
-    pytest.param(1, 1, "gpipe", 1, "uniform", False, "full", marks=pytest.mark.slow),
-    # selective re-draws the attention dropout from the key stashed among the residuals (the default run checks
-    # dropout at p > 1 through ZB-V's training step below)
-    pytest.param(1, 1, "gpipe", 1, "uniform", False, "selective", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "d, t, schedule, v, branching, sp, recompute",
+    [
+        pytest.param(1, 2, "interleaved", 2, "uniform", False, "none", marks=pytest.mark.slow),
+        pytest.param(1, 2, "interleaved", 2, "per-rank", True, "none", marks=pytest.mark.slow),
+        pytest.param(2, 1, "1f1b", 1, "per-rank", False, "none", marks=pytest.mark.slow),
+        pytest.param(1, 1, "gpipe", 1, "uniform", False, "none", marks=pytest.mark.slow),
+        pytest.param(1, 1, "gpipe", 1, "uniform", False, "full", marks=pytest.mark.slow),
+        # selective re-draws the attention dropout from the key stashed among the residuals (the default run checks
+        # dropout at p > 1 through ZB-V's training step below)
+        pytest.param(1, 1, "gpipe", 1, "uniform", False, "selective", marks=pytest.mark.slow),
+    ],
+)
 def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, branching, sp, recompute):
     """With dropout, one training step at p = 2 gives the loss, grad norm and updated parameters of the p = 1
     step on the same data and tensor layout: every microbatch and layer draws the masks it draws there, and each
@@ -391,11 +488,21 @@ def test_float64_dropout_step_equals_the_unpipelined_step(d, t, schedule, v, bra
     with jax.enable_x64(True):
         cfg = model_cfg(2).replace(hidden_dropout=0.2, attention_dropout=0.2)
         tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0, recompute_granularity=recompute)
-        flat = ParallelConfig(data_parallel_size=d, tensor_model_parallel_size=t, micro_batch_size=1,
-                              global_batch_size=B, sequence_parallel=sp)
-        results = [one_training_step(parallel, model, tcfg) for parallel, model in (
-            (layout(d, 2, t, schedule, v, sp=sp, branching=branching), cfg), (flat, cfg),
-            (flat, cfg.replace(hidden_dropout=0.0, attention_dropout=0.0)))]
+        flat = ParallelConfig(
+            data_parallel_size=d,
+            tensor_model_parallel_size=t,
+            micro_batch_size=1,
+            global_batch_size=B,
+            sequence_parallel=sp,
+        )
+        results = [
+            one_training_step(parallel, model, tcfg)
+            for parallel, model in (
+                (layout(d, 2, t, schedule, v, sp=sp, branching=branching), cfg),
+                (flat, cfg),
+                (flat, cfg.replace(hidden_dropout=0.0, attention_dropout=0.0)),
+            )
+        ]
         (loss, norm, params), (ref_loss, ref_norm, ref_params), (plain_loss, _, _) = results
         assert abs(loss - plain_loss) > 1e-3  # dropout did act
         assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
@@ -408,29 +515,46 @@ def test_dropout_training_at_p2_lowers_the_loss(small_corpus):
     from ptd_jax.train import RunOptions, train
 
     cfg = model_cfg(2, x64=False).replace(seq_length=32, hidden_dropout=0.1, attention_dropout=0.1)
-    summary = train(cfg, layout(1, 2, 1, "interleaved", 2).replace(global_batch_size=8),
-                    TrainConfig(train_iters=25, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0),
-                    RunOptions(data_path=small_corpus, progress=False))
+    summary = train(
+        cfg,
+        layout(1, 2, 1, "interleaved", 2).replace(global_batch_size=8),
+        TrainConfig(train_iters=25, lr=3e-3, lr_warmup_iters=2, log_interval=5, eval_iters=0),
+        RunOptions(data_path=small_corpus, progress=False),
+    )
     assert summary["final_lm_loss"] < summary["first_lm_loss"] - 1.0
 
 
 # --- end to end: float32 loss traces ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("d, p, t, schedule, v", [(1, 2, 2, "interleaved", 2),
-                                                   pytest.param(2, 2, 2, "1f1b", 1, marks=pytest.mark.slow)])
+
+@pytest.mark.parametrize(
+    "d, p, t, schedule, v", [(1, 2, 2, "interleaved", 2), pytest.param(2, 2, 2, "1f1b", 1, marks=pytest.mark.slow)]
+)
 def test_20_iteration_trace_matches_the_reference(small_corpus, tmp_path, d, p, t, schedule, v):
     from ptd_jax.train import RunOptions, train
 
     cfg = model_cfg(p, x64=False).replace(seq_length=32)
     tcfg = TrainConfig(train_iters=20, lr=3e-3, min_lr=2e-4, lr_warmup_iters=2, log_interval=1, eval_iters=0)
-    parallel = ParallelConfig(data_parallel_size=d, pipeline_model_parallel_size=p, tensor_model_parallel_size=t,
-                              virtual_pipeline_stages=v, pipeline_schedule=schedule, micro_batch_size=1,
-                              global_batch_size=8)
-    train(cfg, parallel, tcfg, RunOptions(data_path=small_corpus, progress=False,
-                                          metrics_file=str(tmp_path / "pp.jsonl")))
-    train(cfg, ParallelConfig(micro_batch_size=4, global_batch_size=8), tcfg,
-          RunOptions(data_path=small_corpus, progress=False, reference_step=True,
-                     metrics_file=str(tmp_path / "ref.jsonl")))
+    parallel = ParallelConfig(
+        data_parallel_size=d,
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        virtual_pipeline_stages=v,
+        pipeline_schedule=schedule,
+        micro_batch_size=1,
+        global_batch_size=8,
+    )
+    train(
+        cfg, parallel, tcfg, RunOptions(data_path=small_corpus, progress=False, metrics_file=str(tmp_path / "pp.jsonl"))
+    )
+    train(
+        cfg,
+        ParallelConfig(micro_batch_size=4, global_batch_size=8),
+        tcfg,
+        RunOptions(
+            data_path=small_corpus, progress=False, reference_step=True, metrics_file=str(tmp_path / "ref.jsonl")
+        ),
+    )
     pp = [json.loads(line)["lm_loss"] for line in (tmp_path / "pp.jsonl").read_text().splitlines()]
     ref = [json.loads(line)["lm_loss"] for line in (tmp_path / "ref.jsonl").read_text().splitlines()]
     assert len(pp) == len(ref) == 20 and ref[-1] < ref[0] - 1.0
@@ -438,6 +562,7 @@ def test_20_iteration_trace_matches_the_reference(small_corpus, tmp_path, d, p, 
 
 
 # --- recomputation -------------------------------------------------------------------------------------------------
+
 
 def _chunk_work(recompute, sp=False):
     """{"forward", "backward"}: (matmuls, tensor collectives) of one layer's work in a forward tick (`layer_forward`)
@@ -452,10 +577,12 @@ def _chunk_work(recompute, sp=False):
 
     def count(body, names):
         calls = [call for name in names for call in named_calls(body, name)]
-        return (sum(len(_dot_output_dims(c)) for c in calls),
-                sum(e["count"] for c in calls for e in summarize(jaxpr_collectives(c)).values()))
-    return {"forward": count(bodies["F"], ["layer_forward"]),
-            "backward": count(bodies["B"], ["layer_backward"])}
+        return (
+            sum(len(_dot_output_dims(c)) for c in calls),
+            sum(e["count"] for c in calls for e in summarize(jaxpr_collectives(c)).values()),
+        )
+
+    return {"forward": count(bodies["F"], ["layer_forward"]), "backward": count(bodies["B"], ["layer_backward"])}
 
 
 def test_recomputation_runs_what_megatron_runs():
@@ -514,6 +641,7 @@ def test_float64_pipeline_with_recomputation_equals_the_reference(recompute):
 
 # --- the distributed optimizer and `--pipeline-schedule auto` ---------------------------------------------------
 
+
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), pytest.param("zb-h1", 1, marks=pytest.mark.slow)])
 def test_float64_distributed_optimizer_step_equals_the_unpipelined_step(schedule, v):
     """One training step at (d, p, t) = (2, 2, 2) under the distributed optimizer (master weights and moments split
@@ -524,8 +652,9 @@ def test_float64_distributed_optimizer_step_equals_the_unpipelined_step(schedule
         tcfg = TrainConfig(lr=1e-3, lr_warmup_iters=0)
         parallel = layout(2, 2, 2, schedule, v, branching="per-rank").replace(use_distributed_optimizer=True)
         flat = ParallelConfig(micro_batch_size=1, global_batch_size=B)
-        (loss, norm, params), (ref_loss, ref_norm, ref_params) = (one_training_step(x, cfg, tcfg)
-                                                                  for x in (parallel, flat))
+        (loss, norm, params), (ref_loss, ref_norm, ref_params) = (
+            one_training_step(x, cfg, tcfg) for x in (parallel, flat)
+        )
         assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
             got = np.asarray(got)[tuple(slice(0, n) for n in np.shape(want))]  # t = 2 pads the vocabulary rows
@@ -538,9 +667,22 @@ def test_float64_pipeline_of_the_auto_schedule_equals_the_reference():
     exactly."""
     from ptd_jax.cli import train as cli
 
-    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
-                                          "--num-layers", "8", "--pipeline-schedule", "auto", "--global-batch-size",
-                                          str(B), "--micro-batch-size", "1"])
+    args = cli.build_parser().parse_args(
+        [
+            "--fake-devices",
+            "4",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--num-layers",
+            "8",
+            "--pipeline-schedule",
+            "auto",
+            "--global-batch-size",
+            str(B),
+            "--micro-batch-size",
+            "1",
+        ]
+    )
     cli.fill_defaults(args)
     parallel = cli.parallel_config_from_args(args, cli.model_config_from_args(args), 4)
     assert parallel.pipeline_schedule in SCHEDULE_SPECS and parallel.num_microbatches == B
@@ -549,6 +691,7 @@ def test_float64_pipeline_of_the_auto_schedule_equals_the_reference():
 
 
 # --- split backwards and the V ------------------------------------------------------------------------------------
+
 
 def test_uniform_branching_is_refused_for_unit_tables():
     with pytest.raises(ConfigError, match="zb-h1.*per-rank.*'uniform'"):
@@ -560,8 +703,9 @@ def test_zb_v_needs_two_ranks():
         ParallelConfig(pipeline_model_parallel_size=1, virtual_pipeline_stages=2, pipeline_schedule="zb-v")
 
 
-@pytest.mark.parametrize("schedule, recompute", [pytest.param("zb-v", "selective"),
-                                                 pytest.param("zb-h1", "none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule, recompute", [pytest.param("zb-v", "selective"), pytest.param("zb-h1", "none", marks=pytest.mark.slow)]
+)
 def test_float64_dropout_train_step_of_split_schedules(schedule, recompute):
     """A whole training step with dropout (state made by `init_sharded_state`, so ZB-V's V layout too): the
     loss, grad norm and updated parameters of the p = 1 step. I's and W's masks are the F's, re-drawn from the
@@ -573,7 +717,8 @@ def test_float64_dropout_train_step_of_split_schedules(schedule, recompute):
         v = dict(SCHEDULES)[schedule]
         (loss, norm, params), (ref_loss, ref_norm, ref_params) = (
             one_training_step(parallel, cfg, tcfg)
-            for parallel in (layout(1, 2, 1, schedule, v, branching="per-rank"), flat))
+            for parallel in (layout(1, 2, 1, schedule, v, branching="per-rank"), flat)
+        )
         assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-11, atol=1e-13)

@@ -34,8 +34,19 @@ def test_design_example_rank3():
     assert order[:14] == "F0.0 F0.1 F0.2 F0.3 F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3 F0.4 B0.0".split()  # noqa: SIM905
 
 
-@pytest.mark.parametrize("p, v, m, g", [(2, 2, 4, None), (4, 2, 8, None), (4, 2, 16, None), (4, 3, 12, None),
-                                        (8, 2, 16, None), (2, 4, 8, None), (4, 2, 16, 8), (3, 2, 9, None)])
+@pytest.mark.parametrize(
+    "p, v, m, g",
+    [
+        (2, 2, 4, None),
+        (4, 2, 8, None),
+        (4, 2, 16, None),
+        (4, 3, 12, None),
+        (8, 2, 16, None),
+        (2, 4, 8, None),
+        (4, 2, 16, 8),
+        (3, 2, 9, None),
+    ],
+)
 def test_interleaved_follows_megatrons_rule(p, v, m, g):
     """The rule of docs/architecture.md ("Megatron's interleaved order"), written independently: forward
     k -> chunk (k mod Gv)//G, microbatch (k//Gv)·G + k mod G; backward k -> chunk v−1−that; warm-up
@@ -144,8 +155,10 @@ def test_peak_stash(p, v, m):
     assert L.build("gpipe", p, 1, m).peak_stash == [m] * p
 
 
-@pytest.mark.parametrize("name, p, v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("interleaved", 2, 3),
-                                         ("1f1b", 8, 1), ("zb-v", 4, 2)])
+@pytest.mark.parametrize(
+    "name, p, v",
+    [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("interleaved", 2, 3), ("1f1b", 8, 1), ("zb-v", 4, 2)],
+)
 def test_evaluation_slots_do_not_grow_with_m(name, p, v):
     """A table of forwards only frees an input once its forward has read it and keeps no record: a few activation
     slots per rank whatever m, where training holds the stash. Each read still finds its own input (`validate`)."""
@@ -184,8 +197,9 @@ def test_validator_catches_w_slots_swapped_and_an_action_run_twice():
     sched = L.build("zb-h1", 4, 1, 8)
     last_w = next(row[0] for row in reversed(sched.cells) if row[0].action is not None)
     assert last_w.action.kind == "W"
-    sched.cells.append([L.Cell(action=last_w.action, hold_slot=last_w.hold_slot, w_slot=last_w.w_slot)]
-                       + [L.Cell() for _ in range(3)])
+    sched.cells.append(
+        [L.Cell(action=last_w.action, hold_slot=last_w.hold_slot, w_slot=last_w.w_slot)] + [L.Cell() for _ in range(3)]
+    )
     with pytest.raises(S.ScheduleError, match="runs twice"):
         L.validate(sched)
 
@@ -196,15 +210,18 @@ def test_a_deadlocking_order_is_reported():
         L.place(SCHEDULE_SPECS["gpipe"], orders, 2, 1, 1)
 
 
-@pytest.mark.parametrize("args, message", [
-    (("interleaved", 1, 2, 4), "needs p >= 2 pipeline ranks, got p=1"),
-    (("interleaved", 4, 2, 2), "p <= G <= m (Megatron's rule), got p=4, G=4, m=2"),
-    (("interleaved", 4, 2, 6), "m % G == 0 or m % G >= p"),
-    (("1f1b", 4, 2, 8), "runs 1 model chunk(s) per rank: needs v=1, got v=2"),
-    (("zb-v", 4, 1, 8), "runs 2 model chunk(s) per rank: needs v=2, got v=1"),
-    (("zb", 4, 1, 8), "schedule='zb' is not one of"),
-    (("1f1b-split", 4, 1, 8), "schedule='1f1b-split' is retired"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("interleaved", 1, 2, 4), "needs p >= 2 pipeline ranks, got p=1"),
+        (("interleaved", 4, 2, 2), "p <= G <= m (Megatron's rule), got p=4, G=4, m=2"),
+        (("interleaved", 4, 2, 6), "m % G == 0 or m % G >= p"),
+        (("1f1b", 4, 2, 8), "runs 1 model chunk(s) per rank: needs v=1, got v=2"),
+        (("zb-v", 4, 1, 8), "runs 2 model chunk(s) per rank: needs v=2, got v=1"),
+        (("zb", 4, 1, 8), "schedule='zb' is not one of"),
+        (("1f1b-split", 4, 1, 8), "schedule='1f1b-split' is retired"),
+    ],
+)
 def test_bad_requests(args, message):
     with pytest.raises(S.ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
         L.build(*args)
@@ -212,8 +229,9 @@ def test_bad_requests(args, message):
 
 def test_cli_json_and_plot(tmp_path, capsys):
     png = tmp_path / "s.png"
-    assert schedule_main(["--schedule", "interleaved", "-p", "4", "-v", "2", "-m", "8", "--json",
-                          "--plot", str(png)]) == 0
+    assert (
+        schedule_main(["--schedule", "interleaved", "-p", "4", "-v", "2", "-m", "8", "--json", "--plot", str(png)]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert {"schedule", "p", "v", "m", "ticks", "bubble_fraction", "formula_bubble", "peak_stash", "ranks"} <= set(out)
     assert out["bubble_fraction"] == pytest.approx(out["formula_bubble"]) and out["ticks"] == 38
@@ -230,7 +248,7 @@ def test_closed_form_record_slots_equal_the_tables(name):
     checked = 0
     for p in (2, 3, 4, 8):
         for m in (1, 2, 3, p, 2 * p, 4 * p + 1):
-            for v in ((2, 3) if spec.chunks is None else (spec.chunks,)):
+            for v in (2, 3) if spec.chunks is None else (spec.chunks,):
                 try:
                     table = L.build(name, p, v, m)
                 except S.ScheduleError:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ptd_jax.cli.schedule import main as schedule_main
-from ptd_jax.parallel.pipeline.choose import choose_schedule, format_choice
+from ptd_jax.perf.auto_schedule import choose_schedule, format_choice
 
 
 def schedule_json(capsys, *args):
@@ -66,7 +66,7 @@ def test_chooser_picks_zb_v_then_falls_back_when_memory_refuses():
 
 def test_chooser_takes_less_memory_within_its_margin():
     """A schedule within `MARGIN` of the shortest simulated step that holds less wins, and says why."""
-    from ptd_jax.parallel.pipeline.choose import MARGIN
+    from ptd_jax.perf.auto_schedule import MARGIN
 
     gib = {"gpipe": 9.0, "1f1b": 5.0, "1f1b-lockstep": 5.5, "interleaved": 6.0, "zb-h1": 7.0, "zb-v": 6.5}
     # at 1 : 8/7 : 6/7 ZB-V (28.43) and interleaved (28.50) are within 0.3%: the smaller memory wins
@@ -82,18 +82,49 @@ def test_chooser_takes_less_memory_within_its_margin():
 def test_zb_v_gets_two_chunks_per_rank_in_ptd_train():
     from ptd_jax.cli import train as cli
 
-    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
-                                          "--num-layers", "8", "--pipeline-schedule", "zb-v"])
+    args = cli.build_parser().parse_args(
+        [
+            "--fake-devices",
+            "4",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--num-layers",
+            "8",
+            "--pipeline-schedule",
+            "zb-v",
+        ]
+    )
     cli.fill_defaults(args)
     parallel = cli.parallel_config_from_args(args, cli.model_config_from_args(args), 4)
     assert parallel.pipeline_schedule == "zb-v" and parallel.virtual_pipeline_stages == 2
 
 
 def test_ptd_train_auto_prints_its_choice():
-    proc = subprocess.run([sys.executable, "-m", "ptd_jax.cli.train", "--fake-devices", "4",
-                           "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "auto", "--train-iters", "1",
-                           "--global-batch-size", "16", "--micro-batch-size", "2", "--eval-iters", "0",
-                           "--no-progress"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ptd_jax.cli.train",
+            "--fake-devices",
+            "4",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--pipeline-schedule",
+            "auto",
+            "--train-iters",
+            "1",
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--eval-iters",
+            "0",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     # the tiny model's 4 layers do not split into 2·p chunks: no interleaved, no ZB-V; ZB-H1 is the shortest
     # F:B:W from the model's FLOPs (B: the backward but the kernels' gradients, W those): 1 : 8/7 : 6/7 here
@@ -118,13 +149,27 @@ class _Device:
 def test_auto_keeps_to_the_memory_the_device_has():
     """With room for everything auto takes ZB-V; on a device just too small for ZB-V's record (the estimate
     ptd-train refuses by), the shortest schedule that fits."""
-    from ptd_jax.cli import schedule_choice
     from ptd_jax.cli import train as cli
     from ptd_jax.perf.memory import run_memory_bytes
 
-    argv = ["--fake-devices", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "8",
-            "--global-batch-size", "16", "--micro-batch-size", "2", "--seq-length", "256", "--schedule-times", "1", "1",
-            "1"]
+    argv = [
+        "--fake-devices",
+        "4",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--num-layers",
+        "8",
+        "--global-batch-size",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--seq-length",
+        "256",
+        "--schedule-times",
+        "1",
+        "1",
+        "1",
+    ]
 
     def parsed(schedule):
         args = cli.build_parser().parse_args(argv + ["--pipeline-schedule", schedule])
@@ -133,8 +178,7 @@ def test_auto_keeps_to_the_memory_the_device_has():
 
     def choose(limit):
         args, cfg = parsed("auto")
-        fits = schedule_choice.memory_check(args, cfg, 4, "none", _Device(limit), 1, cli.parallel_config_from_args)
-        return cli.parallel_config_from_args(args, cfg, 4, fits).pipeline_schedule
+        return cli.parallel_config_from_args(args, cfg, 4, _Device(limit), 1).pipeline_schedule
 
     assert choose(1e15) == "zb-v"
     need = {}
@@ -151,9 +195,20 @@ def test_auto_under_uniform_branching_leaves_the_split_schedules_out(capsys):
     """Unit tables run per-rank only: under --pipeline-branching uniform auto does not offer them."""
     from ptd_jax.cli import train as cli
 
-    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
-                                          "--num-layers", "8", "--pipeline-schedule", "auto",
-                                          "--pipeline-branching", "uniform"])
+    args = cli.build_parser().parse_args(
+        [
+            "--fake-devices",
+            "4",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--num-layers",
+            "8",
+            "--pipeline-schedule",
+            "auto",
+            "--pipeline-branching",
+            "uniform",
+        ]
+    )
     cli.fill_defaults(args)
     parallel = cli.parallel_config_from_args(args, cli.model_config_from_args(args), 4)
     assert parallel.pipeline_schedule == "interleaved"
@@ -164,13 +219,26 @@ def test_auto_under_uniform_branching_leaves_the_split_schedules_out(capsys):
 def test_auto_prefers_fused_schedules_when_b_is_much_longer_than_f():
     """A lockstep tick lasts as long as its longest cell: under full recomputation B runs the forward again (F:B:W
     = 1 : 13/7 : 6/7 from the FLOPs), the split tables' mixed ticks all last a B, and interleaving wins."""
-    from ptd_jax.cli import schedule_choice
     from ptd_jax.cli import train as cli
+    from ptd_jax.perf.auto_schedule import model_times
 
-    args = cli.build_parser().parse_args(["--fake-devices", "4", "--pipeline-model-parallel-size", "4",
-                                          "--num-layers", "8", "--pipeline-schedule", "auto",
-                                          "--recompute-granularity", "full", "--global-batch-size", "32"])  # m = 8
+    args = cli.build_parser().parse_args(
+        [
+            "--fake-devices",
+            "4",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--num-layers",
+            "8",
+            "--pipeline-schedule",
+            "auto",
+            "--recompute-granularity",
+            "full",
+            "--global-batch-size",
+            "32",
+        ]
+    )  # m = 8
     cli.fill_defaults(args)
     cfg = cli.model_config_from_args(args)
-    assert schedule_choice.model_times(cfg, "full") == pytest.approx((1.0, 13 / 7, 6 / 7))
+    assert model_times(cfg, "full") == pytest.approx((1.0, 13 / 7, 6 / 7))
     assert cli.parallel_config_from_args(args, cfg, 4).pipeline_schedule == "interleaved"

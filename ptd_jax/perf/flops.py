@@ -1,4 +1,5 @@
-"""The paper's counting formulas (§5.1, Appendix), the FLOPs a run actually executes, and device peaks for MFU.
+"""The paper's counting formulas (§5.1, Appendix) and the FLOPs a run actually executes (device peaks:
+`perf/hardware.py`).
 
 Three figures, because they answer different questions:
 - model FLOPs (what MFU divides by the peak): the forward and backward matmuls of the model, no recomputation,
@@ -24,9 +25,8 @@ V is the padded vocabulary (the compute actually done).
 
 from __future__ import annotations
 
-import time
-
-from ptd_jax.config import ModelConfig, resolve_branching
+from ptd_jax.config import ModelConfig
+from ptd_jax.runtime.platform import resolve_branching
 
 
 def num_params(cfg: ModelConfig, vocab_size: int | None = None) -> float:
@@ -114,8 +114,10 @@ def attention_flops(cfg: ModelConfig, tokens: float) -> tuple[float, float]:
     pairs = flash_block_pairs(s)
     per_pair = 2 * pairs["block_q"] * pairs["block_k"] * max(FLASH_MIN_TILE, _next_power_of_2(head_dim)) * heads
     sequences = tokens / s
-    return (sequences * per_pair * 2 * pairs["forward"],
-            sequences * per_pair * (4 * pairs["dkdv"] + 3 * pairs["forward"]))
+    return (
+        sequences * per_pair * 2 * pairs["forward"],
+        sequences * per_pair * (4 * pairs["dkdv"] + 3 * pairs["forward"]),
+    )
 
 
 def layer_recompute_flops(cfg: ModelConfig, tokens: float, recompute: str) -> float:
@@ -126,8 +128,9 @@ def layer_recompute_flops(cfg: ModelConfig, tokens: float, recompute: str) -> fl
         return 0.0
     if recompute == "selective":
         return selective_recompute_flops(cfg, tokens)
-    return layer_matmul_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size + attention_flops(
-        cfg, tokens)[0]
+    return (
+        layer_matmul_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size + attention_flops(cfg, tokens)[0]
+    )
 
 
 def layer_matmul_flops(cfg: ModelConfig, tokens: float) -> float:
@@ -149,8 +152,14 @@ def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, reco
     return cfg.num_layers * layer_recompute_flops(cfg, global_batch_size * cfg.seq_length, recompute)
 
 
-def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab_size: int | None = None,
-                                 recompute: str = "none", sched=None, branching: str = "auto") -> float:
+def hardware_flops_per_iteration(
+    cfg: ModelConfig,
+    global_batch_size: int,
+    vocab_size: int | None = None,
+    recompute: str = "none",
+    sched=None,
+    branching: str = "auto",
+) -> float:
     """FLOPs executed by all devices in one iteration, with the attention core as `cfg.attention_backend` runs it
     (`layer_executed_flops`). Without a pipeline schedule (p = 1): each layer's forward and backward (with what
     `recompute` recomputes) and the output layer's (3× its forward). With one (a `parallel.pipeline.Table`):
@@ -163,7 +172,8 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
     if sched is None:  # no pipeline table: nothing to resolve (the planner stays free of JAX)
         tokens = global_batch_size * cfg.seq_length
         return cfg.num_layers * sum(layer_executed_flops(cfg, tokens, recompute)) + 3 * head_forward_flops(
-            cfg, tokens, V)
+            cfg, tokens, V
+        )
     branching = resolve_branching(branching, schedule=sched.name)
     tokens = global_batch_size * cfg.seq_length / sched.m  # one microbatch, over all data-parallel replicas
     layers = cfg.num_layers / (sched.p * sched.v)
@@ -186,73 +196,3 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, vocab
 def training_days(tokens: float, params: float, num_devices: int, tflops_per_device: float) -> float:
     """eq. (4): end-to-end training time ≈ 8 T P / (n X), in days."""
     return 8 * tokens * params / (num_devices * tflops_per_device * 1e12) / 86400
-
-
-# Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets: (16-bit, float32 as XLA runs it by
-# default: TF32 on Ampere and later). A device kind matches the first row whose words all occur in it, so the
-# form-factor rows (PCIe, NVL) come before the plain name: an "H100 PCIe" gets 756, not the SXM part's 989.
-PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
-    ("H100 PCIe", 756.0, 378.0),
-    ("H100 NVL", 835.0, 418.0),
-    ("H100", 989.0, 494.0),         # SXM5 (JAX reports "NVIDIA H100 80GB HBM3")
-    ("H200 NVL", 835.0, 418.0),
-    ("H200", 989.0, 494.0),         # SXM
-    ("GH200", 989.0, 494.0),
-    ("H800 PCIe", 756.0, 378.0),
-    ("H800", 989.0, 494.0),
-    ("B200", 2250.0, 1100.0),
-    ("A100", 312.0, 156.0),         # SXM4 and PCIe alike
-    ("A800", 312.0, 156.0),
-    ("L40S", 362.0, 183.0),
-    ("L4", 121.0, 60.0),
-    ("A10G", 70.0, 35.0),
-    ("V100", 125.0, 15.7),
-    ("TPU v4", 275.0, 275.0),
-    ("TPU v5 lite", 197.0, 197.0),
-    ("TPU v5p", 459.0, 459.0),
-    ("TPU v6 lite", 918.0, 918.0),
-)
-
-
-def _words(text: str) -> list[str]:
-    return text.lower().replace("-", " ").replace("_", " ").split()
-
-
-def datasheet_peak(device_kind: str) -> tuple[str, float, float] | None:
-    """The PEAK_TFLOPS row for a JAX device kind ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"), or None."""
-    words = _words(device_kind)
-    for row in PEAK_TFLOPS:
-        if all(w in words for w in _words(row[0])):
-            return row
-    return None
-
-
-def measure_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
-    """Achieved float32 matmul TFLOP/s of the first device (used as the 'peak' on unknown devices such as CPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((size, size), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e12
-
-
-def device_peak_tflops(device_kind: str, bf16: bool, override: float | None = None,
-                       num_local_devices: int = 1) -> tuple[float, str]:
-    """(peak TFLOP/s per device, where it came from). Unknown devices (CPU) get a measured matmul rate, shared
-    among the simulated devices of the host."""
-    if override is not None:
-        return override, "--peak-tflops"
-    row = datasheet_peak(device_kind)
-    if row is not None:
-        name, half, single = row
-        return (half if bf16 else single), f"{name} datasheet ({'bf16' if bf16 else 'fp32/tf32'} dense)"
-    measured = measure_matmul_tflops() / max(num_local_devices, 1)
-    return measured, (f"measured 1024^3 fp32 matmul on {device_kind} / {num_local_devices} device(s) "
-                      f"(override with --peak-tflops)")

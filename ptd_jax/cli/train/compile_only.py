@@ -11,29 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
-from ptd_jax.aot.targets import TARGETS
-from ptd_jax.config import ConfigError
+from ptd_jax.perf.hardware import TARGETS
 
 GIB = 2**30
-
-
-def add_args(parser) -> None:
-    g = parser.add_argument_group("compile for GPUs that are not here (the gpu-compile extra)")
-    g.add_argument("--compile-only", action="store_true",
-                   help="compile the train and eval steps with XLA:GPU for --num-gpus of --target and report memory, "
-                        "collectives and kernels; trains nothing")
-    g.add_argument("--target", choices=sorted(TARGETS), help="the GPU to compile for (default h100-sxm)")
-    g.add_argument("--num-gpus", type=int, help="GPUs to compile for (hosts of 8; default: t * p)")
-    g.add_argument("--json", action="store_true", help="--compile-only: one JSON object on stdout")
-
-
-def check_flags(args) -> None:
-    """--target, --num-gpus and --json mean something only with --compile-only: refuse them elsewhere."""
-    given = [f"--{name.replace('_', '-')}" for name in ("target", "num_gpus", "json") if getattr(args, name)]
-    if given and not args.compile_only:
-        raise ConfigError(f"{', '.join(given)} need --compile-only")
-    if args.compile_only and args.target is None:
-        args.target = "h100-sxm"
 
 
 def gpu_defaults(args) -> dict:
@@ -63,10 +43,14 @@ def describe(s: dict) -> str:
     if "eval_step" in s["memory"]:
         lines.append(f"  eval step: total {s['memory']['eval_step']['total'] / GIB:.2f} GiB")
     lines.append(f"  compile time {s['compile_time_s']:.1f} s")
-    lines.append("  collectives: " + ", ".join(
-        f"{op} x{c['count']} ({c['bytes'] / 2**20:.1f} MiB, groups of "
-        f"{'/'.join(str(g) if g else 'pairs' for g in c['group_sizes'])})"
-        for op, c in s["collectives"].items()))
+    lines.append(
+        "  collectives: "
+        + ", ".join(
+            f"{op} x{c['count']} ({c['bytes'] / 2**20:.1f} MiB, groups of "
+            f"{'/'.join(str(g) if g else 'pairs' for g in c['group_sizes'])})"
+            for op, c in s["collectives"].items()
+        )
+    )
     lines.append("  kernels: " + ", ".join(f"{kind} {n}" for kind, n in s["kernels"].items()))
     return "\n".join(lines)
 
@@ -79,8 +63,11 @@ def run(args, model_cfg, parallel, train_cfg) -> int:
     result = summary(model_cfg, parallel, target, parallel.num_devices, programs)
     print(json.dumps(result) if args.json else describe(result))
     if not result["fits"]:
-        print(f"ptd-train: the step needs {result['memory_bytes_per_gpu']:,} bytes per GPU but one {target.name} has "
-              f"{result['memory_budget_bytes']:,} usable ({result['allocator_fraction']:g} of "
-              f"{target.memory_bytes:,})", file=sys.stderr)
+        print(
+            f"ptd-train: the step needs {result['memory_bytes_per_gpu']:,} bytes per GPU but one {target.name} has "
+            f"{result['memory_budget_bytes']:,} usable ({result['allocator_fraction']:g} of "
+            f"{target.memory_bytes:,})",
+            file=sys.stderr,
+        )
         return 1
     return 0

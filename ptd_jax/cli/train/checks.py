@@ -1,0 +1,127 @@
+"""`ptd-train`'s start-up checks: flags that cannot work together, output paths that cannot be written, data that
+cannot be read, kernels that fail their self-check on this GPU — each refused (or worked around) before anything
+starts, with one line naming the values.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ptd_jax.cli.train.parser import DEFAULT_SPLIT, PER_SPLIT
+from ptd_jax.config import ConfigError, ModelConfig
+from ptd_jax.data import IndexedDataset, parse_split
+from ptd_jax.data.blend import parse_blend
+
+
+def check_compile_only_flags(args) -> None:
+    """--target, --num-gpus and --json mean something only with --compile-only: refuse them elsewhere."""
+    given = [f"--{name.replace('_', '-')}" for name in ("target", "num_gpus", "json") if getattr(args, name)]
+    if given and not args.compile_only:
+        raise ConfigError(f"{', '.join(given)} need --compile-only")
+    if args.compile_only and args.target is None:
+        args.target = "h100-sxm"
+
+
+def check_data_flags(args) -> None:
+    """One line (ConfigError/DataError) for data flags that cannot work: flags that exclude each other, a bad
+    split or blend, a missing or broken .bin/.idx pair."""
+    given = [name for name in ("data_path", "train_data_path", "mock_data") if getattr(args, name)]
+    if len(given) > 1:
+        raise ConfigError(f"give one of --{given[0].replace('_', '-')} and --{given[1].replace('_', '-')}, not both")
+    for name in ("valid_data_path", "test_data_path"):
+        if getattr(args, name) and not args.train_data_path:
+            raise ConfigError(f"--{name.replace('_', '-')} needs --train-data-path (the splits are given together)")
+    if args.split is not None and (args.train_data_path or args.mock_data):
+        flag = "--train-data-path" if args.train_data_path else "--mock-data"
+        raise ConfigError(f"split={args.split!r} is not used with {flag}: drop --split")
+    parse_split(args.split or DEFAULT_SPLIT)
+    for name in ("data_path", *PER_SPLIT):
+        if getattr(args, name):
+            for _, prefix in parse_blend(name, getattr(args, name)):
+                IndexedDataset(prefix)  # the header and sizes, checked before anything else starts
+
+
+def check_default_kernels(model_cfg: ModelConfig, args) -> ModelConfig:
+    """On a GPU, kernels picked by default (no --attention-backend / --[no-]fused-kernels given) first pass a
+    few-second self-check; a kernel that fails it falls back to cuDNN or XLA with a warning. Kernels asked for
+    by flag are used as asked, failures included."""
+    import jax
+
+    attention = args.attention_backend is None and model_cfg.attention_backend == "pallas"
+    fused = args.fused_kernels is None and model_cfg.fused_kernels
+    if jax.default_backend() != "gpu" or not (attention or fused):
+        return model_cfg
+    from pallas_kernels.self_check import self_check_model
+
+    failures = self_check_model(model_cfg, args.tensor_model_parallel_size)
+    return apply_self_check(model_cfg, failures, attention=attention, fused=fused)
+
+
+def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool, fused: bool) -> ModelConfig:
+    changes = {}
+    if attention and failures.get("flash_attention"):
+        changes["attention_backend"] = "cudnn" if model_cfg.dtype == "bfloat16" else "xla"
+    if fused and (failures.get("layer_norm") or failures.get("cross_entropy")):
+        changes["fused_kernels"] = False
+    for kernel, why in failures.items():
+        if why and ((kernel == "flash_attention" and attention) or (kernel != "flash_attention" and fused)):
+            instead = (
+                f"attention by {changes['attention_backend']}"
+                if kernel == "flash_attention"
+                else "XLA for LayerNorm and the loss (--fused-kernels off)"
+            )
+            print(
+                f"ptd-train: warning: the Pallas {kernel} kernel failed its self-check on this GPU ({why}); "
+                f"using {instead} instead",
+                file=sys.stderr,
+            )
+    return model_cfg.replace(**changes)
+
+
+def _check_path(flag: str, value: str, kind: str) -> None:
+    """`value` can become a `kind` ("file" or "folder"): it is not the other kind, no parent is a regular file,
+    and the nearest existing parent is writable."""
+    path = Path(value)
+    if kind == "folder" and path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag}={value!r} exists and is not a folder")
+    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+        raise ConfigError(f"{flag}={value!r} is not writable")
+    if kind == "file" and path.is_dir():
+        raise ConfigError(f"{flag}={value!r} is a folder")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag}={value!r} cannot be created: {parent} is a file, not a folder")
+            if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"{flag}={value!r} cannot be created: {parent} is not writable")
+            return
+
+
+def check_outputs(args) -> None:
+    """Fail before training, not after, on values and output paths that cannot work."""
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ConfigError(f"peak_tflops={args.peak_tflops} must be positive")
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
+        raise ConfigError(f"keep_checkpoints={args.keep_checkpoints} must be at least 1")
+    if (args.finetune or args.no_load_optim or args.override_data_config) and not args.load:
+        flag = "finetune" if args.finetune else "no_load_optim" if args.no_load_optim else "override_data_config"
+        raise ConfigError(f"{flag}=True needs --load")
+    check_data_flags(args)
+    if args.metrics_file:
+        _check_path("metrics_file", args.metrics_file, "file")
+    for name in ("plot_dir", "save", "data_cache_path"):
+        if getattr(args, name):
+            _check_path(name, getattr(args, name), "folder")
+    if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
+        raise ConfigError(f"load={args.load!r} exists and is not a folder")
+
+
+def check_backend(model_cfg: ModelConfig) -> None:
+    import jax
+
+    if model_cfg.attention_backend == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"attention_backend='cudnn' needs a GPU; this JAX backend is {jax.default_backend()!r} (use xla or pallas)"
+        )
