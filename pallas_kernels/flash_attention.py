@@ -217,7 +217,9 @@ def _forward(q, k, v, causal, scale, blocks, kv_len, interpret):
     )(q, k, v)
 
 
-def _backward(q, k, v, o, lse, do, causal, scale, blocks, kv_len, interpret):
+def _backward(residuals, do, causal, scale, blocks, kv_len, interpret):
+    """(dq, dk, dv) from the forward's residuals (q, k, v, o, lse) and the output's cotangent `do`."""
+    q, k, v, o, lse = residuals
     B, S, H, K = q.shape
     rows_q, rows_k, whole, vec_q, vec_whole = _specs(B, S, H, K, blocks)
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))  # rowsum(dO ∘ O)
@@ -256,8 +258,7 @@ def _flash_fwd(q, k, v, causal, scale, blocks, kv_len, interpret):
 
 
 def _flash_bwd(causal, scale, blocks, kv_len, interpret, residuals, do):
-    q, k, v, o, lse = residuals
-    return _backward(q, k, v, o, lse, do, causal, scale, blocks, kv_len, interpret)
+    return _backward(residuals, do, causal, scale, blocks, kv_len, interpret)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ptd_jax.config import ConfigError, ModelConfig
-from ptd_jax.inference.generate import generate
+from ptd_jax.inference.generate import Sampling, generate
 
 
 def pick_tokenizer(args, cfg: ModelConfig, meta: dict):
@@ -107,10 +107,7 @@ def main(argv=None) -> int:
             ids[None],
             cfg,
             args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
+            Sampling(args.temperature, args.top_k, args.top_p, args.seed),
             tensor_parallel_size=tensor_parallel_size(args, cfg, meta),
         )[0]
     except (ConfigError, DataError) as err:

@@ -253,22 +253,36 @@ def split_global_batch(
     return array.reshape(num_microbatches, data_parallel_size, micro_batch_size, *array.shape[1:])
 
 
+@dataclass(frozen=True)
+class PerSplit:
+    """--train-data-path / --valid-data-path / --test-data-path: each a prefix or a blend's words, used whole."""
+
+    train: object
+    valid: object = None
+    test: object = None
+
+
+@dataclass(frozen=True)
+class MockData:
+    """--mock-data: random tokens of the model's vocabulary (`mock.py`), no files."""
+
+
 class GPTData:
     """The train and validation streams of the data. `train_batch(i)` is global batch i (samples [i·B, (i+1)·B) of
     the training stream), `train_samples(first, count)` any range of it, and `valid_batches()` the same
     `eval_iters` batches of the validation stream at every evaluation. Nothing depends on the number of
     iterations; `data_config()` names what the streams do depend on.
 
-    The data is one of (Megatron's flags): `prefix` (--data-path), one prefix or a blend's words
-    "w1 prefix1 w2 prefix2 ..." (`blend.py`), each prefix cut by `split`; `train_path`, `valid_path`,
-    `test_path` (--train-data-path ...), each a prefix or a blend, whole (no split; the test stream is opened and
-    checked, and nothing evaluates it); or `mock` (--mock-data, `mock.py`). Train, validation and test are
+    The data, `source`, is one of (Megatron's flags): a prefix (--data-path), one prefix or a blend's words
+    "w1 prefix1 w2 prefix2 ..." (`blend.py`), each prefix cut by `split`; a `PerSplit` (--train-data-path ...),
+    each a prefix or a blend, whole (no split; the test stream is opened and checked, and nothing evaluates it);
+    or `MockData()` (--mock-data, `mock.py`). Train, validation and test are
     streams 0, 1 and 2 of each dataset. In a blend, a dataset whose validation range is empty is left out of the
     validation blend (the others' weights renormalised)."""
 
     def __init__(
         self,
-        prefix=None,
+        source=None,
         *,
         seq_length: int,
         global_batch_size: int,
@@ -277,27 +291,23 @@ class GPTData:
         split: str = "969,30,1",
         vocab_size: int | None = None,
         cache_dir=None,
-        train_path=None,
-        valid_path=None,
-        test_path=None,
-        mock: bool = False,
     ):
+        mock = isinstance(source, MockData)
+        per_split = source if isinstance(source, PerSplit) else None
+        prefix = None if mock or per_split else source
         self.split, self.seed, self.seq_length = split, seed, seq_length
         self.global_batch_size, self.eval_iters = global_batch_size, eval_iters
         self.vocab_size, self.cache_dir, self.mock = vocab_size, cache_dir, mock
         self.valid = self.test = None
-        if sum([prefix is not None, train_path is not None, bool(mock)]) != 1:
-            raise DataError(
-                f"give one of a data path, a train data path and mock data: got data_path={prefix!r}, "
-                f"train_data_path={train_path!r}, mock_data={mock}"
-            )
+        if prefix is None and not mock and (per_split is None or per_split.train is None):
+            raise DataError(f"give one of a data path, a train data path and mock data: got {source=}")
         if mock:
             self.name = f"mock data (random tokens of V={vocab_size})"
             self.train = MockDataset(vocab_size, seq_length, seed, TRAIN_STREAM)
             self.valid = MockDataset(vocab_size, seq_length, seed, VALID_STREAM) if eval_iters > 0 else None
             self._config = {"mock_data": True, "vocab_size": vocab_size}
-        elif train_path is not None:
-            self._open_per_split(train_path, valid_path, test_path)
+        elif per_split is not None:
+            self._open_per_split(per_split.train, per_split.valid, per_split.test)
         else:
             self._open_split(prefix)
 

@@ -13,6 +13,7 @@ KV cache (`inference/decode.py`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -39,23 +40,36 @@ def sample(logits_BxV, key, temperature: float, top_k: int | None, top_p: float 
     return jax.random.categorical(key, logits, axis=-1)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits (Megatron's and HF's flags): temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def check(self) -> None:
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not 0 <= t < math.inf or (p is not None and not 0 < p <= 1) or (k is not None and k < 1):
+            raise ConfigError(f"temperature={t} must be >= 0, top_k={k} >= 1 and top_p={p} in (0, 1]")
+
+
 def generate(
     params,
     prompt_BxP,
     cfg: ModelConfig,
     max_new_tokens: int,
+    sampling: Sampling = Sampling(),
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
     tensor_parallel_size: int = 1,
     devices=None,
     return_logits: bool = False,
 ):
-    """Prompt ids [B, P] -> [B, P + max_new_tokens] (float32 compute, no dropout); with `return_logits`, also the
-    logits [B, max_new_tokens, V] each new token was drawn from. `tensor_parallel_size` t > 1 runs the steps on t
-    of `devices` (default: jax.devices()), heads and the KV cache split over them (`inference/decode.py`)."""
+    """Prompt ids [B, P] -> [B, P + max_new_tokens] (float32 compute, no dropout), tokens drawn by `sampling`;
+    with `return_logits`, also the logits [B, max_new_tokens, V] each new token was drawn from.
+    `tensor_parallel_size` t > 1 runs the steps on t of `devices` (default: jax.devices()), heads and the KV cache
+    split over them (`inference/decode.py`)."""
     prompt = np.asarray(prompt_BxP, np.int32)
     B, P = prompt.shape
     total = P + max_new_tokens
@@ -66,12 +80,7 @@ def generate(
             f"the prompt of {P} tokens + max_new_tokens={max_new_tokens} = {total} exceeds the "
             f"model's {cfg.max_positions} positions"
         )
-    if (
-        not 0 <= temperature < math.inf
-        or (top_p is not None and not 0 < top_p <= 1)
-        or (top_k is not None and top_k < 1)
-    ):
-        raise ConfigError(f"temperature={temperature} must be >= 0, top_k={top_k} >= 1 and top_p={top_p} in (0, 1]")
+    sampling.check()
     cfg = cfg.replace(
         dtype="float32", fused_kernels=False, attention_backend="xla", hidden_dropout=0.0, attention_dropout=0.0
     )
@@ -89,11 +98,11 @@ def generate(
 
     tokens, drawn_from = [prompt], []
     logits, caches = step(jnp.asarray(prompt), caches, 0)
-    key = jax.random.key(seed)
+    key = jax.random.key(sampling.seed)
     for i in range(max_new_tokens):
         key, k = jax.random.split(key)
         drawn_from.append(np.asarray(logits))
-        nxt = np.asarray(sample(logits, k, temperature, top_k, top_p), np.int32)[:, None]
+        nxt = np.asarray(sample(logits, k, sampling.temperature, sampling.top_k, sampling.top_p), np.int32)[:, None]
         tokens.append(nxt)
         if i + 1 < max_new_tokens:
             logits, caches = step(jnp.asarray(nxt), caches, P + i)

@@ -18,6 +18,8 @@ the weights of t = 1.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,34 +94,6 @@ def state_specs(optimizer, state, parallel: ParallelConfig | None, pipelined: bo
     return {**specs, "params": params, "opt_state": sharding.opt_state_specs(optimizer, state["opt_state"], params)}
 
 
-def _one_microbatch(params, tokens, labels, mask, model_cfg, parallel, recompute, key, scale):
-    """Per-rank float32 loss and gradient of the one microbatch (not yet reduced over data), both multiplied by
-    the loss scale (dividing by total_tokens / scale seeds the backward with scale / total_tokens). More
-    microbatches run through the executor's table (`accumulation_schedule`)."""
-    if tokens.shape[0] != 1:
-        raise ValueError(f"{tokens.shape[0]=} microbatches need a schedule table (`accumulation_schedule`)")
-    acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
-    total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
-
-    def loss_fn(p):
-        return (
-            tp.loss_sum(
-                p,
-                tokens[0],
-                labels[0],
-                mask[0],
-                model_cfg,
-                sequence_parallel=parallel.sequence_parallel,
-                key=jax.random.fold_in(key, 0) if key is not None else None,
-                recompute=recompute,
-            )
-            / total_tokens
-        )
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(gpt.acc_dtype(x.dtype)), grads, params)
-
-
 def _pipeline_layout(param_specs) -> bool:
     """Whether the layers are stored in the pipeline layout [v, p, k, ...] (`sharding.stage_layers`): their specs
     name "pipe"."""
@@ -133,64 +107,97 @@ def _replicated_axes(param_specs, parallel: ParallelConfig):
     )
 
 
-def loss_and_grads(
-    params,
-    tokens,
-    labels,
-    mask,
-    key,
-    *,
-    model_cfg: ModelConfig,
-    parallel: ParallelConfig,
-    recompute: str,
-    param_specs,
-    sched=None,
-    scatter_gather: bool = True,
-    loss_scale=None,
-    scatter_dims=None,
-    norm_specs=None,
-):
+@dataclass(frozen=True)
+class GradPlan:
+    """How a step computes its loss and gradients: everything `loss_and_grads` needs but the data."""
+
+    model_cfg: ModelConfig
+    parallel: ParallelConfig
+    param_specs: Any
+    """The params' specs without the "data" split (the gradients' reduction axes come from them)."""
+    recompute: str = "none"
+    sched: Any = None
+    """The table the microbatches run through (`accumulation_schedule`); None: one microbatch, no table."""
+    scatter_dims: Any = None
+    """The distributed optimizer: reduce-scatter each gradient over "data" on that dim
+    (`distributed_optimizer.scatter_grads`)."""
+    norm_specs: Any = None
+    """The specs the global norm counts by (with the "data" split under the distributed optimizer); None:
+    `param_specs`."""
+
+
+def loss_and_grads(params, tokens, labels, mask, key, plan: GradPlan, loss_scale=None):
     """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm). With a
     `loss_scale` the backward runs on the scaled loss and loss and gradients are unscaled (float32) before the
-    norm. `scatter_dims` (the distributed optimizer): reduce-scatter each gradient over "data" on that dim
-    (`distributed_optimizer.scatter_grads`); `param_specs` stay the specs without the "data" split, so the norm
-    returned is the global one only with `norm_specs`, the specs with the "data" split)."""
-    axes = _replicated_axes(param_specs, parallel)
+    norm."""
+    parallel = plan.parallel
+    axes = _replicated_axes(plan.param_specs, parallel)
     varying = mark_tree(params, axes)
     scale = jnp.ones((), jnp.float32) if loss_scale is None else loss_scale
-    if sched is None:
-        loss, grads = _one_microbatch(varying, tokens, labels, mask, model_cfg, parallel, recompute, key, scale)
+    acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
+    # the loss is the token sum over the global count: dividing by total_tokens / scale seeds scale / total_tokens
+    total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
+    batch = executor.StepInputs(tokens, labels, mask, total_tokens)
+    if plan.sched is None:
+        loss, grads = _one_microbatch(varying, batch, plan, key, scale)
         loss = jax.lax.psum(loss, DATA)
     else:
-        acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
-        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
-        staged = not _pipeline_layout(param_specs)
+        staged = not _pipeline_layout(plan.param_specs)
         if staged:  # the p = 1 accumulation table: layers [L, ...] as the executor's one chunk [1, 1, L, ...]
             varying = {**varying, "layers": sharding.stage_layers(varying["layers"], 1, 1)}
         opts = executor.Options(
-            model_cfg,
+            plan.model_cfg,
             sequence_parallel=parallel.sequence_parallel,
-            scatter_gather=scatter_gather,
-            recompute=recompute,
+            scatter_gather=parallel.scatter_gather,
+            recompute=plan.recompute,
             branching=parallel.pipeline_branching,
             key=key,
         )
-        loss, grads = executor.accumulate(varying, executor.StepInputs(tokens, labels, mask, total_tokens), sched, opts)
+        loss, grads = executor.accumulate(varying, batch, plan.sched, opts)
         if staged:
             grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
         loss = jax.lax.psum(loss, DATA if staged else (DATA, PIPE))
-    if scatter_dims is not None:  # "data" by reduce-scatter, the other axes as usual
+    if plan.scatter_dims is not None:  # "data" by reduce-scatter, the other axes as usual
         axes = jax.tree.map(lambda a: tuple(x for x in a if x != DATA), axes, is_leaf=lambda a: isinstance(a, tuple))
     grads = jax.tree.map(
         lambda a, g: jax.lax.psum(g, a) if a else g, axes, grads, is_leaf=lambda a: isinstance(a, tuple)
     )
-    if scatter_dims is not None:
-        grads = distributed_optimizer.scatter_grads(grads, scatter_dims)
+    if plan.scatter_dims is not None:
+        grads = distributed_optimizer.scatter_grads(grads, plan.scatter_dims)
     if loss_scale is not None:
         loss, grads = unscale(loss, grads, scale)
     # float32 for float32 or 16-bit params (the gathered copy is 16-bit under the distributed optimizer)
     grads = jax.tree.map(lambda g, p: g.astype(gpt.acc_dtype(p.dtype)), grads, params)
-    return loss, grads, sharding.global_norm(grads, param_specs if norm_specs is None else norm_specs)
+    return loss, grads, sharding.global_norm(grads, plan.param_specs if plan.norm_specs is None else plan.norm_specs)
+
+
+def _one_microbatch(params, batch: executor.StepInputs, plan: GradPlan, key, scale):
+    """Per-rank float32 loss and gradient of the one microbatch (not yet reduced over data), both multiplied by
+    the loss scale (dividing by total_tokens / scale seeds the backward with scale / total_tokens). More
+    microbatches run through the executor's table (`accumulation_schedule`)."""
+    tokens, labels, mask = batch.tokens, batch.labels, batch.mask
+    if tokens.shape[0] != 1:
+        raise ValueError(f"{tokens.shape[0]=} microbatches need a schedule table (`accumulation_schedule`)")
+    acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
+    total_tokens = batch.total_tokens
+
+    def loss_fn(p):
+        return (
+            tp.loss_sum(
+                p,
+                tokens[0],
+                labels[0],
+                mask[0],
+                plan.model_cfg,
+                sequence_parallel=plan.parallel.sequence_parallel,
+                key=jax.random.fold_in(key, 0) if key is not None else None,
+                recompute=plan.recompute,
+            )
+            / total_tokens
+        )
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return loss.astype(acc), jax.tree.map(lambda g, x: g.astype(gpt.acc_dtype(x.dtype)), grads, params)
 
 
 def pipeline_schedule(parallel: ParallelConfig):
@@ -231,23 +238,11 @@ def make_parallel_grad_step(
     scatter_gather: bool = True,
 ):
     """jit(params, tokens, labels, mask) -> (loss, grads, grad_norm), for comparing with the reference."""
-    parallel = on_mesh(parallel, mesh)
-    sched = accumulation_schedule(parallel)
+    parallel = dataclasses.replace(on_mesh(parallel, mesh), scatter_gather=scatter_gather)
+    plan = GradPlan(model_cfg, parallel, param_specs, recompute, accumulation_schedule(parallel))
 
     def body(params, tokens, labels, mask):
-        return loss_and_grads(
-            params,
-            tokens,
-            labels,
-            mask,
-            None,
-            model_cfg=model_cfg,
-            parallel=parallel,
-            recompute=recompute,
-            param_specs=param_specs,
-            sched=sched,
-            scatter_gather=scatter_gather,
-        )
+        return loss_and_grads(params, tokens, labels, mask, None, plan)
 
     batch = sharding.BATCH_SPEC
     return jax.jit(
@@ -278,7 +273,15 @@ def make_parallel_train_step(
     specs = state_specs(optimizer, state, parallel, pipelined=pipelined)
     distributed = specs["params"] != sharding.param_specs(state["params"], pipelined)
     dims = distributed_optimizer.data_dims(specs["params"]) if distributed else None
-    plain_specs = sharding.param_specs(state["params"], pipelined)
+    plan = GradPlan(
+        model_cfg,
+        parallel,
+        sharding.param_specs(state["params"], pipelined),
+        train_cfg.recompute_granularity,
+        sched,
+        scatter_dims=dims,
+        norm_specs=specs["params"],
+    )
 
     def step(state, tokens, labels, mask, key):
         params = state["params"]
@@ -288,22 +291,8 @@ def make_parallel_train_step(
             key = jax.random.fold_in(jax.random.fold_in(key, state["step"]), jax.lax.axis_index(DATA))
         else:
             key = None
-        loss, grads, grad_norm = loss_and_grads(
-            params,
-            tokens,
-            labels,
-            mask,
-            key,
-            model_cfg=model_cfg,
-            parallel=parallel,
-            recompute=train_cfg.recompute_granularity,
-            param_specs=plain_specs,
-            sched=sched,
-            scatter_gather=parallel.scatter_gather,
-            loss_scale=current_scale(state) if "loss_scale" in state else None,
-            scatter_dims=dims,
-            norm_specs=specs["params"],
-        )
+        scale = current_scale(state) if "loss_scale" in state else None
+        loss, grads, grad_norm = loss_and_grads(params, tokens, labels, mask, key, plan, scale)
         if poison_steps:  # the test hook: a poisoned step's norm is inf, as a real overflow's
             loss, grads = poison(loss, grads, state["step"], poison_steps)
             grad_norm = sharding.global_norm(grads, specs["params"])

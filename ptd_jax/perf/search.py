@@ -58,14 +58,11 @@ def make_parallel(
     b: int,
     global_batch_size: int,
     layers_per_virtual_stage: int | None = None,
-    *,
-    sequence_parallel: bool = False,
-    use_distributed_optimizer: bool = False,
-    scatter_gather: bool = True,
-    schedule: str | None = None,
+    **fields,
 ) -> ParallelConfig:
-    """A `ParallelConfig` the way ptd-train builds one from Megatron's flags (raises ConfigError naming values);
-    `schedule` None: ptd-train's, interleaved with layers per virtual stage, else 1F1B."""
+    """A `ParallelConfig` the way ptd-train builds one from Megatron's flags (raises ConfigError naming values).
+    `fields`: other `ParallelConfig` fields (sequence_parallel, use_distributed_optimizer, scatter_gather, ...), and
+    `schedule`: None gives ptd-train's default, interleaved with layers per virtual stage, else 1F1B."""
     v = 1
     if layers_per_virtual_stage is not None:
         if layers_per_virtual_stage < 1 or cfg.num_layers % (layers_per_virtual_stage * p):
@@ -74,8 +71,10 @@ def make_parallel(
                 f"stage={layers_per_virtual_stage} x pipeline_model_parallel_size={p}"
             )
         v = cfg.num_layers // (layers_per_virtual_stage * p)
+    schedule = fields.pop("schedule", None)
     if schedule is None:
         schedule = INTERLEAVED if layers_per_virtual_stage is not None else ParallelConfig.pipeline_schedule
+    fields["sequence_parallel"] = fields.get("sequence_parallel", False) and t > 1
     parallel = ParallelConfig.for_devices(
         num_gpus,
         tensor_model_parallel_size=t,
@@ -84,9 +83,7 @@ def make_parallel(
         pipeline_schedule=schedule,
         micro_batch_size=b,
         global_batch_size=global_batch_size,
-        sequence_parallel=sequence_parallel and t > 1,
-        use_distributed_optimizer=use_distributed_optimizer,
-        scatter_gather=scatter_gather,
+        **fields,
     )
     parallel.check_model(cfg)
     return parallel

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -93,29 +94,30 @@ def time_alternating(steps: dict, rounds: int, cpu_times: dict | None = None) ->
     return times
 
 
-def prepare_2m(state, batch, key, mesh, model_cfg, parallel: ParallelConfig, train_cfg, optimizer):
+@dataclass(frozen=True)
+class StepBuild:
+    """What builds the run's train step (`parallel.step.make_parallel_train_step`): the 2m step is built alike."""
+
+    mesh: Any
+    model_cfg: Any
+    parallel: ParallelConfig
+    train_cfg: Any
+    optimizer: Any
+
+
+def prepare_2m(state, batch, key, build: StepBuild):
     """(the train step at 2m, compiled; the batch twice): the part of the measurement that may fail on its own in
     one process (a second program and batch that need not fit where the run does) and runs no collective."""
     from ptd_jax.parallel.step import make_parallel_train_step
 
     twice = tuple(_twice(x) for x in batch)
-    step_2m = make_parallel_train_step(mesh, model_cfg, doubled(parallel), train_cfg, optimizer, state)
+    step_2m = make_parallel_train_step(
+        build.mesh, build.model_cfg, doubled(build.parallel), build.train_cfg, build.optimizer, state
+    )
     return step_2m.lower(state, *twice, key).compile(), twice
 
 
-def measure(
-    train_step,
-    state,
-    batch,
-    key,
-    mesh,
-    model_cfg,
-    parallel: ParallelConfig,
-    train_cfg,
-    optimizer,
-    rounds: int = 3,
-    prepared=None,
-) -> dict:
+def measure(train_step, state, batch, key, build: StepBuild, rounds: int = 3, prepared=None) -> dict:
     """Time the run's `train_step` (at m) and the same step built at 2m on copies of `state` and a batch of the
     run (tokens, labels, mask [M, d·b, S]; the 2m batch is the batch twice). Returns the two-point split, both
     medians, the simulated bubble and its two-point figure. `prepared`: what `prepare_2m` returned (None: built
@@ -125,7 +127,8 @@ def measure(
     from ptd_jax.parallel.step import pipeline_schedule
 
     start = time.perf_counter()
-    step_2m, twice = prepared or prepare_2m(state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer)
+    parallel = build.parallel
+    step_2m, twice = prepared or prepare_2m(state, batch, key, build)
 
     def fresh(b):
         return lambda: (jax.tree.map(lambda x: x.copy(), state), *b, key)  # the steps donate their state
@@ -186,18 +189,7 @@ at 2m)."""
 
 
 def after_first_step(
-    enabled: bool | None,
-    train_step,
-    state,
-    batch,
-    key,
-    mesh,
-    model_cfg,
-    parallel: ParallelConfig,
-    train_cfg,
-    optimizer,
-    iterations_left: int,
-    message,
+    enabled: bool | None, train_step, state, batch, key, build: StepBuild, iterations_left: int, message
 ) -> dict | None:
     """The training loop's hook: measure and `message` the banner line, or return None when not measuring.
 
@@ -207,7 +199,7 @@ def after_first_step(
     longer pair up and the run would hang with its heartbeats alive. The agreement covers a failure while building
     the step (compiling, allocating its state); one process failing *inside* the 2m step's collectives still leaves
     the others waiting there, as any collective failing on one process does."""
-    if parallel.pipeline_model_parallel_size == 1:
+    if build.parallel.pipeline_model_parallel_size == 1:
         return None
     if enabled is None:
         enabled = iterations_left >= AUTO_MIN_ITERATIONS
@@ -215,12 +207,10 @@ def after_first_step(
         return None
     import jax
 
-    prepared, err = _attempt(prepare_2m, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer)
+    prepared, err = _attempt(prepare_2m, state, batch, key, build)
     if _skipped_by_any(err, message):
         return None
-    result, err = _attempt(
-        measure, train_step, state, batch, key, mesh, model_cfg, parallel, train_cfg, optimizer, prepared=prepared
-    )
+    result, err = _attempt(measure, train_step, state, batch, key, build, prepared=prepared)
     if _skipped_by_any(err, message):
         return None
     message(describe(result, fake_devices=jax.devices()[0].platform == "cpu"))

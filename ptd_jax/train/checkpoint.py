@@ -247,12 +247,12 @@ def restore(
     model_cfg: ModelConfig,
     parallel: ParallelConfig,
     mesh,
-    load_optim: bool = True,
-    iteration: int = 0,
+    fresh_optimizer_at: int | None = None,
 ):
     """{"params", "opt_state"} of step `step` of `directory`, in the layout (and shardings) of `like_state`.
-    Without `load_optim` the optimizer state of `like_state` is kept (Megatron's --no-load-optim), its schedule
-    counter set to `iteration`."""
+    `fresh_optimizer_at`: an iteration to keep the optimizer state of `like_state` instead (Megatron's
+    --no-load-optim), its schedule counter set to that iteration (None: the checkpoint's optimizer state)."""
+    load_optim = fresh_optimizer_at is None
     pipelined = _pipelined(parallel)
     p, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages
     body = {"params": like_state["params"]}
@@ -291,7 +291,7 @@ def restore(
     out_shardings = jax.tree.map(lambda x: x.sharding, body)
     state = jax.jit(to_layout, out_shardings=out_shardings)(restored)
     if not load_optim:  # fresh moments, but the learning rate goes on from the checkpoint's iteration
-        state["opt_state"] = at_schedule_step(like_state["opt_state"], iteration)
+        state["opt_state"] = at_schedule_step(like_state["opt_state"], fresh_optimizer_at)
     return state
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ptd_jax import model as gpt
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from ptd_jax.data import GPTData, local_rows, microbatches
+from ptd_jax.data import GPTData, MockData, PerSplit, local_rows, microbatches
 from ptd_jax.data.corpus import default_corpus
 from ptd_jax.data.loader import prefetch
 from ptd_jax.loss_scale import to_meta as loss_scale_meta
@@ -141,48 +141,47 @@ def train(
     5. Summarise: medians over the timed records (`_summary`)."""
     options = options or RunOptions()
     parallel.check_model(model_cfg)
-    run = _prepare(model_cfg, parallel, train_cfg, options)
+    run, progress = _prepare(model_cfg, parallel, train_cfg, options)
     _announce(run)
     timer = StepTimer(jax.block_until_ready)
-    _loop(run, _hooks(run, timer), timer)
-    return _summary(run, timer)
+    _loop(run, progress, _hooks(run, progress, timer), timer)
+    return _summary(run, progress, timer)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Run:
-    """One run's fixed parts (configs, data, steps, logger) and its progress (state, iteration, results)."""
+    """One run's fixed parts, built once by `_prepare`: configs, data, mesh, steps, logger, checkpointer, and where
+    it starts. What changes as it goes is its `_Progress`."""
 
     model_cfg: ModelConfig
     parallel: ParallelConfig
     train_cfg: TrainConfig
     options: RunOptions
     data: GPTData
-    data_path: str
     mesh: object
     optimizer: object
-    state: dict
-    dropout_key: object
-    start: int
-    consumed: int
     train_step: object
     eval_step: object
     logger: MetricsLogger
+    saver: object
+    """The checkpointer (`checkpoint.Checkpointer`), None without --save."""
+    dropout_key: object
+    start: int
+    """The iteration the run starts from (0, or a resumed checkpoint's)."""
+    consumed: int
+    """Samples the stream had given out at `start`."""
     primary: bool
-    num_params: int = 0
-    ranks: list = field(default_factory=list)
-    rows: object = None
-    sched: object = None
-    flops: dict = field(default_factory=dict)
-    peak: float = 0.0
-    peak_source: str = ""
-    device_kind: str = ""
-    saver: object = None
-    skips: SkipCounter | None = None
-    done: int = 0
-    records: list = field(default_factory=list)
-    first_loss: float | None = None
-    exit_reason: str | None = None
-    measured_bubble: dict | None = None
+    """Process 0: the one that prints and writes metrics."""
+    num_params: int
+    ranks: list
+    """This process's data ranks: it reads only their rows (`rows`), and the global arrays are assembled from them."""
+    rows: object
+    sched: object
+    """The pipeline's schedule table, None without pipelining."""
+    flops: dict
+    peak: float
+    peak_source: str
+    device_kind: str
 
     def to_devices(self, batch):
         """The batch cut into microbatches and, for the shard_map step, assembled into global arrays from this
@@ -197,7 +196,7 @@ class _Run:
         B = self.parallel.global_batch_size
         return self.to_devices(self.data.train_samples(self.consumed + (iteration - self.start) * B, B, self.rows))
 
-    def save(self, done: int) -> None:
+    def save(self, state, done: int) -> None:
         consumed = self.consumed + (done - self.start) * self.parallel.global_batch_size
         meta = checkpoint.run_meta(
             self.model_cfg,
@@ -208,34 +207,33 @@ class _Run:
             data_config=self.data.data_config(),
             tokenizer=self.options.tokenizer,
         )
-        if not bool(state_is_finite(self.state)):  # the guards keep this from happening; never write it if it does
+        if not bool(state_is_finite(state)):  # the guards keep this from happening; never write it if it does
             self.logger.message(
                 f"ptd_jax: not saving iteration {done}: the parameters or optimizer state are not finite"
             )
             return
-        self.saver.save(done, self.state, {**meta, "loss_scale": loss_scale_meta(self.state.get("loss_scale"))})
+        self.saver.save(done, state, {**meta, "loss_scale": loss_scale_meta(state.get("loss_scale"))})
 
 
-def _prepare(model_cfg, parallel, train_cfg, options) -> _Run:
+@dataclass
+class _Progress:
+    """What changes as the run goes: the training state, the last iteration done, the log records, and what the
+    hooks found."""
+
+    state: dict
+    done: int
+    skips: SkipCounter
+    records: list = field(default_factory=list)
+    first_loss: float | None = None
+    exit_reason: str | None = None
+    measured_bubble: dict | None = None
+
+
+def _prepare(model_cfg, parallel, train_cfg, options) -> tuple[_Run, _Progress]:
     """The data, the state (fresh or restored), the steps and the logger; refusals come first."""
     messages: list[str] = []
     resume = resume_point(options, model_cfg, train_cfg, messages)  # refusals first: before data or devices
-    default = not (options.data_path or options.train_data_path or options.mock_data)
-    data = GPTData(
-        default_corpus(progress=options.progress) if default else options.data_path or None,
-        seq_length=model_cfg.seq_length,
-        global_batch_size=parallel.global_batch_size,
-        eval_iters=train_cfg.eval_iters,
-        seed=train_cfg.seed,
-        split=options.split,
-        vocab_size=model_cfg.vocab_size,
-        cache_dir=options.data_cache_path,
-        train_path=options.train_data_path,
-        valid_path=options.valid_data_path,
-        test_path=options.test_data_path,
-        mock=options.mock_data,
-    )
-    data_path = data.name
+    data = _open_data(model_cfg, parallel, train_cfg, options)
     if resume is not None and not options.finetune:
         check_data_config(options, resume[0], resume[1]["data"], data.data_config(), messages)
     optimizer = make_optimizer(train_cfg)
@@ -243,46 +241,20 @@ def _prepare(model_cfg, parallel, train_cfg, options) -> _Run:
     state, dropout_key, start, consumed = _initial_state(
         model_cfg, parallel, train_cfg, options, optimizer, mesh, resume, messages
     )
-    num_params = gpt.count_params(state["params"])
     train_step, eval_step = _steps(model_cfg, parallel, train_cfg, options, optimizer, mesh, state)
     primary = jax.process_index() == 0  # only process 0 prints and writes metrics
-    run = _Run(
-        model_cfg,
-        parallel,
-        train_cfg,
-        options,
-        data,
-        data_path,
-        mesh,
-        optimizer,
-        state,
-        dropout_key,
-        start,
-        consumed,
-        train_step,
-        eval_step,
-        logger=None,
-        primary=primary,
-        num_params=num_params,
-        done=start,
+    device = jax.local_devices()[0]
+    peak, peak_source = device_peak_tflops(
+        device.device_kind, model_cfg.dtype in ("bfloat16", "float16"), options.peak_tflops, jax.local_device_count()
     )
-    run.peak, run.peak_source = device_peak_tflops(
-        jax.local_devices()[0].device_kind,
-        model_cfg.dtype in ("bfloat16", "float16"),
-        options.peak_tflops,
-        jax.local_device_count(),
-    )
-    run.device_kind = jax.local_devices()[0].device_kind
     if data.valid is None and train_cfg.eval_iters > 0 and primary:
         print(
-            f"ptd_jax: warning: the validation split of {data_path} is empty (split={options.split}); "
+            f"ptd_jax: warning: the validation split of {data.name} is empty (split={options.split}); "
             f"no validation loss will be reported",
             file=sys.stderr,
         )
-    # each process reads only its data ranks' rows, and the global arrays are assembled from them
-    run.ranks = multiprocess.local_data_ranks(mesh)
-    run.rows = None if len(run.ranks) == parallel.data_parallel_size else local_rows(parallel, run.ranks)
-    run.logger = MetricsLogger(
+    ranks = multiprocess.local_data_ranks(mesh)
+    logger = MetricsLogger(
         train_cfg.train_iters,
         start_iter=start,
         quiet=not primary,
@@ -290,11 +262,11 @@ def _prepare(model_cfg, parallel, train_cfg, options) -> _Run:
         progress=options.progress and primary,
     )
     for text in messages:
-        run.logger.message(text)
-    run.sched = pipeline_schedule(parallel) if parallel.pipeline_model_parallel_size > 1 else None
-    run.flops = iteration_flops(model_cfg, parallel, train_cfg, run.sched)
-    run.saver = (
-        checkpoint.Checkpointer(
+        logger.message(text)
+    sched = pipeline_schedule(parallel) if parallel.pipeline_model_parallel_size > 1 else None
+    saver = None
+    if options.save:
+        saver = checkpoint.Checkpointer(
             options.save,
             optimizer=optimizer,
             model_cfg=model_cfg,
@@ -303,10 +275,52 @@ def _prepare(model_cfg, parallel, train_cfg, options) -> _Run:
             async_save=options.async_save,
             mesh=mesh,
         )
-        if options.save
-        else None
+    run = _Run(
+        model_cfg,
+        parallel,
+        train_cfg,
+        options,
+        data,
+        mesh,
+        optimizer,
+        train_step,
+        eval_step,
+        logger,
+        saver,
+        dropout_key,
+        start,
+        consumed,
+        primary,
+        num_params=gpt.count_params(state["params"]),
+        ranks=ranks,
+        rows=None if len(ranks) == parallel.data_parallel_size else local_rows(parallel, ranks),
+        sched=sched,
+        flops=iteration_flops(model_cfg, parallel, train_cfg, sched),
+        peak=peak,
+        peak_source=peak_source,
+        device_kind=device.device_kind,
     )
-    return run
+    return run, _Progress(state, start, SkipCounter(train_cfg.max_skipped_iters))
+
+
+def _open_data(model_cfg, parallel, train_cfg, options) -> GPTData:
+    """The sample streams of --data-path, the per-split paths or --mock-data; the embedded corpus by default."""
+    if options.mock_data:
+        source = MockData()
+    elif options.train_data_path:
+        source = PerSplit(options.train_data_path, options.valid_data_path, options.test_data_path)
+    else:
+        source = options.data_path or default_corpus(progress=options.progress)
+    return GPTData(
+        source,
+        seq_length=model_cfg.seq_length,
+        global_batch_size=parallel.global_batch_size,
+        eval_iters=train_cfg.eval_iters,
+        seed=train_cfg.seed,
+        split=options.split,
+        vocab_size=model_cfg.vocab_size,
+        cache_dir=options.data_cache_path,
+    )
 
 
 def _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh, resume, messages):
@@ -329,6 +343,7 @@ def _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh, res
         start, consumed = meta["iteration"], meta["consumed_samples"]
         dropout_key = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
     load_optim = options.load_optim and not options.finetune
+    fresh_at = None if load_optim else 0 if options.finetune else checkpoint.schedule_step(meta)
     state = checkpoint.set_step(
         checkpoint.restore(
             options.load,
@@ -338,8 +353,7 @@ def _initial_state(model_cfg, parallel, train_cfg, options, optimizer, mesh, res
             model_cfg=model_cfg,
             parallel=parallel,
             mesh=mesh,
-            load_optim=load_optim,
-            iteration=0 if options.finetune else checkpoint.schedule_step(meta),
+            fresh_optimizer_at=fresh_at,
         ),
         start,
         mesh,
@@ -375,7 +389,7 @@ def _announce(run: _Run) -> None:
         f"t={parallel.tensor_model_parallel_size}, B={parallel.global_batch_size} b={parallel.micro_batch_size} "
         f"m={parallel.num_microbatches}, {model_cfg.dtype}, attention {model_cfg.attention_backend}, fused "
         f"LayerNorm/loss kernels {'on' if model_cfg.fused_kernels else 'off'}, peak {run.peak:.3g} TFLOP/s/device "
-        f"({run.peak_source}), data {run.data_path}"
+        f"({run.peak_source}), data {run.data.name}"
     )
     if sched is not None:
         sim = sched.simulate()
@@ -394,41 +408,39 @@ def _announce(run: _Run) -> None:
     )
 
 
-def _hooks(run: _Run, timer: StepTimer) -> Hooks:
+def _hooks(run: _Run, progress: _Progress, timer: StepTimer) -> Hooks:
     """After each step, in this order: the bubble measurement (after the first), the progress bar, the log record,
     the validation loss, the checkpoint."""
     cfg = run.train_cfg
     hooks = Hooks()
-    hooks.add_hook(lambda info: _after_first_step(run, info), first=True)
+    hooks.add_hook(lambda info: _after_first_step(run, progress, info), first=True)
     hooks.add_hook(lambda info: run.logger.advance(), every=1)
-    hooks.add_hook(lambda info: _log(run, timer, info), every=cfg.log_interval, final=True)
+    hooks.add_hook(lambda info: _log(run, progress, timer, info), every=cfg.log_interval, final=True)
     if run.data.valid is not None:
         hooks.add_hook(lambda info: _evaluate(run, info), every=cfg.eval_interval, final=True)
     if run.saver is not None:
-        hooks.add_hook(lambda info: run.save(info.iteration), every=cfg.save_interval, final=True, exiting=True)
+        hooks.add_hook(
+            lambda info: run.save(info.state, info.iteration), every=cfg.save_interval, final=True, exiting=True
+        )
     return hooks
 
 
-def _after_first_step(run: _Run, info: StepInfo) -> None:
-    run.first_loss = float(info.metrics["lm_loss"])
+def _after_first_step(run: _Run, progress: _Progress, info: StepInfo) -> None:
+    progress.first_loss = float(info.metrics["lm_loss"])
     # a failure (in any process) skips the measurement with one line, in every process alike
-    run.measured_bubble = bubble.after_first_step(
+    progress.measured_bubble = bubble.after_first_step(
         run.options.measure_bubble,
         run.train_step,
         info.state,
         info.batch,
         run.dropout_key,
-        run.mesh,
-        run.model_cfg,
-        run.parallel,
-        run.train_cfg,
-        run.optimizer,
+        bubble.StepBuild(run.mesh, run.model_cfg, run.parallel, run.train_cfg, run.optimizer),
         run.train_cfg.train_iters - run.start,
         run.logger.message,
     )
 
 
-def _log(run: _Run, timer: StepTimer, info: StepInfo) -> None:
+def _log(run: _Run, progress: _Progress, timer: StepTimer, info: StepInfo) -> None:
     step_time, includes_compile = timer.lap(info.metrics)
     record = _log_record(
         info.iteration,
@@ -441,8 +453,8 @@ def _log(run: _Run, timer: StepTimer, info: StepInfo) -> None:
         run.flops,
     )
     record["includes_compile"] = includes_compile
-    record["skipped_iters"], record["loss_scale"] = run.skips.take_window(), float(info.metrics["loss_scale"])
-    run.records.append(record)
+    record["skipped_iters"], record["loss_scale"] = progress.skips.take_window(), float(info.metrics["loss_scale"])
+    progress.records.append(record)
     run.logger.log_train(
         record, consumed_samples=run.consumed + (info.iteration - run.start) * run.parallel.global_batch_size
     )
@@ -458,27 +470,26 @@ def _evaluate(run: _Run, info: StepInfo) -> None:
     )
 
 
-def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:
+def _loop(run: _Run, progress: _Progress, hooks: Hooks, timer: StepTimer) -> None:
     """Fetch a batch, run the step, call the hooks, until train_iters or an --exit-interval stop. Ctrl-C and a
     stop the processes agreed on end it after the current step with KeyboardInterrupt (saying where), SIGTERM in a
     one-process run with `Terminated` (exit 143, `train/interrupt.py`); the prefetcher, the checkpointer (its last
     write) and the logger are closed whatever happens."""
     cfg = run.train_cfg
-    run.skips = SkipCounter(cfg.max_skipped_iters)
     batches = prefetch(run.batch_of, range(run.start, cfg.train_iters))
     stop = StopSignals()
     try:
         for iteration, batch in zip(range(run.start, cfg.train_iters), batches):
-            _stop_if_asked(run, stop, iteration)
-            run.state, metrics = run.train_step(run.state, *batch, run.dropout_key)
-            run.skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
+            _stop_if_asked(run, progress, stop, iteration)
+            progress.state, metrics = run.train_step(progress.state, *batch, run.dropout_key)
+            progress.skips.add(bool(metrics["skipped"]), iteration + 1, float(metrics["loss_scale"]))
             first = timer.step_done(metrics)
-            run.done = done = iteration + 1
+            progress.done = done = iteration + 1
             exiting = bool(cfg.exit_interval) and done % cfg.exit_interval == 0
-            hooks.run(StepInfo(done, run.state, metrics, batch, first, done == cfg.train_iters, exiting))
+            hooks.run(StepInfo(done, progress.state, metrics, batch, first, done == cfg.train_iters, exiting))
             if exiting and done < cfg.train_iters:  # Megatron's --exit-interval
-                run.exit_reason = f"exit_interval={cfg.exit_interval}"
-                run.logger.message(f"ptd_jax: exiting at iteration {done} ({run.exit_reason})")
+                progress.exit_reason = f"exit_interval={cfg.exit_interval}"
+                run.logger.message(f"ptd_jax: exiting at iteration {done} ({progress.exit_reason})")
                 break
             timer.exclude_hooks()
         if stop.requested:
@@ -499,18 +510,19 @@ def _loop(run: _Run, hooks: Hooks, timer: StepTimer) -> None:
         newest = checkpoint.latest_step(run.options.save) if run.options.save else None
         kept = f"newest checkpoint: step {newest} in {run.options.save}" if newest is not None else "no checkpoint"
         if stop.terminated:  # one line, then exit 143
-            raise Terminated.after(f"after iteration {run.done}; {kept}", run.primary)
-        raise KeyboardInterrupt(f"after iteration {run.done}; {kept}")
+            raise Terminated.after(f"after iteration {progress.done}; {kept}", run.primary)
+        raise KeyboardInterrupt(f"after iteration {progress.done}; {kept}")
 
 
-def _stop_if_asked(run: _Run, stop: StopSignals, iteration: int) -> None:
+def _stop_if_asked(run: _Run, progress: _Progress, stop: StopSignals, iteration: int) -> None:
     """Between steps (a checkpoint being written is finished first): several processes stop together on a SIGTERM
     at the step they agreed on, one process on its own SIGTERM, saving it unless it was just saved (a preempted run
     resumes from there); Ctrl-C."""
     if multiprocess.stop_agreed(iteration) or stop.terminated:
         interval = run.train_cfg.save_interval
-        if run.saver and run.done > run.start and not (interval and run.done % interval == 0):
-            run.save(run.done)
+        done = progress.done
+        if run.saver and done > run.start and not (interval and done % interval == 0):
+            run.save(progress.state, done)
         raise KeyboardInterrupt
     if stop.requested:
         raise KeyboardInterrupt
@@ -527,22 +539,22 @@ def _close(batches, saver, logger) -> None:
             logger.close()
 
 
-def _summary(run: _Run, timer: StepTimer) -> dict:
+def _summary(run: _Run, progress: _Progress, timer: StepTimer) -> dict:
     """The run's summary (the CLI's last stdout line): throughput figures are medians over the logged windows
     that do not include compilation."""
     logger, flops = run.logger, run.flops
     summary = {
-        "iterations": run.done - run.start,
+        "iterations": progress.done - run.start,
         "start_iteration": run.start,
-        "last_iteration": run.done,
-        "exit_reason": run.exit_reason,
+        "last_iteration": progress.done,
+        "exit_reason": progress.exit_reason,
         "num_params": run.num_params,
         "wall_time_s": timer.wall_time(),
         "compile_time_s": timer.compile_time,
-        "first_lm_loss": run.first_loss,
-        "final_lm_loss": run.records[-1]["lm_loss"] if run.records else None,
+        "first_lm_loss": progress.first_loss,
+        "final_lm_loss": progress.records[-1]["lm_loss"] if progress.records else None,
         "final_valid_lm_loss": logger.eval_records[-1]["valid_lm_loss"] if logger.eval_records else None,
-        **medians(run.records),
+        **medians(progress.records),
         "hardware_over_model_flops": flops["hardware"] / flops["model"],
         "peak_tflops": run.peak,
         "peak_source": run.peak_source,
@@ -550,8 +562,8 @@ def _summary(run: _Run, timer: StepTimer) -> dict:
         "num_devices": run.parallel.num_devices,
         "attention_backend": run.model_cfg.attention_backend,
         "fused_kernels": run.model_cfg.fused_kernels,
-        "skipped_iters": run.skips.total,
-        "measured_bubble": run.measured_bubble,
+        "skipped_iters": progress.skips.total,
+        "measured_bubble": progress.measured_bubble,
     }
     if run.options.plot_dir and run.primary:
         summary["plot"] = logger.plot(run.options.plot_dir)

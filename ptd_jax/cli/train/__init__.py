@@ -4,7 +4,7 @@
     configs.py       the flags as ModelConfig, ParallelConfig (with `auto` resolved), TrainConfig, RunOptions
     checks.py        refusals before anything starts: flag combinations, output paths, data, kernel self-checks
     compile_only.py  --compile-only: XLA:GPU compiles for GPUs that are not here, and its report
-    main.py          parse -> check -> start the backend -> train, and the exit codes
+    command.py       parse -> check -> start the backend -> train, and the exit codes
 
 `main` is the console script; the functions below are what tests and notebooks call.
 """
@@ -17,7 +17,7 @@ from ptd_jax.cli.train.configs import (
     train_config_from_args,
 )
 from ptd_jax.cli.train.checks import apply_self_check
-from ptd_jax.cli.train.main import main, run
+from ptd_jax.cli.train.command import main, run
 from ptd_jax.cli.train.parser import build_parser
 
 __all__ = [

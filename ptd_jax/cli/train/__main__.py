@@ -2,6 +2,6 @@
 
 import sys
 
-from ptd_jax.cli.train.main import main
+from ptd_jax.cli.train.command import main
 
 sys.exit(main())
