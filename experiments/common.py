@@ -60,9 +60,9 @@ def pipeline_step(cfg, schedule, v, branching, recompute, p=4, m=8, *, t=1, d=1,
     import numpy as np
 
     from ptd_jax import model as gpt
-    from ptd_jax.config import SCHEDULE_SPECS, ParallelConfig
-    from ptd_jax.parallel import sharding
+    from ptd_jax.config import ParallelConfig
     from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.sharding import place_params
     from ptd_jax.parallel.step import make_parallel_grad_step
 
     parallel = ParallelConfig(
@@ -77,12 +77,7 @@ def pipeline_step(cfg, schedule, v, branching, recompute, p=4, m=8, *, t=1, d=1,
         **parallel_fields,
     )
     mesh = make_mesh(parallel)
-    params = gpt.init_params(jax.random.key(0), cfg, t)
-    if p > 1:
-        v_shape = SCHEDULE_SPECS[schedule].stage_map == "v"
-        params = {**params, "layers": sharding.stage_layers(params["layers"], p, v, v_shape)}
-    specs = sharding.param_specs(params, pipelined=p > 1)
-    params = jax.device_put(params, sharding.named(mesh, specs))
+    params, specs = place_params(gpt.init_params(jax.random.key(0), cfg, t), parallel, mesh)
     step = make_parallel_grad_step(
         mesh, cfg, parallel, specs, recompute=recompute, scatter_gather=parallel.scatter_gather
     )

@@ -10,40 +10,40 @@ out="${OUT:-experiments/results}"
 mkdir -p "$out"
 export PYTHONPATH=.
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  "${PYTHON:-python}" -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/gpu_env.txt"
+  "${PYTHON:-python}" -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/gpu_check_env.txt"
 # 1. kernels at the 1.3B widths, compiled: values and all gradients against the references (seconds)
 # 2. attention vs XLA and cuDNN over sequence lengths, LayerNorm and loss vs XLA, the 1.3B step (5 variants)
-timeout "${BENCH_TIMEOUT_S:-360}" "${PYTHON:-python}" -m experiments.bench.bench_kernels --out "$out/bench_kernels.json" \
+timeout "${BENCH_TIMEOUT_S:-360}" "${PYTHON:-python}" -m experiments.bench.speed.bench_kernels --out "$out/bench_kernels.json" \
     --plot "$out/bench_kernels.png" 2>&1 | tail -n 40
 echo "bench exit: ${PIPESTATUS[0]}"
 # 3. the pipeline executor's own machinery at p = 1 (tick scans, residual stash, conds) against the reference
 #    step, recompute none and full: the one pipeline measurement a single GPU can make
-timeout "${EXECUTOR_TIMEOUT_S:-90}" "${PYTHON:-python}" -m experiments.bench.bench_executor_p1 --rounds 5 \
+timeout "${EXECUTOR_TIMEOUT_S:-90}" "${PYTHON:-python}" -m experiments.bench.speed.bench_executor_p1 --rounds 5 \
     --out "$out/bench_executor_p1.json" 2>&1 | tail -n 5
 echo "executor bench exit: ${PIPESTATUS[0]}"
 # 3b. the training step's bytes per parameter on the GPU (bfloat16, d = 1, m = 1 and 4, compiled, not run): what
 #     XLA:GPU holds where XLA:CPU converts bf16 weights to float32 and runs its all-reduce out of place
-timeout "${MEMORY_TIMEOUT_S:-60}" "${PYTHON:-python}" -m experiments.bench.bench_optimizer_memory --dtypes bfloat16 \
-    --data-sizes 1 --out "$out/optimizer_memory_gpu.json" 2>&1 | tail -n 3
+timeout "${MEMORY_TIMEOUT_S:-60}" "${PYTHON:-python}" -m experiments.bench.memory.bench_optimizer_memory --dtypes bfloat16 \
+    --data-sizes 1 --out "$out/bench_optimizer_memory_gpu.json" 2>&1 | tail -n 3
 echo "memory bench exit: ${PIPESTATUS[0]}"
 # 3c. the 1.3B-shaped step's memory: compiled for this GPU, compiled ahead of time for the described target (what
 #     ptd-train --compile-only says without a GPU), the device's peak after two steps, the planner's prediction
-timeout "${GPU_MEMORY_TIMEOUT_S:-90}" "${PYTHON:-python}" -m experiments.bench.gpu_memory_check \
+timeout "${GPU_MEMORY_TIMEOUT_S:-90}" "${PYTHON:-python}" -m experiments.bench.memory.gpu_memory_check \
     --out "$out/gpu_memory_check.json" 2>&1 | tail -n 2
 echo "gpu memory check exit: ${PIPESTATUS[0]}"
 # 4. pipe-divergent branches (per-rank) against uniform on 4 devices, with a hang timeout; with fewer than 4 GPUs it
 #    says "skipped" at once. 5. the p = 4 pipeline benchmark (interleaved vs 1F1B, both branchings), when 4 GPUs
 #    exist; skipped otherwise.
-timeout "${PROBE_TIMEOUT_S:-120}" "${PYTHON:-python}" -m experiments.bench.probe_divergent_branches --timeout-s 90 \
+timeout "${PROBE_TIMEOUT_S:-120}" "${PYTHON:-python}" -m experiments.bench.probes.probe_divergent_branches --timeout-s 90 \
     --out "$out/probe_divergent_branches.json" 2>&1 | tail -n 3
 echo "divergent-branches probe exit: ${PIPESTATUS[0]}"
 if "${PYTHON:-python}" -c "import jax, sys; sys.exit(len(jax.devices()) < 4)" 2>/dev/null; then
-  timeout "${PIPELINE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.bench_interleaving --rounds 3 \
+  timeout "${PIPELINE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.speed.bench_interleaving --rounds 3 \
       --out "$out/bench_interleaving_gpu.json" 2>&1 | tail -n 3
   echo "pipeline bench exit: ${PIPESTATUS[0]}"
   # 6. every schedule of the one executor (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) against the single device at p = 4
-  timeout "${ZERO_BUBBLE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.bench_one_pipeline --rounds 3 \
-      --out "$out/one_pipeline_steps_gpu.json" 2>&1 | tail -n 7
+  timeout "${ZERO_BUBBLE_TIMEOUT_S:-240}" "${PYTHON:-python}" -m experiments.bench.speed.bench_one_pipeline --rounds 3 \
+      --out "$out/bench_one_pipeline_gpu.json" 2>&1 | tail -n 7
   echo "one-pipeline bench exit: ${PIPESTATUS[0]}"
 else
   echo "pipeline and zero-bubble benches: skipped (need 4 devices)"

@@ -73,6 +73,8 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ATTENTION_BACKENDS = ("xla", "pallas", "cudnn")
 
@@ -121,7 +123,10 @@ def check_pipeline_request(schedule: str, p: int, v: int, m: int, group: int | N
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT architecture. Sizes use the paper's letters: l layers, h hidden, a heads, s sequence, V vocabulary."""
+    """The transformer: GPT-2 by default, and the Llama family (Llama 2/3, Mistral, Qwen2) by Megatron's switches
+    (normalization, swiglu, position_embedding_type, num_query_groups, kv_channels, untied output, biases, window),
+    as megatron-core's one GPTModel. Sizes use the paper's letters: l layers, h hidden, a heads, s sequence,
+    V vocabulary."""
 
     num_layers: int = 4
     """l: number of transformer layers."""
@@ -159,15 +164,47 @@ class ModelConfig:
     and loss stay float32."""
     param_dtype: str = "float32"
     """Storage dtype of the master parameters (float64 for exactness tests under jax_enable_x64)."""
+    normalization: str = "LayerNorm"
+    """LayerNorm (scale and bias) or RMSNorm (scale only; Llama's), with `layernorm_epsilon` (--norm-epsilon)."""
+    swiglu: bool = False
+    """The MLP as SwiGLU: silu(x W_gate) * (x W_up), then W_down; fc1 holds [gate, up] ([D, 2, F])."""
+    position_embedding_type: str = "learned_absolute"
+    """learned_absolute (a learned [S, D] table, GPT-2's) or rope (rotary embeddings on q and k, Llama's)."""
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """The share of each head's dims that rotate (the first int(K · percent)); the rest pass through."""
+    rotary_interleaved: bool = False
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... (Meta's original Llama code) instead of the two halves
+    (x_i, x_{i+K/2}) (Hugging Face's `rotate_half`, Megatron's default)."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's frequency scaling of RoPE (`rope_type: llama3`), with the four numbers below."""
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    num_query_groups: int | None = None
+    """G: key/value heads (grouped-query attention); None: one per query head (multi-head attention)."""
+    kv_channels: int | None = None
+    """K: the head dim; None: hidden / heads (Mistral sets it apart from them)."""
+    untie_embeddings_and_output_weights: bool = False
+    """An output layer of its own ([Vp, D]) instead of the word embedding's transpose."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (GPT-2); False: none (Llama)."""
+    add_qkv_bias: bool | None = None
+    """Biases in the QKV projection only (Qwen2: True with add_bias_linear False); None: as add_bias_linear."""
+    window_size: int | None = None
+    """Sliding-window attention (Mistral): a query sees itself and the window_size − 1 keys before it."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive integer")
         _check(
-            self.hidden_size % self.num_attention_heads == 0,
-            f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}",
+            self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+            f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads} "
+            f"(give kv_channels for a head dim of its own)",
         )
+        self._check_llama_switches()
         _check(
             self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
             f"max_position_embeddings={self.max_position_embeddings} is smaller than seq_length={self.seq_length}",
@@ -204,9 +241,64 @@ class ModelConfig:
             f"{self.attention_backend!r}, fused_kernels={self.fused_kernels} (the kernels accumulate in float32)",
         )
 
+    def _check_llama_switches(self) -> None:
+        _check(
+            self.normalization in NORMALIZATIONS, f"normalization={self.normalization!r} is not one of {NORMALIZATIONS}"
+        )
+        _check(
+            self.position_embedding_type in POSITION_EMBEDDINGS,
+            f"position_embedding_type={self.position_embedding_type!r} is not one of {POSITION_EMBEDDINGS}",
+        )
+        for name in ("num_query_groups", "kv_channels", "window_size"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value >= 1), f"{name}={value!r} must be >= 1")
+        G = self.num_groups
+        _check(
+            self.num_attention_heads % G == 0,
+            f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups={G}",
+        )
+        _check(0 < self.rotary_percent <= 1, f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+        _check(math.isfinite(self.rotary_base) and self.rotary_base > 0, f"rotary_base={self.rotary_base} must be > 0")
+        if self.position_embedding_type == "rope":
+            _check(
+                self.rotary_dim >= 2 and self.rotary_dim % 2 == 0,
+                f"the rotary dimension int(kv_channels={self.head_dim} x rotary_percent={self.rotary_percent}) = "
+                f"{self.rotary_dim} must be even and at least 2",
+            )
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value > 0, f"{name}={value} must be > 0")
+        _check(
+            self.rope_high_freq_factor > self.rope_low_freq_factor,
+            f"rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+            f"rope_low_freq_factor={self.rope_low_freq_factor}",
+        )
+        _check(
+            self.rope_original_max_position >= 1,
+            f"rope_original_max_position={self.rope_original_max_position} must be >= 1",
+        )
+        _check(
+            self.window_size is None or self.attention_backend == "xla",
+            f"window_size={self.window_size} needs attention_backend='xla', got {self.attention_backend!r} "
+            f"(the kernels have no sliding window yet)",
+        )
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_groups(self) -> int:
+        """G: key/value heads (H without grouped-query attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear if self.add_qkv_bias is None else self.add_qkv_bias
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def ffn_size(self) -> int:
@@ -345,6 +437,11 @@ class ParallelConfig:
         _check(
             model.num_attention_heads % t == 0,
             f"num_attention_heads={model.num_attention_heads} is not divisible by tensor_model_parallel_size={t}",
+        )
+        _check(
+            model.num_groups % t == 0,
+            f"num_query_groups={model.num_groups} is not divisible by tensor_model_parallel_size={t} (each tensor "
+            f"rank holds whole query groups, as in Megatron)",
         )
         _check(
             model.ffn_size % t == 0,

@@ -1,7 +1,11 @@
-"""Megatron's GPT (= GPT-2 architecture) as pure functions over a parameter pytree.
+"""Megatron's GPTModel as pure functions over a parameter pytree: GPT-2 by default, the Llama family by switches.
 
-Learned position embeddings, pre-LayerNorm blocks, causal multi-head attention, a 4h GeLU MLP, a final
-LayerNorm and an output layer tied to the word embedding (paper §2, Megatron-LM `GPTModel`).
+GPT-2 (the defaults): learned position embeddings, pre-LayerNorm blocks, causal multi-head attention, a 4h GeLU
+MLP, a final LayerNorm and an output layer tied to the word embedding (paper §2, Megatron-LM `GPTModel`). The
+switches of `ModelConfig` make the same transformer Llama 2/3, Mistral or Qwen2: RMSNorm, SwiGLU, rotary position
+embeddings (half-split or interleaved, Llama 3.1's scaling), grouped-query attention (G key/value heads, each
+shared by R = H/G query heads), a head dim of its own, an untied output layer, no biases (or QKV biases only), a
+sliding attention window.
 
 Parameter layout (docs/architecture.md, "Parameters"): the transformer layers are *stacked* along a leading
 layer dim L so that (a) one `lax.scan` runs them (on XLA:CPU, half the step time and about a quarter of the compile
@@ -9,20 +13,23 @@ time of unrolled layers), (b) the pipeline can reshape L into [v, p, k] chunks
 (`parallel/sharding.py`), and (c) tensor parallelism splits a named dim of each weight without renaming anything:
 
     embed/word          [Vp, D]          split Vp over "tensor" (vocab-parallel embedding and tied output)
-    embed/position      [S, D]
-    layers/ln1/{scale,bias}   [L, D]
-    layers/attn/qkv_kernel    [L, D, 3, H, K]   column-parallel: split H
-    layers/attn/qkv_bias      [L, 3, H, K]
-    layers/attn/out_kernel    [L, H, K, D]      row-parallel: split H
+    embed/position      [S, D]           learned_absolute only
+    layers/ln1/{scale,bias}   [L, D]     RMSNorm: scale only
+    layers/attn/qkv_kernel    [L, D, G, R+2, K]   column-parallel: split G; per group its R query heads, then
+                                                  its key and its value head (Megatron's fused-QKV layout)
+    layers/attn/qkv_bias      [L, G, R+2, K]      with biases
+    layers/attn/out_kernel    [L, H, K, D]      row-parallel: split H (head g·R + r is query head r of group g)
     layers/attn/out_bias      [L, D]
     layers/ln2/{scale,bias}   [L, D]
-    layers/mlp/fc1_kernel     [L, D, F]         column-parallel: split F
-    layers/mlp/fc1_bias       [L, F]
+    layers/mlp/fc1_kernel     [L, D, F]         column-parallel: split F; SwiGLU: [L, D, 2, F] ([gate, up])
+    layers/mlp/fc1_bias       [L, F]            SwiGLU: [L, 2, F]
     layers/mlp/fc2_kernel     [L, F, D]         row-parallel: split F
     layers/mlp/fc2_bias       [L, D]
     final_ln/{scale,bias}     [D]
+    output/word               [Vp, D]           untied output layer only
 
-Shape legend: B batch, S sequence, D hidden, F ffn, H heads, K head dim, V vocabulary, L layers.
+Shape legend: B batch, S sequence, D hidden, F ffn, H heads, G key/value heads (query groups), R = H/G,
+K head dim, V vocabulary, L layers.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ def init_params(key: jax.Array, cfg: ModelConfig, tensor_parallel_size: int = 1)
     """
     pdt = jnp.dtype(cfg.param_dtype)
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
+    G = cfg.num_groups
+    R = H // G
     std = cfg.init_method_std
     out_std = std / math.sqrt(2.0 * L)
     k_word, k_pos, k_layers = jax.random.split(key, 3)
@@ -69,36 +78,49 @@ def init_params(key: jax.Array, cfg: ModelConfig, tensor_parallel_size: int = 1)
     def normal(k, shape, scale):
         return (scale * jax.random.normal(k, shape, dtype=jnp.float32)).astype(pdt)
 
+    def with_bias(kernels: dict, biases: dict, add: bool) -> dict:
+        return {**kernels, **biases} if add else kernels
+
     def one_layer(k):
         k_qkv, k_out, k_fc1, k_fc2 = jax.random.split(k, 4)
+        # drawn [D, R+2, G, K] and turned to [D, G, R+2, K]: GPT-2 (G = H, R = 1) keeps its [D, 3, H, K] draws
+        qkv = normal(k_qkv, (D, R + 2, G, K), std).transpose(0, 2, 1, 3)
+        up = (D, 2, F) if cfg.swiglu else (D, F)
         return {
-            "ln1": {"scale": jnp.ones((D,), pdt), "bias": jnp.zeros((D,), pdt)},
-            "attn": {
-                "qkv_kernel": normal(k_qkv, (D, 3, H, K), std),
-                "qkv_bias": jnp.zeros((3, H, K), pdt),
-                "out_kernel": normal(k_out, (H, K, D), out_std),
-                "out_bias": jnp.zeros((D,), pdt),
-            },
-            "ln2": {"scale": jnp.ones((D,), pdt), "bias": jnp.zeros((D,), pdt)},
-            "mlp": {
-                "fc1_kernel": normal(k_fc1, (D, F), std),
-                "fc1_bias": jnp.zeros((F,), pdt),
-                "fc2_kernel": normal(k_fc2, (F, D), out_std),
-                "fc2_bias": jnp.zeros((D,), pdt),
-            },
+            "ln1": norm_params(D, cfg, pdt),
+            "attn": with_bias({"qkv_kernel": qkv}, {"qkv_bias": jnp.zeros((G, R + 2, K), pdt)}, cfg.qkv_bias)
+            | with_bias(
+                {"out_kernel": normal(k_out, (H, K, D), out_std)},
+                {"out_bias": jnp.zeros((D,), pdt)},
+                cfg.add_bias_linear,
+            ),
+            "ln2": norm_params(D, cfg, pdt),
+            "mlp": with_bias(
+                {"fc1_kernel": normal(k_fc1, up, std), "fc2_kernel": normal(k_fc2, (F, D), out_std)},
+                {"fc1_bias": jnp.zeros(up[1:], pdt), "fc2_bias": jnp.zeros((D,), pdt)},
+                cfg.add_bias_linear,
+            ),
         }
 
     layer_keys = jnp.stack([jax.random.fold_in(k_layers, i) for i in range(L)])
     padding = cfg.padded_vocab_size(tensor_parallel_size) - cfg.vocab_size
-    word = jnp.concatenate([normal(k_word, (cfg.vocab_size, D), std), jnp.zeros((padding, D), pdt)])
-    return {
-        "embed": {
-            "word": word,
-            "position": normal(k_pos, (cfg.max_positions, D), std),
-        },
-        "layers": jax.vmap(one_layer)(layer_keys),
-        "final_ln": {"scale": jnp.ones((D,), pdt), "bias": jnp.zeros((D,), pdt)},
-    }
+
+    def vocab_rows(k):
+        return jnp.concatenate([normal(k, (cfg.vocab_size, D), std), jnp.zeros((padding, D), pdt)])
+
+    embed = {"word": vocab_rows(k_word)}
+    if cfg.position_embedding_type == "learned_absolute":
+        embed["position"] = normal(k_pos, (cfg.max_positions, D), std)
+    params = {"embed": embed, "layers": jax.vmap(one_layer)(layer_keys), "final_ln": norm_params(D, cfg, pdt)}
+    if cfg.untie_embeddings_and_output_weights:
+        params["output"] = {"word": vocab_rows(jax.random.fold_in(key, 1))}
+    return params
+
+
+def norm_params(D: int, cfg: ModelConfig, dtype) -> dict:
+    """A LayerNorm's scale and bias, or an RMSNorm's scale."""
+    scale = {"scale": jnp.ones((D,), dtype)}
+    return scale if cfg.normalization == "RMSNorm" else {**scale, "bias": jnp.zeros((D,), dtype)}
 
 
 def count_params(params: Params) -> int:
@@ -143,8 +165,61 @@ def layer_norm(x_BxSxD, p, eps: float, fused: bool = False):
     return (y * p["scale"].astype(acc) + p["bias"].astype(acc)).astype(x_BxSxD.dtype)
 
 
+def rms_norm(x_BxSxD, p, eps: float):
+    """RMSNorm over the last dim (Llama's): x / sqrt(mean(x²) + eps) · scale, statistics in float32."""
+    acc = acc_dtype(x_BxSxD.dtype)
+    x = x_BxSxD.astype(acc)
+    y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps)
+    return (y * p["scale"].astype(acc)).astype(x_BxSxD.dtype)
+
+
+def norm(x_BxSxD, p, cfg: ModelConfig):
+    """The configured normalization: LayerNorm (the Pallas kernel with `fused_kernels`) or RMSNorm."""
+    if cfg.normalization == "RMSNorm":
+        return rms_norm(x_BxSxD, p, cfg.layernorm_epsilon)
+    return layer_norm(x_BxSxD, p, cfg.layernorm_epsilon, cfg.fused_kernels)
+
+
 def gelu(x, approximate: bool):
     return jax.nn.gelu(x, approximate=approximate)
+
+
+def rotary_frequencies(cfg: ModelConfig, dtype=jnp.float32):
+    """The inverse frequencies base^(-2i/r) of the r = `rotary_dim` rotating dims, with Llama 3.1's scaling where
+    asked: wavelengths longer than original_max / low_freq_factor are stretched by the factor, shorter than
+    original_max / high_freq_factor kept, and those between interpolated smoothly. Computed from an iota inside the
+    trace (no array constant: a layer's backward recomputes it rather than stashing it)."""
+    r = cfg.rotary_dim
+    inv = cfg.rotary_base ** (-(2 * jnp.arange(r // 2, dtype=dtype)) / r)
+    if not cfg.use_rope_scaling:
+        return inv
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope_original_max_position
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    between = (wavelen >= old / high) & (wavelen <= old / low)
+    return jnp.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def apply_rotary(x_BxSx___xK, positions_S, cfg: ModelConfig):
+    """Rotate the first `rotary_dim` dims of each head by position · frequency: the two halves (x_i, x_{i+r/2})
+    (HF's `rotate_half`, Megatron's default) or, with `rotary_interleaved`, adjacent pairs (x_2i, x_2i+1), as Meta's
+    original code; angles and products in float32 (float64 for float64 inputs)."""
+    acc = acc_dtype(x_BxSx___xK.dtype)
+    r = cfg.rotary_dim
+    angles_SxR = positions_S.astype(acc)[:, None] * rotary_frequencies(cfg, acc)[None, :]
+    shape = (1, angles_SxR.shape[0]) + (1,) * (x_BxSx___xK.ndim - 3) + (r // 2,)
+    cos, sin = jnp.cos(angles_SxR).reshape(shape), jnp.sin(angles_SxR).reshape(shape)
+    x = x_BxSx___xK.astype(acc)
+    rot, rest = x[..., :r], x[..., r:]
+    if cfg.rotary_interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+    else:
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rotated, rest], axis=-1).astype(x_BxSx___xK.dtype)
 
 
 def dropout(x, rate: float, key):
@@ -155,26 +230,44 @@ def dropout(x, rate: float, key):
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def causal_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, *, dropout_rate: float = 0.0, key=None, backend: str = "xla"):
-    """softmax(q kᵀ / sqrt(K) + causal mask) v, scores and softmax in float32. backend 'pallas' runs the fused
-    flash-attention kernel (interpreted on CPU), 'cudnn' jax.nn.dot_product_attention's cuDNN path."""
-    if backend == "pallas":
-        from pallas_kernels import flash_attention
-
-        return flash_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, causal=True, interpret=interpret_kernels())
-    if backend == "cudnn":
-        return jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True, implementation="cudnn")
-    S, K = q_BxSxHxK.shape[1], q_BxSxHxK.shape[-1]
-    acc = acc_dtype(q_BxSxHxK.dtype)
-    scores_BxHxSxS = jnp.einsum("bqhk,bshk->bhqs", q_BxSxHxK, k_BxSxHxK, preferred_element_type=acc) / math.sqrt(K)
-    causal_SxS = jnp.tril(jnp.ones((S, S), dtype=bool))
-    scores_BxHxSxS = jnp.where(causal_SxS, scores_BxHxSxS, jnp.finfo(acc).min)
-    probs_BxHxSxS = jax.nn.softmax(scores_BxHxSxS, axis=-1)
-    probs_BxHxSxS = dropout(probs_BxHxSxS, dropout_rate, key).astype(v_BxSxHxK.dtype)
-    return checkpoint_name(jnp.einsum("bhqs,bshk->bqhk", probs_BxHxSxS, v_BxSxHxK), ATTENTION_CONTEXT)
+def visible(q_positions, k_positions, window_size: int | None = None):
+    """[Q, S] mask of the keys each query sees: causal, and within the sliding window where there is one."""
+    seen = k_positions[None, :] <= q_positions[:, None]
+    if window_size is not None:
+        seen &= k_positions[None, :] > q_positions[:, None] - window_size
+    return seen
 
 
-def core_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, cfg: ModelConfig, key=None, recompute: str = "none"):
+def causal_attention(
+    q_BxSxGxRxK, k_BxSxGxK, v_BxSxGxK, *, dropout_rate: float = 0.0, key=None, backend: str = "xla", window_size=None
+):
+    """softmax(q kᵀ / sqrt(K) + causal mask) v for the R query heads of each of G key/value heads (grouped-query
+    attention; R = 1 is multi-head), scores and softmax in float32: context [B, S, G, R, K]. The XLA path reads each
+    key/value head once for its R queries. backend 'pallas' runs the fused flash-attention kernel (interpreted on
+    CPU) on keys and values repeated R times, 'cudnn' jax.nn.dot_product_attention's cuDNN path (grouped natively)."""
+    B, S, G, R, K = q_BxSxGxRxK.shape
+    if backend in ("pallas", "cudnn"):
+        q_BxSxHxK = q_BxSxGxRxK.reshape(B, S, G * R, K)
+        if backend == "pallas":
+            from pallas_kernels import flash_attention
+
+            k, v = (jnp.repeat(x, R, axis=2) for x in (k_BxSxGxK, v_BxSxGxK))
+            out = flash_attention(q_BxSxHxK, k, v, causal=True, interpret=interpret_kernels())
+        else:
+            out = jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, is_causal=True, implementation="cudnn")
+        return out.reshape(B, S, G, R, K)
+    acc = acc_dtype(q_BxSxGxRxK.dtype)
+    scores_BxGxRxSxS = jnp.einsum("bqgrk,bsgk->bgrqs", q_BxSxGxRxK, k_BxSxGxK, preferred_element_type=acc) / math.sqrt(
+        K
+    )
+    positions = jnp.arange(S)
+    scores_BxGxRxSxS = jnp.where(visible(positions, positions, window_size), scores_BxGxRxSxS, jnp.finfo(acc).min)
+    probs_BxGxRxSxS = jax.nn.softmax(scores_BxGxRxSxS, axis=-1)
+    probs_BxGxRxSxS = dropout(probs_BxGxRxSxS, dropout_rate, key).astype(v_BxSxGxK.dtype)
+    return checkpoint_name(jnp.einsum("bgrqs,bsgk->bqgrk", probs_BxGxRxSxS, v_BxSxGxK), ATTENTION_CONTEXT)
+
+
+def core_attention(q_BxSxGxRxK, k_BxSxGxK, v_BxSxGxK, cfg: ModelConfig, key=None, recompute: str = "none"):
     """The attention core (scores, softmax, dropout, context). Under `selective` it, and only it, is recomputed
     in the backward, as Megatron's selective recomputation does: its inputs q, k, v (and the dropout key) are
     kept, everything outside it (the weight matmuls, LayerNorms, the tensor collectives) is stored as in `none`,
@@ -182,31 +275,61 @@ def core_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, cfg: ModelConfig, key=None, 
     decides (an enclosing checkpoint's policy governs the nested one) and recomputes the same."""
 
     def core(q, k, v, key):
-        return causal_attention(q, k, v, dropout_rate=cfg.attention_dropout, key=key, backend=cfg.attention_backend)
+        return causal_attention(
+            q,
+            k,
+            v,
+            dropout_rate=cfg.attention_dropout,
+            key=key,
+            backend=cfg.attention_backend,
+            window_size=cfg.window_size,
+        )
 
-    return (jax.checkpoint(core) if recompute == "selective" else core)(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, key)
+    return (jax.checkpoint(core) if recompute == "selective" else core)(q_BxSxGxRxK, k_BxSxGxK, v_BxSxGxK, key)
+
+
+def bias(p, name: str, y):
+    """y + p[name] where the layer has that bias (`add_bias_linear`, `add_qkv_bias`)."""
+    return y + p[name] if name in p else y
+
+
+def split_qkv(qkv_BxSxGxR2xK, positions_S, cfg: ModelConfig):
+    """The fused projection's output [B, S, G, R+2, K] as q [B, S, G, R, K], k and v [B, S, G, K], q and k rotated
+    at `positions_S` under RoPE."""
+    R = qkv_BxSxGxR2xK.shape[3] - 2
+    q, k, v = qkv_BxSxGxR2xK[:, :, :, :R], qkv_BxSxGxR2xK[:, :, :, R], qkv_BxSxGxR2xK[:, :, :, R + 1]
+    if cfg.position_embedding_type == "rope":
+        q, k = apply_rotary(q, positions_S, cfg), apply_rotary(k, positions_S, cfg)
+    return q, k, v
 
 
 def attention_block(p, x_BxSxD, cfg: ModelConfig, key=None, recompute: str = "none"):
-    qkv_BxSx3xHxK = jnp.einsum("bsd,dthk->bsthk", x_BxSxD, p["qkv_kernel"]) + p["qkv_bias"]
-    q, k, v = (qkv_BxSx3xHxK[:, :, i] for i in range(3))
-    ctx_BxSxHxK = core_attention(q, k, v, cfg, key, recompute)
-    return jnp.einsum("bshk,hkd->bsd", ctx_BxSxHxK, p["out_kernel"]) + p["out_bias"]
+    qkv = bias(p, "qkv_bias", jnp.einsum("bsd,dgrk->bsgrk", x_BxSxD, p["qkv_kernel"]))
+    q, k, v = split_qkv(qkv, jnp.arange(x_BxSxD.shape[1]), cfg)
+    ctx_BxSxGxRxK = core_attention(q, k, v, cfg, key, recompute)
+    B, S, G, R, K = ctx_BxSxGxRxK.shape
+    return bias(p, "out_bias", jnp.einsum("bshk,hkd->bsd", ctx_BxSxGxRxK.reshape(B, S, G * R, K), p["out_kernel"]))
+
+
+def activation(h, cfg: ModelConfig):
+    """The MLP's nonlinearity on fc1's output: GeLU of [..., F], or SwiGLU's silu(gate) · up of [..., 2, F]."""
+    if cfg.swiglu:
+        return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+    return gelu(h, cfg.gelu_approximate)
 
 
 def mlp_block(p, x_BxSxD, cfg: ModelConfig):
-    h_BxSxF = gelu(x_BxSxD @ p["fc1_kernel"] + p["fc1_bias"], cfg.gelu_approximate)
-    return h_BxSxF @ p["fc2_kernel"] + p["fc2_bias"]
+    spec = "bsd,dtf->bstf" if cfg.swiglu else "bsd,df->bsf"
+    h_BxSxF = activation(bias(p, "fc1_bias", jnp.einsum(spec, x_BxSxD, p["fc1_kernel"])), cfg)
+    return bias(p, "fc2_bias", h_BxSxF @ p["fc2_kernel"])
 
 
 def transformer_layer(p, x_BxSxD, cfg: ModelConfig, key=None, recompute: str = "none"):
-    """One pre-LN block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(x)))."""
+    """One pre-norm block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(x)))."""
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-    h = attention_block(
-        p["attn"], layer_norm(x_BxSxD, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg, k_attn, recompute
-    )
+    h = attention_block(p["attn"], norm(x_BxSxD, p["ln1"], cfg), cfg, k_attn, recompute)
     x_BxSxD = x_BxSxD + dropout(h, cfg.hidden_dropout, k_h1)
-    h = mlp_block(p["mlp"], layer_norm(x_BxSxD, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg)
+    h = mlp_block(p["mlp"], norm(x_BxSxD, p["ln2"], cfg), cfg)
     return x_BxSxD + dropout(h, cfg.hidden_dropout, k_h2)
 
 
@@ -227,6 +350,8 @@ RECOMPUTED_PRIMITIVES = frozenset(
         "expm1",
         "tanh",
         "logistic",
+        "sin",
+        "cos",
         "rsqrt",
         "sqrt",
         "square",
@@ -335,16 +460,23 @@ def run_layers(layers, x_BxSxD, cfg: ModelConfig, *, key=None, recompute: str = 
 def embed(params, tokens_BxS, cfg: ModelConfig, key=None):
     dt = jnp.dtype(cfg.dtype)
     S = tokens_BxS.shape[1]
-    x_BxSxD = jnp.take(params["embed"]["word"], tokens_BxS, axis=0) + params["embed"]["position"][:S]
+    x_BxSxD = jnp.take(params["embed"]["word"], tokens_BxS, axis=0)
+    if "position" in params["embed"]:  # learned_absolute; RoPE rotates q and k in the layers instead
+        x_BxSxD = x_BxSxD + params["embed"]["position"][:S]
     return dropout(x_BxSxD.astype(dt), cfg.hidden_dropout, key)
 
 
 def output_logits(params, x_BxSxD, cfg: ModelConfig):
-    """Final LayerNorm and the output layer tied to the word embedding: logits [B, S, Vp] in float32 (in the
-    compute dtype with fused kernels, whose loss reads them block by block in float32)."""
-    x_BxSxD = layer_norm(x_BxSxD, params["final_ln"], cfg.layernorm_epsilon, cfg.fused_kernels)
-    word_VxD = params["embed"]["word"].astype(x_BxSxD.dtype)
+    """Final norm and the output layer (tied to the word embedding, or untied): logits [B, S, Vp] in float32 (in
+    the compute dtype with fused kernels, whose loss reads them block by block in float32)."""
+    x_BxSxD = norm(x_BxSxD, params["final_ln"], cfg)
+    word_VxD = output_weight(params).astype(x_BxSxD.dtype)
     return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VxD, preferred_element_type=logits_dtype(x_BxSxD.dtype, cfg))
+
+
+def output_weight(params):
+    """The output layer's [Vp, D] (Vl rows on a tensor rank): its own when untied, else the word embedding."""
+    return params["output"]["word"] if "output" in params else params["embed"]["word"]
 
 
 def logits_dtype(compute_dtype, cfg: ModelConfig):

@@ -12,7 +12,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_kernels_smoke_checks_every_kernel_and_the_fused_training_step(tmp_path):
-    from experiments.bench.bench_kernels import main
+    from experiments.bench.speed.bench_kernels import main
 
     out = tmp_path / "bench.json"
     main(["--smoke", "--out", str(out), "--plot", str(tmp_path / "bench.png")])
@@ -33,7 +33,7 @@ def test_bench_interleaving_smoke_runs_every_case(tmp_path):
     out = tmp_path / "bench.json"  # its own process: the benchmark sets 4 fake devices before JAX starts
     env = {**os.environ, "XLA_FLAGS": ""}
     subprocess.run(
-        [sys.executable, "-m", "experiments.bench.bench_interleaving", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "experiments.bench.speed.bench_interleaving", "--smoke", "--out", str(out)],
         check=True,
         cwd=Path(__file__).resolve().parents[1],
         env=env,
@@ -54,7 +54,7 @@ def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
     count of Megatron's schedule on every rank, for per-rank branching, less what JAX's checkpoint does not
     recompute because the backward does not need its output (Megatron reruns it): under full the fc2 matmul, under
     selective the attention core's context matmul; uniform adds the bubble's dummy cells."""
-    from experiments.bench.pipeline_flops import measure
+    from experiments.bench.counts.pipeline_flops import measure
 
     model = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
     p, m, t = 2, 4, 2
@@ -231,7 +231,7 @@ def test_figure_script_smoke_runs(tmp_path, script):
 @pytest.mark.slow
 def test_divergent_branches_probe_agrees_with_uniform(tmp_path):
     """The GPU probe, run here on fake CPU devices: per-rank (pipe-divergent conds) equals uniform."""
-    from experiments.bench.probe_divergent_branches import main
+    from experiments.bench.probes.probe_divergent_branches import main
 
     result = main(["--out", str(tmp_path / "probe.json")])
     assert result["status"] == "ok" and result["max_rel_diff"] <= 1e-5
@@ -242,7 +242,7 @@ def test_divergent_branches_probe_agrees_with_uniform(tmp_path):
 def test_bench_branching_smoke_times_both_branchings(tmp_path):
     out = tmp_path / "branching.json"
     subprocess.run(
-        [sys.executable, "-m", "experiments.bench.bench_branching", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "experiments.bench.speed.bench_branching", "--smoke", "--out", str(out)],
         check=True,
         cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "XLA_FLAGS": ""},

@@ -31,8 +31,8 @@ def test_param_shapes(params):
     shapes = jax.tree.map(lambda x: x.shape, params)
     assert shapes["embed"] == {"word": (Vp, D), "position": (S, D)}
     assert shapes["layers"]["attn"] == {
-        "qkv_kernel": (L, D, 3, H, K),
-        "qkv_bias": (L, 3, H, K),
+        "qkv_kernel": (L, D, H, 3, K),  # G = H query groups of one head: [D, G, R + 2, K]
+        "qkv_bias": (L, H, 3, K),
         "out_kernel": (L, H, K, D),
         "out_bias": (L, D),
     }
@@ -160,9 +160,11 @@ def test_layer_keeps_matmul_outputs_and_recomputes_the_elementwise_work():
             )
             for r in ("none", "selective", "full")
         }
-        matmuls = [(B, S, 3, H, K), (B, H, S, S), (B, S, H, K), (B, S, D), (B, S, F)]  # qkv, scores, context, out, fc1
-        assert kept["none"] == sorted([(B, S, D), *matmuls, (B, H, S, S), (B, S, D), (B, S, D)])  # + 3 masks
-        assert kept["selective"] == sorted([(B, S, D), (B, S, 3, H, K), (B, S, H, K), (B, S, D), (B, S, F), (3,)])
+        # qkv, scores (as the dot_general emits them: [B, G, S, S, R]), context, out, fc1 (G = H query groups of
+        # R = 1 head: qkv [B, S, G, R + 2, K])
+        matmuls = [(B, S, H, 3, K), (B, H, S, S, 1), (B, S, H, 1, K), (B, S, D), (B, S, F)]
+        assert kept["none"] == sorted([(B, S, D), *matmuls, (B, H, 1, S, S), (B, S, D), (B, S, D)])  # + 3 masks
+        assert kept["selective"] == sorted([(B, S, D), (B, S, H, 3, K), (B, S, H, 1, K), (B, S, D), (B, S, F), (3,)])
         assert kept["full"] == [(B, S, D)]  # the input (the key is an argument)
         assert len(_layer_residuals(plain, p, x, key)) > 30
         want = jax.grad(lambda p, x: jnp.sum(plain(p, x, key) ** 2), (0, 1))(p, x)

@@ -3,7 +3,7 @@ Figure 3 style): the four timelines stacked at p = 4, m = 8 and f = b = w = 1, s
 (`ptd_jax/parallel/pipeline/table.py`, placed by each spec's row rule: lockstep ticks for interleaved, unit ticks
 for 1F1B, ZB-H1 and ZB-V, whose backwards split into I and W).
 
-Writes experiments/results/fig_zero_bubble.png and experiments/results/zero_bubble_schedules.json (per schedule:
+Writes experiments/results/fig_zero_bubble.png and experiments/results/fig_zero_bubble.json (per schedule:
 ticks, makespan, bubble_fraction, formula_bubble, and per rank peak_stash (F to I or B), peak_in_flight (F to
 W) and peak_w_stash (I to W)).
 
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
     args = parser.parse_args(argv)
     scheds = tables()
-    json_path = common.write_json(args.out_dir / "zero_bubble_schedules.json", summary(scheds), end="\n")
+    json_path = common.write_json(args.out_dir / "fig_zero_bubble.json", summary(scheds), end="\n")
     figure(scheds, args.out_dir / "fig_zero_bubble.png")
     print(f"wrote {json_path} and {args.out_dir / 'fig_zero_bubble.png'}")
 

@@ -52,3 +52,6 @@ def add_tokenizer_args(parser, default: str | None = "ByteTokenizer", help_defau
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default, help=help_default or None)
     parser.add_argument("--vocab-file", help="GPT-2's vocab.json (GPT2BPETokenizer)")
     parser.add_argument("--merge-file", help="GPT-2's merges.txt (GPT2BPETokenizer)")
+    parser.add_argument(
+        "--tokenizer-model", help="a Hugging Face tokenizer.json, or a folder holding one (HuggingFaceTokenizer)"
+    )

@@ -1,7 +1,8 @@
 """`ptd-generate`: text from a checkpoint, with the tokenizer it records (`inference/generate.py` does the work).
 
 ptd-generate --load CKPT --prompt TEXT --max-new-tokens N [--temperature T --top-k K --top-p P --seed S]
-             [--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file F --merge-file F]
+             [--tokenizer-type {ByteTokenizer,GPT2BPETokenizer,HuggingFaceTokenizer} --vocab-file F --merge-file F
+              | --tokenizer-model tokenizer.json]
              [--tensor-model-parallel-size T --fake-devices N]
 """
 
@@ -23,9 +24,11 @@ def pick_tokenizer(args, cfg: ModelConfig, meta: dict):
     from ptd_jax.data.tokenizer import ByteTokenizer, build_tokenizer, from_description
 
     if args.tokenizer_type is not None:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model)
     elif args.vocab_file or args.merge_file:
         raise ConfigError("--vocab-file and --merge-file need --tokenizer-type GPT2BPETokenizer")
+    elif args.tokenizer_model:
+        raise ConfigError("--tokenizer-model needs --tokenizer-type HuggingFaceTokenizer")
     elif meta.get("tokenizer"):
         tokenizer = from_description(meta["tokenizer"])
     elif cfg.vocab_size == ByteTokenizer.vocab_size:
@@ -33,7 +36,8 @@ def pick_tokenizer(args, cfg: ModelConfig, meta: dict):
     else:
         raise ConfigError(
             f"--load {args.load} records no tokenizer and has vocab_size={cfg.vocab_size}: give "
-            f"--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ..., or --prompt-ids"
+            f"--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ..., --tokenizer-type "
+            f"HuggingFaceTokenizer --tokenizer-model ..., or --prompt-ids"
         )
     if tokenizer.vocab_size != cfg.vocab_size:
         raise ConfigError(

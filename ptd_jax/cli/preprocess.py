@@ -1,7 +1,8 @@
 """`ptd-preprocess`: text files, folders or JSONL -> a Megatron .bin/.idx pair (`data/preprocess.py` does the work).
 
 Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]
-[--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file vocab.json --merge-file merges.txt]`.
+[--tokenizer-type {ByteTokenizer,GPT2BPETokenizer,HuggingFaceTokenizer} --vocab-file vocab.json
+--merge-file merges.txt | --tokenizer-model tokenizer.json]`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     prefix = f"{args.output_prefix}_{key}_document"
     extensions = tuple(e if e.startswith(".") else f".{e}" for e in args.extensions)
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model)
         check_output_prefix(args.output_prefix, prefix)
         stats = build_indexed_dataset(
             args.input,
@@ -59,11 +60,12 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     print(json.dumps(stats))
-    files = (
-        f" --tokenizer-type {tokenizer.name} --vocab-file {tokenizer.vocab_file} --merge-file {tokenizer.merge_file}"
-        if tokenizer.name == "GPT2BPETokenizer"
-        else ""
-    )
+    files = ""
+    if tokenizer.name == "GPT2BPETokenizer":
+        files = f" --vocab-file {tokenizer.vocab_file} --merge-file {tokenizer.merge_file}"
+    elif tokenizer.name == "HuggingFaceTokenizer":
+        files = f" --tokenizer-model {tokenizer.tokenizer_model}"
+    files = f" --tokenizer-type {tokenizer.name}{files}" if files else ""
     print(f"train with: ptd-train --data-path {prefix}{files}", file=sys.stderr)
     return 0
 

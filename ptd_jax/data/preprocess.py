@@ -2,8 +2,9 @@
 (tokens, EOD appended).
 
 Megatron's flag names: `--input PATH [PATH ...] --output-prefix PREFIX [--json-keys text] [--append-eod]
-[--tokenizer-type {ByteTokenizer,GPT2BPETokenizer} --vocab-file vocab.json --merge-file merges.txt]`. Token ids
-are stored as uint16 when the vocabulary is under 65,500 (both tokenizers here), else int32, as Megatron does.
+[--tokenizer-type {ByteTokenizer,GPT2BPETokenizer,HuggingFaceTokenizer} --vocab-file vocab.json --merge-file
+merges.txt | --tokenizer-model tokenizer.json]`. Token ids are stored as uint16 when the vocabulary is under 65,500
+(the byte tokenizer, GPT-2's), else int32 (Llama 3's 128,256), as Megatron does.
 Like Megatron's tools/preprocess_data.py, the pair is written as PREFIX_<key>_document.{bin,idx}. A plain file is
 one document; a .jsonl/.json file gives one document per line (the values of --json-keys, which must be JSON
 strings); a folder is walked recursively for files with the given --extensions. The writer also stores the token

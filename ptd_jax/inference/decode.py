@@ -1,17 +1,18 @@
 """KV-cache decoding steps for sampling (`inference/generate.py`), on one device or tensor-parallel (paper §2.3).
 
 One step takes T new tokens at positions pos..pos+T-1 (the whole prompt at prefill, then one token), writes their
-keys and values into each layer's cache [B, P_max, H, K] and returns the logits of the last one. Under tensor
-parallelism the step runs inside `shard_map` over "tensor", with the training layout of `sharding.py`: each rank
-holds its H/t heads (QKV column-parallel, the output projection row-parallel), F/t of the MLP and Vp/t rows of the
-word embedding, and the cache is split by heads, so a rank's cache [L, B, P_max, H/t, K] holds the keys and values
-of its own heads. Communication per step: Megatron's `g` (one all-reduce of [B, T, D]) after the attention output
-and after fc2 in every layer, one all-reduce for the vocab-parallel embedding, and one all-gather of the last
-position's logits [B, Vp/t] -> [B, Vp] (the step's output is split over "tensor" by vocabulary, and the jit around
-it slices the real V, which gathers); `f` is the identity in a forward-only pass.
+keys and values into each layer's cache [B, P_max, G, K] (G key/value heads: all H without grouped-query attention)
+and returns the logits of the last one. Under tensor parallelism the step runs inside `shard_map` over "tensor",
+with the training layout of `sharding.py`: each rank holds its G/t query groups (QKV column-parallel, the output
+projection row-parallel), F/t of the MLP and Vp/t rows of the word embedding, and the cache is split by key/value
+heads, so a rank's cache [L, B, P_max, G/t, K] holds the keys and values of its own query groups. Communication per
+step: Megatron's `g` (one all-reduce of [B, T, D]) after the attention output and after fc2 in every layer, one
+all-reduce for the vocab-parallel embedding, and one all-gather of the last position's logits [B, Vp/t] -> [B, Vp]
+(the step's output is split over "tensor" by vocabulary, and the jit around it slices the real V, which gathers);
+`f` is the identity in a forward-only pass.
 
-Local shape legend: B batch, T new positions, P cache positions, D hidden, H heads (Hl = H/t local), K head dim,
-V vocabulary (Vl = Vp/t local).
+Local shape legend: B batch, T new positions, P cache positions, D hidden, G key/value heads (Gl = G/t local),
+R query heads per key/value head, K head dim, V vocabulary (Vl = Vp/t local).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ptd_jax.config import ModelConfig, ParallelConfig
 from ptd_jax.parallel import sharding, tensor
 from ptd_jax.parallel.mesh import make_mesh
 
-CACHE_SPEC = P(None, None, None, tensor.TENSOR, None)  # [L, B, P, H, K]: split by heads
+CACHE_SPEC = P(None, None, None, tensor.TENSOR, None)  # [L, B, P, G, K]: split by key/value heads
 
 
 def _identity(x):
@@ -37,41 +38,45 @@ def _identity(x):
 
 
 def cached_layer(p, x_BxTxD, cache, pos, cfg: ModelConfig, tensor_parallel: bool):
-    """One pre-LN block for T new positions, reading and extending this layer's cache of (local) heads."""
+    """One pre-norm block for T new positions, reading and extending this layer's cache of (local) key/value
+    heads."""
     enter, leave = (
         (tensor.copy_to_tensor_region, tensor.reduce_from_tensor_region) if tensor_parallel else (_identity, _identity)
     )
-    k_cache_BxPxHlxK, v_cache_BxPxHlxK = cache
-    h_BxTxD = enter(gpt.layer_norm(x_BxTxD, p["ln1"], cfg.layernorm_epsilon))
-    qkv_BxTx3xHlxK = jnp.einsum("btd,dshk->btshk", h_BxTxD, p["attn"]["qkv_kernel"]) + p["attn"]["qkv_bias"]
-    q, k, v = (qkv_BxTx3xHlxK[:, :, i] for i in range(3))
-    k_cache_BxPxHlxK = jax.lax.dynamic_update_slice(k_cache_BxPxHlxK, k.astype(k_cache_BxPxHlxK.dtype), (0, pos, 0, 0))
-    v_cache_BxPxHlxK = jax.lax.dynamic_update_slice(v_cache_BxPxHlxK, v.astype(v_cache_BxPxHlxK.dtype), (0, pos, 0, 0))
-    T, P_max, K = x_BxTxD.shape[1], k_cache_BxPxHlxK.shape[1], q.shape[-1]
-    scores_BxHlxTxP = jnp.einsum(
-        "bthk,bphk->bhtp", q, k_cache_BxPxHlxK, preferred_element_type=jnp.float32
+    k_cache_BxPxGlxK, v_cache_BxPxGlxK = cache
+    T, P_max = x_BxTxD.shape[1], k_cache_BxPxGlxK.shape[1]
+    positions_T = pos + jnp.arange(T)
+    h_BxTxD = enter(gpt.norm(x_BxTxD, p["ln1"], cfg))
+    qkv = gpt.bias(p["attn"], "qkv_bias", jnp.einsum("btd,dgrk->btgrk", h_BxTxD, p["attn"]["qkv_kernel"]))
+    q_BxTxGlxRxK, k, v = gpt.split_qkv(qkv, positions_T, cfg)
+    k_cache_BxPxGlxK = jax.lax.dynamic_update_slice(k_cache_BxPxGlxK, k.astype(k_cache_BxPxGlxK.dtype), (0, pos, 0, 0))
+    v_cache_BxPxGlxK = jax.lax.dynamic_update_slice(v_cache_BxPxGlxK, v.astype(v_cache_BxPxGlxK.dtype), (0, pos, 0, 0))
+    B, _, Gl, R, K = q_BxTxGlxRxK.shape
+    scores_BxGlxRxTxP = jnp.einsum(
+        "btgrk,bpgk->bgrtp", q_BxTxGlxRxK, k_cache_BxPxGlxK, preferred_element_type=jnp.float32
     ) / math.sqrt(K)
-    visible_TxP = jnp.arange(P_max)[None, :] <= pos + jnp.arange(T)[:, None]  # causal, and only what is filled
-    scores_BxHlxTxP = jnp.where(visible_TxP, scores_BxHlxTxP, jnp.finfo(jnp.float32).min)
-    probs_BxHlxTxP = jax.nn.softmax(scores_BxHlxTxP, axis=-1).astype(v_cache_BxPxHlxK.dtype)
-    ctx_BxTxHlxK = jnp.einsum("bhtp,bphk->bthk", probs_BxHlxTxP, v_cache_BxPxHlxK)
-    partial_BxTxD = jnp.einsum("bthk,hkd->btd", ctx_BxTxHlxK, p["attn"]["out_kernel"])
-    x_BxTxD = x_BxTxD + leave(partial_BxTxD) + p["attn"]["out_bias"]
-    h_BxTxD = gpt.layer_norm(x_BxTxD, p["ln2"], cfg.layernorm_epsilon)
+    visible_TxP = gpt.visible(positions_T, jnp.arange(P_max), cfg.window_size)  # causal: only what is filled
+    scores_BxGlxRxTxP = jnp.where(visible_TxP, scores_BxGlxRxTxP, jnp.finfo(jnp.float32).min)
+    probs_BxGlxRxTxP = jax.nn.softmax(scores_BxGlxRxTxP, axis=-1).astype(v_cache_BxPxGlxK.dtype)
+    ctx_BxTxGlxRxK = jnp.einsum("bgrtp,bpgk->btgrk", probs_BxGlxRxTxP, v_cache_BxPxGlxK)
+    partial_BxTxD = jnp.einsum("bthk,hkd->btd", ctx_BxTxGlxRxK.reshape(B, T, Gl * R, K), p["attn"]["out_kernel"])
+    x_BxTxD = x_BxTxD + gpt.bias(p["attn"], "out_bias", leave(partial_BxTxD))
+    h_BxTxD = gpt.norm(x_BxTxD, p["ln2"], cfg)
     mlp = tensor.mlp(p["mlp"], h_BxTxD, cfg, False) if tensor_parallel else gpt.mlp_block(p["mlp"], h_BxTxD, cfg)
-    return x_BxTxD + mlp, (k_cache_BxPxHlxK, v_cache_BxPxHlxK)
+    return x_BxTxD + mlp, (k_cache_BxPxGlxK, v_cache_BxPxGlxK)
 
 
 def decode_step(params, tokens_BxT, caches, pos, cfg: ModelConfig, tensor_parallel: bool = False):
     """Logits [B, Vp] ([B, Vl] of this rank's rows under tensor parallelism) of the last of T new tokens at
     positions pos.., and the extended caches [L, B, P, H or Hl, K]."""
     T = tokens_BxT.shape[1]
-    positions_TxD = jax.lax.dynamic_slice_in_dim(params["embed"]["position"], pos, T)
-    if tensor_parallel:  # the vocab-parallel lookup of training, at positions pos..pos+T-1
-        embed = {"embed": {"word": params["embed"]["word"], "position": positions_TxD}}
-        x_BxTxD = tensor.vocab_parallel_embed(embed, tokens_BxT, cfg, False)
+    embed = {"word": params["embed"]["word"]}
+    if "position" in params["embed"]:  # learned positions pos..pos+T-1 (RoPE rotates q and k in the layers)
+        embed["position"] = jax.lax.dynamic_slice_in_dim(params["embed"]["position"], pos, T)
+    if tensor_parallel:  # the vocab-parallel lookup of training
+        x_BxTxD = tensor.vocab_parallel_embed({"embed": embed}, tokens_BxT, cfg, False)
     else:
-        x_BxTxD = jnp.take(params["embed"]["word"], tokens_BxT, axis=0) + positions_TxD
+        x_BxTxD = gpt.embed({"embed": embed}, tokens_BxT, cfg)
 
     def body(x, layer):
         p, cache = layer

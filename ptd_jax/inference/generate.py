@@ -85,7 +85,7 @@ def generate(
         dtype="float32", fused_kernels=False, attention_backend="xla", hidden_dropout=0.0, attention_dropout=0.0
     )
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
-    shape = (cfg.num_layers, B, total, cfg.num_attention_heads, cfg.head_dim)
+    shape = (cfg.num_layers, B, total, cfg.num_groups, cfg.head_dim)  # grouped-query attention caches G heads
     if tensor_parallel_size > 1:
         decoder = TensorParallelDecoder(cfg, params, tensor_parallel_size, devices)
         step, caches = decoder.step, decoder.zeros_cache(shape, jnp.float32)

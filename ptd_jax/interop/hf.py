@@ -114,8 +114,9 @@ def from_hf(path) -> tuple[ModelConfig, dict]:
         "layers": {
             "ln1": {"scale": stack("ln_1.weight", (D,)), "bias": stack("ln_1.bias", (D,))},
             "attn": {
-                "qkv_kernel": stack("attn.c_attn.weight", (D, 3 * D), (D, 3, H, K)),
-                "qkv_bias": stack("attn.c_attn.bias", (3 * D,), (3, H, K)),
+                # [D, 3, H, K] -> our per-head [D, H, 3, K] (`model.py`: G = H query groups of one head each)
+                "qkv_kernel": stack("attn.c_attn.weight", (D, 3 * D), (D, 3, H, K)).transpose(0, 1, 3, 2, 4),
+                "qkv_bias": stack("attn.c_attn.bias", (3 * D,), (3, H, K)).transpose(0, 2, 1, 3),
                 "out_kernel": stack("attn.c_proj.weight", (D, D), (H, K, D)),
                 "out_bias": stack("attn.c_proj.bias", (D,)),
             },
@@ -156,8 +157,8 @@ def to_hf(params, model_cfg: ModelConfig, path) -> Path:
             {
                 h + "ln_1.weight": layers["ln1"]["scale"][i],
                 h + "ln_1.bias": layers["ln1"]["bias"][i],
-                h + "attn.c_attn.weight": layers["attn"]["qkv_kernel"][i].reshape(D, 3 * D),
-                h + "attn.c_attn.bias": layers["attn"]["qkv_bias"][i].reshape(3 * D),
+                h + "attn.c_attn.weight": layers["attn"]["qkv_kernel"][i].transpose(0, 2, 1, 3).reshape(D, 3 * D),
+                h + "attn.c_attn.bias": layers["attn"]["qkv_bias"][i].transpose(1, 0, 2).reshape(3 * D),
                 h + "attn.c_proj.weight": layers["attn"]["out_kernel"][i].reshape(D, D),
                 h + "attn.c_proj.bias": layers["attn"]["out_bias"][i],
                 h + "ln_2.weight": layers["ln2"]["scale"][i],

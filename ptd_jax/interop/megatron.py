@@ -31,7 +31,7 @@ def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> di
     if layer_spec not in _MEGATRON_LN:
         raise ConfigError(f"{layer_spec=} is not one of {sorted(_MEGATRON_LN)}")
     cfg = model_cfg
-    L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    L, D = cfg.num_layers, cfg.hidden_size
     f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
     lay = params["layers"]
     out = {
@@ -49,12 +49,9 @@ def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> di
         m = {k: np.asarray(v[i]) for k, v in lay["mlp"].items()}
         out.update(
             {
-                h + "self_attention.linear_qkv.weight": f32(
-                    a["qkv_kernel"].reshape(D, 3, H, K).transpose(2, 1, 3, 0).reshape(3 * D, D)
-                ),
-                h + "self_attention.linear_qkv.bias": f32(
-                    a["qkv_bias"].reshape(3, H, K).transpose(1, 0, 2).reshape(3 * D)
-                ),
+                # ours [D, G, R+2, K] -> Megatron's rows [G, R+2, K] (per query group: q heads, k, v)
+                h + "self_attention.linear_qkv.weight": f32(a["qkv_kernel"].transpose(1, 2, 3, 0).reshape(-1, D)),
+                h + "self_attention.linear_qkv.bias": f32(a["qkv_bias"].reshape(-1)),
                 h + "self_attention.linear_proj.weight": f32(a["out_kernel"].reshape(D, D).T),
                 h + "self_attention.linear_proj.bias": f32(a["out_bias"]),
                 h + "mlp.linear_fc1.weight": f32(m["fc1_kernel"].T),
@@ -120,8 +117,8 @@ def from_megatron(state: dict, model_cfg: ModelConfig) -> dict:
     params["layers"] = {
         **ln,
         "attn": {
-            "qkv_kernel": qkv_w.reshape(L, H, 3, K, D).transpose(0, 4, 2, 1, 3),
-            "qkv_bias": qkv_b.reshape(L, H, 3, K).transpose(0, 2, 1, 3),
+            "qkv_kernel": qkv_w.reshape(L, H, 3, K, D).transpose(0, 4, 1, 2, 3),  # Megatron's per-head [H, 3, K]
+            "qkv_bias": qkv_b.reshape(L, H, 3, K),
             "out_kernel": stack("self_attention.linear_proj.weight", (D, D)).transpose(0, 2, 1).reshape(L, H, K, D),
             "out_bias": stack("self_attention.linear_proj.bias", (D,)),
         },

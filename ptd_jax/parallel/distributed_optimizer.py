@@ -31,7 +31,7 @@ def data_dim(spec: P, shape: tuple[int, ...], d: int) -> int | None:
     splits and d divides (for a stack of layers [L, ...] the layer dim when d divides L); None when there is none
     (the leaf stays replicated). Outermost, because an all-gather concatenates along its most major dim: gathered
     along an inner dim, the copy comes out in a layout with that dim major, and XLA transposes it back (a second
-    copy of the leaf in the compute dtype, measured in `experiments/bench/bench_optimizer_memory.py`)."""
+    copy of the leaf in the compute dtype, measured in `experiments/bench/memory/bench_optimizer_memory.py`)."""
     dims = list(spec) + [None] * (len(shape) - len(tuple(spec)))
     free = [i for i, (n, axis) in enumerate(zip(shape, dims)) if axis is None and n % d == 0 and n >= d]
     return free[0] if free and d > 1 else None

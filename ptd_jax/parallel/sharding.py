@@ -28,13 +28,15 @@ TENSOR, DATA, PIPE = Axis.TENSOR.value, Axis.DATA.value, Axis.PIPE.value
 
 # parameter path -> dim split over tensor (the stored arrays: layers carry a leading L dim)
 TENSOR_SPLIT_DIM: dict[tuple[str, ...], int] = {
-    ("embed", "word"): 0,  # [Vp, D]: vocab-parallel embedding and output layer
-    ("layers", "attn", "qkv_kernel"): 3,  # [L, D, 3, H, K]: column-parallel over heads
-    ("layers", "attn", "qkv_bias"): 2,  # [L, 3, H, K]
-    ("layers", "attn", "out_kernel"): 1,  # [L, H, K, D]: row-parallel over heads
-    ("layers", "mlp", "fc1_kernel"): 2,  # [L, D, F]: column-parallel
-    ("layers", "mlp", "fc1_bias"): 1,  # [L, F]
-    ("layers", "mlp", "fc2_kernel"): 1,  # [L, F, D]: row-parallel
+    # counted from the end, so that the stacked layers' leading dims ([L] or the pipeline's [v, p, k]) do not matter
+    ("embed", "word"): -2,  # [Vp, D]: vocab-parallel embedding (and the tied output layer)
+    ("output", "word"): -2,  # [Vp, D]: the untied output layer, vocab-parallel
+    ("layers", "attn", "qkv_kernel"): -3,  # [L, D, G, R+2, K]: column-parallel over query groups
+    ("layers", "attn", "qkv_bias"): -3,  # [L, G, R+2, K]
+    ("layers", "attn", "out_kernel"): -3,  # [L, H, K, D]: row-parallel over heads
+    ("layers", "mlp", "fc1_kernel"): -1,  # [L, D, F] or SwiGLU's [L, D, 2, F]: column-parallel
+    ("layers", "mlp", "fc1_bias"): -1,  # [L, F] or [L, 2, F]
+    ("layers", "mlp", "fc2_kernel"): -2,  # [L, F, D]: row-parallel
 }
 
 BATCH_SPEC = P(None, DATA, None)  # [M, d·b, S]
@@ -49,12 +51,11 @@ def param_spec(path, leaf, pipelined: bool = False) -> P:
     `stage_layers`) and their dim 1 is split over "pipe"."""
     names = _path_names(path)
     dims: list = [None] * leaf.ndim
-    offset = 0
     if pipelined and names[0] == "layers":
-        dims[1], offset = PIPE, 2
+        dims[1] = PIPE
     dim = TENSOR_SPLIT_DIM.get(names)
     if dim is not None:
-        dims[dim + offset] = TENSOR
+        dims[dim % leaf.ndim] = TENSOR
     return P(*dims)
 
 
@@ -200,7 +201,7 @@ def global_norm(grads, specs):
 def _canonical_leaf(names, x, vocab_size: int, pipelined: bool, v_shape: bool = False):
     if pipelined and names[0] == "layers":
         return (_v_turn(x) if v_shape else x).reshape(-1, *x.shape[3:])  # [v, p, k, ...] -> [L, ...]
-    if names == ("embed", "word"):
+    if names[-1] == "word":  # the word embedding and the untied output layer
         return x[:vocab_size]
     return x
 
@@ -209,7 +210,7 @@ def _layout_leaf(names, x, padded_vocab_size: int, p: int, v: int, v_shape: bool
     if p > 1 and names[0] == "layers":
         staged = x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:])  # `stage_layers`
         return _v_turn(staged) if v_shape else staged
-    if names == ("embed", "word"):
+    if names[-1] == "word":
         # The padded rows are zero and get zero gradients (they never enter the loss), so their parameters and
         # Adam moments stay zero: padding with zeros restores exactly the state a run at this t would have.
         return jnp.pad(x, ((0, padded_vocab_size - x.shape[0]), (0, 0)))
@@ -218,13 +219,13 @@ def _layout_leaf(names, x, padded_vocab_size: int, p: int, v: int, v_shape: bool
 
 def _canonical_spec(names, leaf, p: int) -> P:
     dims: list = [None] * leaf.ndim
-    if names == ("embed", "word"):
+    if names[-1] == "word":
         return P(None, TENSOR)  # V need not divide by t, but D does (t divides the heads): split D
     if p > 1 and names[0] == "layers":
         dims[0] = PIPE  # L / p contiguous layers per pipe rank (the rank's own at v = 1)
     dim = TENSOR_SPLIT_DIM.get(names)
     if dim is not None:
-        dims[dim] = TENSOR
+        dims[dim % leaf.ndim] = TENSOR
     return P(*dims)
 
 

@@ -219,7 +219,7 @@ def accumulation_schedule(parallel: ParallelConfig):
     """The table a training step runs: the pipeline's; with p = 1 and m > 1 the 1F1B table at p = 1 (each
     microbatch's forward, then its backward), so that the executor adds each layer's gradient in place into the
     float32 accumulators, as Megatron adds into main_grad in its backward, instead of holding one microbatch's
-    whole gradient beside them (`experiments/bench/bench_optimizer_memory.py`); None with one microbatch."""
+    whole gradient beside them (`experiments/bench/memory/bench_optimizer_memory.py`); None with one microbatch."""
     if parallel.pipeline_model_parallel_size > 1:
         return pipeline_schedule(parallel)
     if parallel.num_microbatches == 1:

@@ -74,7 +74,16 @@ def leave_tensor_region(x, sequence_parallel: bool):
 # A layer's four matmuls, by name: the einsum of each (input, kernel). `dot` runs one; with a tap in the parameters
 # (`<name>_tap`, a split backward's) its backward gives the input gradient only, and hands the tap the matmul's
 # input and output gradient, from which `tap_weight_grad` makes the kernel's gradient later (a zero-bubble W).
-DOTS = {"qkv": "bsd,dthk->bsthk", "out": "bshk,hkd->bsd", "fc1": "bsd,df->bsf", "fc2": "bsf,fd->bsd"}
+DOTS = {"qkv": "bsd,dgrk->bsgrk", "out": "bshk,hkd->bsd", "fc1": "bsd,df->bsf", "fc2": "bsf,fd->bsd"}
+SWIGLU_FC1 = "bsd,dtf->bstf"
+"""fc1 of a SwiGLU MLP: the kernel [D, 2, F] gives [gate, up] at once."""
+
+
+def dot_spec(name: str, kernel) -> str:
+    """The einsum of matmul `name` for this kernel (SwiGLU's fc1 kernel has one dim more)."""
+    return SWIGLU_FC1 if name == "fc1" and kernel.ndim == 3 else DOTS[name]
+
+
 TAP_SHAPES: dict | None = None
 """Set to {} by `pipeline.stash.Taps.trace` while it traces a layer: each `dot` records its operands' types."""
 
@@ -99,12 +108,9 @@ _tapped_dot.defvjp(_tapped_dot_fwd, _tapped_dot_bwd)
 
 def dot(p, name: str, x):
     """Matmul `name` of the layer (`DOTS`) on x with `p[name + "_kernel"]`, tapped where `p` holds a tap."""
-    tap = p.get(f"{name}_tap")
-    y = (
-        jnp.einsum(DOTS[name], x, p[f"{name}_kernel"])
-        if tap is None
-        else _tapped_dot(DOTS[name], x, p[f"{name}_kernel"], tap)
-    )
+    tap, kernel = p.get(f"{name}_tap"), p[f"{name}_kernel"]
+    spec = dot_spec(name, kernel)
+    y = jnp.einsum(spec, x, kernel) if tap is None else _tapped_dot(spec, x, kernel, tap)
     if TAP_SHAPES is not None:  # types only: x and y may belong to an inner trace (a checkpointed layer's)
         TAP_SHAPES[name] = tuple(
             (jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(sorted(varying_axes(a)))) for a in (x, y)
@@ -114,25 +120,28 @@ def dot(p, name: str, x):
 
 def tap_weight_grad(name: str, tap, kernel):
     """The kernel gradient of matmul `name` from its tap's (input, output gradient): what its backward skipped."""
-    return jax.linear_transpose(lambda w: jnp.einsum(DOTS[name], tap["x"], w), kernel)(tap["g"])[0]
+    spec = dot_spec(name, kernel)
+    return jax.linear_transpose(lambda w: jnp.einsum(spec, tap["x"], w), kernel)(tap["g"])[0]
 
 
 def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None, recompute: str = "none"):
-    """Column-parallel QKV (local heads), causal attention on local heads, row-parallel output projection."""
+    """Column-parallel QKV (local query groups), causal attention on local heads, row-parallel output projection."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
-    qkv_BxSx3xHlxK = dot(p, "qkv", x_BxSxD) + p["qkv_bias"]
-    q, k, v = (qkv_BxSx3xHlxK[:, :, i] for i in range(3))
+    qkv_BxSxGlxR2xK = gpt.bias(p, "qkv_bias", dot(p, "qkv", x_BxSxD))
+    q, k, v = gpt.split_qkv(qkv_BxSxGlxR2xK, jnp.arange(x_BxSxD.shape[SEQ_DIM]), cfg)
     key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
-    ctx_BxSxHlxK = gpt.core_attention(q, k, v, cfg, key, recompute)
-    partial_BxSxD = dot(p, "out", ctx_BxSxHlxK)
-    return leave_tensor_region(partial_BxSxD, sequence_parallel) + p["out_bias"]
+    ctx_BxSxGlxRxK = gpt.core_attention(q, k, v, cfg, key, recompute)
+    B, S, Gl, R, K = ctx_BxSxGlxRxK.shape
+    partial_BxSxD = dot(p, "out", ctx_BxSxGlxRxK.reshape(B, S, Gl * R, K))
+    return gpt.bias(p, "out_bias", leave_tensor_region(partial_BxSxD, sequence_parallel))
 
 
 def mlp(p, x, cfg: ModelConfig, sequence_parallel: bool):
-    """Column-parallel fc1 (F/t local columns) + GeLU, row-parallel fc2."""
+    """Column-parallel fc1 (F/t local columns; SwiGLU: F/t of the gate and of the up projection) + the activation,
+    row-parallel fc2."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
-    h_BxSxFl = gpt.gelu(dot(p, "fc1", x_BxSxD) + p["fc1_bias"], cfg.gelu_approximate)
-    return leave_tensor_region(dot(p, "fc2", h_BxSxFl), sequence_parallel) + p["fc2_bias"]
+    h_BxSxFl = gpt.activation(gpt.bias(p, "fc1_bias", dot(p, "fc1", x_BxSxD)), cfg)
+    return gpt.bias(p, "fc2_bias", leave_tensor_region(dot(p, "fc2", h_BxSxFl), sequence_parallel))
 
 
 def _per_tensor_rank(key):
@@ -146,16 +155,9 @@ def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None,
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
     if sequence_parallel:
         k_h1, k_h2 = _per_tensor_rank(k_h1), _per_tensor_rank(k_h2)
-    h = attention(
-        p["attn"],
-        gpt.layer_norm(x, p["ln1"], cfg.layernorm_epsilon, cfg.fused_kernels),
-        cfg,
-        sequence_parallel,
-        k_attn,
-        recompute,
-    )
+    h = attention(p["attn"], gpt.norm(x, p["ln1"], cfg), cfg, sequence_parallel, k_attn, recompute)
     x = x + gpt.dropout(h, cfg.hidden_dropout, k_h1)
-    h = mlp(p["mlp"], gpt.layer_norm(x, p["ln2"], cfg.layernorm_epsilon, cfg.fused_kernels), cfg, sequence_parallel)
+    h = mlp(p["mlp"], gpt.norm(x, p["ln2"], cfg), cfg, sequence_parallel)
     return x + gpt.dropout(h, cfg.hidden_dropout, k_h2)
 
 
@@ -186,23 +188,26 @@ def vocab_parallel_embed(params, tokens_BxS, cfg: ModelConfig, sequence_parallel
     rows_BxSxD = jnp.take(word_VlxD, jnp.where(in_range_BxS, local_ids_BxS, 0), axis=0)
     rows_BxSxD = jnp.where(in_range_BxS[..., None], rows_BxSxD, jnp.zeros_like(rows_BxSxD))
     S = tokens_BxS.shape[1]
-    position_SxD = params["embed"]["position"][:S]
+    learned = "position" in params["embed"]  # RoPE rotates q and k in the layers instead
+    position_SxD = params["embed"]["position"][:S] if learned else None
     if sequence_parallel:
-        x_BxSlxD = reduce_scatter_to_sequence_region(rows_BxSxD)
-        seq_local = x_BxSlxD.shape[SEQ_DIM]
-        position_SlxD = jax.lax.dynamic_slice_in_dim(position_SxD, jax.lax.axis_index(TENSOR) * seq_local, seq_local)
-        x = x_BxSlxD + position_SlxD
+        x = reduce_scatter_to_sequence_region(rows_BxSxD)
+        seq_local = x.shape[SEQ_DIM]
+        if learned:
+            x = x + jax.lax.dynamic_slice_in_dim(position_SxD, jax.lax.axis_index(TENSOR) * seq_local, seq_local)
     else:
-        x = reduce_from_tensor_region(rows_BxSxD) + position_SxD
+        x = reduce_from_tensor_region(rows_BxSxD)
+        if learned:
+            x = x + position_SxD
     key = _per_tensor_rank(key) if sequence_parallel else key
     return gpt.dropout(x.astype(jnp.dtype(cfg.dtype)), cfg.hidden_dropout, key)
 
 
 def vocab_parallel_logits(params, x, cfg: ModelConfig, sequence_parallel: bool):
-    """Final LayerNorm, then the tied output layer on this rank's vocabulary rows: logits [B, S, Vl]."""
-    x = gpt.layer_norm(x, params["final_ln"], cfg.layernorm_epsilon, cfg.fused_kernels)
+    """Final norm, then the output layer (tied or untied) on this rank's vocabulary rows: logits [B, S, Vl]."""
+    x = gpt.norm(x, params["final_ln"], cfg)
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
-    word_VlxD = params["embed"]["word"].astype(x_BxSxD.dtype)
+    word_VlxD = gpt.output_weight(params).astype(x_BxSxD.dtype)
     return jnp.einsum("bsd,vd->bsv", x_BxSxD, word_VlxD, preferred_element_type=gpt.logits_dtype(x_BxSxD.dtype, cfg))
 
 

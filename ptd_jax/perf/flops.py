@@ -13,7 +13,7 @@ Three figures, because they answer different questions:
   flash backend, whose output the layer keeps; full the layer's forward but fc2, as JAX's remat runs them) and, on
   a pipeline, what the lockstep table runs beyond that (`parallel/pipeline/executor.py`): under "uniform" branching
   idle cells compute on a dummy and the output layer runs on every rank of the ticks that need it (counted from the
-  table; `experiments/bench/pipeline_flops.py` counts the same on the traced program).
+  table; `experiments/bench/counts/pipeline_flops.py` counts the same on the traced program).
 - eq. (3), the paper's "achieved teraFLOP/s" numerator, as published (full recomputation, F = 4h assumed):
       F = 96 B s l h² (1 + s/(6h) + V/(16 l h))
 

@@ -14,7 +14,7 @@ mixed precision (the presets' peaks are 16-bit).
 
 Activations per layer and microbatch, per GPU, as the program stores them (s sequence, b micro batch, h hidden,
 a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's compiled steps
-(`experiments/bench/aot_memory.py`) and compared with Korthikanti et al.'s Table 2 for Megatron:
+(`experiments/bench/memory/aot_memory.py`) and compared with Korthikanti et al.'s Table 2 for Megatron:
     policy      this program, flash attention     with sequence parallelism     Megatron (no SP)
     none        s b h (8 + 16/t)                  s b h 24/t                    s b h (10 + 24/t + 5as/(ht))
     selective   s b h (8 + 18/t)                  s b h 26/t                    s b h (10 + 24/t)
@@ -23,7 +23,7 @@ a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's co
   it stores less than Megatron at t = 1 but keeps the whole residual stream and LayerNorm outputs (8 s b h) on every
   tensor rank; with sequence parallelism all of them are 1/t: the LayerNorm outputs are kept as the rank's
   sequence shard and all-gathered again in the backward (`model.REGATHERED_PRIMITIVES`, as Megatron does), so
-  everything a layer stashes is split over t (`experiments/bench/sp_stash.py`: exactly 1/t of t = 1's stash at
+  everything a layer stashes is split over t (`experiments/bench/memory/sp_stash.py`: exactly 1/t of t = 1's stash at
   t = 2, 4, 8). With the XLA attention backend the float32 scores 4 a s²b/t replace the attention output. Under
   "full", one layer's activations without recomputation are added (rebuilt during its backward).
 Stashed activations: the executor keeps each layer's record (`parallel.pipeline.stash.Record`) in slot buffers on

@@ -2,23 +2,15 @@
 8·b·s·h·(t−1)/t elements per layer per microbatch (§3.2: 4 all-reduces of b·s·h per layer, forward + backward,
 each moving 2(t−1)/t of its payload per device in a ring).
 
-Usage: python -m experiments.bench.comm_report [--fake-devices 8] [--out experiments/results/comm_report.json]
+Usage: python -m experiments.bench.counts.comm_report [--fake-devices 8] [--out experiments/results/comm_report.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 
 from experiments.common import fake_devices, write_json
-
-
-def group_size(groups: str) -> int:
-    if groups.startswith("{{"):
-        return len(groups[2:].split("}")[0].split(","))
-    iota = re.match(r"\[([\d,]+)\]", groups)  # iota form [groups,size]<=[n]
-    return int(iota.group(1).split(",")[-1]) if iota else 0
 
 
 def report(L: int, h: int, heads: int, s: int, b: int, m: int, d: int, t: int, sp: bool) -> dict:
@@ -26,6 +18,7 @@ def report(L: int, h: int, heads: int, s: int, b: int, m: int, d: int, t: int, s
     import jax.numpy as jnp
 
     from ptd_jax.analysis.collectives import hlo_collectives, jaxpr_collectives, summarize
+    from ptd_jax.analysis.hlo import group_size
     from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
     from ptd_jax.optimizer import make_optimizer
     from ptd_jax.parallel.mesh import make_mesh

@@ -15,11 +15,11 @@ runs (`lowering.columns`: where the head runs), so:
   k·(24·b·s·h² + 4·b·s²·h)/t, every backward twice that, plus a recomputed forward under recompute="full" or the
   attention core's two batched matmuls (k·4·b·s²·h/t) under "selective", and the last stage adds the output
   layer, 2·b·s·h·Vp/t forward and twice that backward, once per microbatch.
-The bench model is `common.BENCH_MODEL`, as in `bench_interleaving.py` (the paper's vocabulary/hidden ratio; GPipe,
-1F1B and interleaved at p = 4, m = 8); the 1.3B preset runs 1F1B and interleaved at (p, m, t) = (4, 16, 2), v = 1 or 2,
-b = 1, traced on fake CPU devices.
+The bench model is `common.BENCH_MODEL`, as in `speed/bench_interleaving.py` (the paper's vocabulary/hidden ratio;
+GPipe, 1F1B and interleaved at p = 4, m = 8); the 1.3B preset runs 1F1B and interleaved at (p, m, t) = (4, 16, 2),
+v = 1 or 2, b = 1, traced on fake CPU devices.
 
-Usage: python -m experiments.bench.pipeline_flops [--recompute none|selective|full]
+Usage: python -m experiments.bench.counts.pipeline_flops [--recompute none|selective|full]
        [--out experiments/results/pipeline_flops.json]
 """
 
@@ -57,8 +57,8 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
     from ptd_jax import model as gpt
     from ptd_jax.analysis.jaxpr import dot_flops, named_calls
     from ptd_jax.config import ModelConfig, ParallelConfig, model_preset
-    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
+    from ptd_jax.parallel.sharding import place_params
     from ptd_jax.config import SCHEDULE_SPECS
     from ptd_jax.parallel.pipeline.lowering import columns
     from ptd_jax.parallel.step import make_parallel_grad_step, pipeline_schedule
@@ -89,14 +89,10 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
             pipeline_branching=branching,
         )
         sched = pipeline_schedule(parallel)
-        v_shape = SCHEDULE_SPECS[schedule].stage_map == "v"
+        mesh = make_mesh(parallel)
         abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t), jax.random.key(0))
-        abstract = {
-            **abstract,
-            "layers": jax.eval_shape(lambda x, turn=v_shape: sharding.stage_layers(x, p, v, turn), abstract["layers"]),
-        }
-        specs = sharding.param_specs(abstract, pipelined=True)
-        step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
+        abstract, specs = place_params(abstract, parallel, mesh)
+        step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute)
         batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
         jaxpr = jax.make_jaxpr(step)(abstract, batch, batch, batch)
         k = cfg.num_layers // (p * v)  # a cell runs its chunk's k layers, each one named call of its kind

@@ -3,9 +3,9 @@
 A GPT of about 150M parameters (+ Adam moments: ~1.8 GB of float32 state) on 8 fake CPU devices at (d,p,t) = (2,2,2):
 `Checkpointer.save` returns after the canonical conversion and the device-to-host copy; `wait()` after orbax's
 write. For scale, the same arrays are also handed to orbax unconverted (`orbax_only_blocked_s`: the copy alone).
-Then the step is restored at (1,4,2) with v = 2. JSON to experiments/results/checkpoint.json.
+Then the step is restored at (1,4,2) with v = 2. JSON to experiments/results/bench_checkpoint.json.
 
-Usage: python -m experiments.bench.bench_checkpoint [--layers 16 --hidden 768]  (layers divisible by 8)
+Usage: python -m experiments.bench.io.bench_checkpoint [--layers 16 --hidden 768]  (layers divisible by 8)
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main() -> None:
         "jax": jax.__version__,
     }
     result["blocked_fraction"] = result["median_blocked_s"] / result["median_total_s"]
-    write_json(RESULTS / "checkpoint.json", result, indent=2, end="\n")
+    write_json(RESULTS / "bench_checkpoint.json", result, indent=2, end="\n")
     print(json.dumps(result, indent=2))
 
 

@@ -9,8 +9,8 @@ process; before the cold run and the first warm run the .bin/.idx pages are drop
 (posix_fadvise DONTNEED), so those read from disk; the second warm run finds them in memory. The files are deleted
 at the end.
 
-Usage: python -m experiments.bench.bench_data_startup [--tokens 1e9] [--documents 1.5e6] [--dir /tmp]
-                                                 [--out experiments/results/data_startup.json]
+Usage: python -m experiments.bench.io.bench_data_startup [--tokens 1e9] [--documents 1.5e6] [--dir /tmp]
+                                                 [--out experiments/results/bench_data_startup.json]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def child(prefix: str) -> None:
 
 def run_child(prefix: Path) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.bench_data_startup", "--child", str(prefix)],
+        [sys.executable, "-m", "experiments.bench.io.bench_data_startup", "--child", str(prefix)],
         capture_output=True,
         text=True,
         check=True,
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=float, default=1e9)
     parser.add_argument("--documents", type=float, default=1.5e6)
     parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--out", default="experiments/results/data_startup.json")
+    parser.add_argument("--out", default="experiments/results/bench_data_startup.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -1,7 +1,7 @@
 """Memory per GPU, predicted against compiled: `ptd-plan predict`'s model (`ptd_jax/perf/memory.py`) beside
 XLA:GPU's compiled memory of the same training step (`ptd_jax/aot`), for (model, layout, target) cases.
 
-    python -m experiments.bench.aot_memory [--cases NAME ...] [--out experiments/results/aot_memory.json]
+    python -m experiments.bench.memory.aot_memory [--cases NAME ...] [--out experiments/results/aot_memory.json]
 
 Needs the gpu-compile extra; no GPU. The compiled figure is arguments + outputs − aliased (the donated state) +
 temporaries, per GPU, of the train step; the predicted one is the planner's total for the fuller pipeline stage.

@@ -27,8 +27,8 @@ On XLA:CPU an all-reduce is out of place (XLA:GPU runs NCCL's in place), so with
 step holds a second float32 gradient while the data-parallel all-reduce runs, also at d = 1 (a one-device
 all-reduce that XLA:CPU keeps as a copy): +4 bytes per parameter on CPU.
 
-Usage: python -m experiments.bench.bench_optimizer_memory [--dtypes float16 bfloat16 float32] [--data-sizes 1 2 4 8]
-       [--microbatches 1 4] [--out experiments/results/optimizer_memory.json]
+Usage: python -m experiments.bench.memory.bench_optimizer_memory [--dtypes float16 bfloat16 float32]
+       [--data-sizes 1 2 4 8] [--microbatches 1 4] [--out experiments/results/bench_optimizer_memory.json]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--data-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--microbatches", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--out", default="experiments/results/optimizer_memory.json")
+    parser.add_argument("--out", default="experiments/results/bench_optimizer_memory.json")
     args = parser.parse_args(argv)
     import jax
 

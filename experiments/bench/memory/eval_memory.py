@@ -9,7 +9,7 @@ build any more: the script measures the forward-only table alone.
 Interleaved (v = 2) and 1F1B (v = 1, its forwards in Megatron's order) at p = 4, t = 1, b = 1; compiled, not run,
 on 4 fake CPU devices.
 
-Usage: python -m experiments.bench.eval_memory [--out experiments/results/eval_memory.json]
+Usage: python -m experiments.bench.memory.eval_memory [--out experiments/results/eval_memory.json]
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def measure(schedule, v, m):
 
     from ptd_jax import model as gpt
     from ptd_jax.config import ModelConfig, ParallelConfig
-    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.pipeline import build_forward_only
+    from ptd_jax.parallel.sharding import place_params
     from ptd_jax.parallel.step import make_parallel_eval_step
 
     cfg = ModelConfig(**MODEL)
@@ -44,13 +44,10 @@ def measure(schedule, v, m):
         global_batch_size=m,
     )
     sched = build_forward_only(schedule, P, v, m)
-    abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg), jax.random.key(0))
-    abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, P, v), abstract["layers"])}
-    specs = sharding.param_specs(abstract, pipelined=True)
     mesh = make_mesh(parallel)
+    abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg), jax.random.key(0))
+    params, specs = place_params(abstract, parallel, mesh)
     step = make_parallel_eval_step(mesh, cfg, parallel, specs)
-    shardings = sharding.named(mesh, specs)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
     temp = step.lower(params, batch, batch, batch).compile().memory_analysis().temp_size_in_bytes
     slot_bytes = cfg.seq_length * cfg.hidden_size * np.dtype(cfg.dtype).itemsize  # one chunk input, b = 1

@@ -2,7 +2,7 @@
 time for the matching described target (`ptd_jax/aot`, what `ptd-train --compile-only` reports on a laptop), and
 as the device saw it after running (`memory_stats()` peak), beside the planner's prediction.
 
-    python -m experiments.bench.gpu_memory_check [--target h200] [--out FILE]
+    python -m experiments.bench.memory.gpu_memory_check [--target h200] [--out FILE]
 
 Runs `gpu_check.sh`'s 1.3B-shaped step on one device (8 layers, bf16, b = 1, m = 4, recompute none; Pallas
 kernels as the GPU default). On a CPU host it only compiles (no device memory to read) and says so.

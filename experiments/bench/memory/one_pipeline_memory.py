@@ -2,7 +2,7 @@
 against the old executors' figures (`results/aot_memory_split.json`: 1.3B, 8 x H100, d2 p4 t1, b 1, m 8, bf16,
 recompute none, flash attention, fused kernels).
 
-    python -m experiments.bench.one_pipeline_memory [--cases NAME ...] [--merge] [--out PATH]
+    python -m experiments.bench.memory.one_pipeline_memory [--cases NAME ...] [--merge] [--out PATH]
 
 Needs the gpu-compile extra; no GPU. Each case is the train step compiled as `ptd-train --compile-only` compiles it
 (`ptd_jax.aot.compile.compile_steps`, evaluation left out); temp = XLA's temporaries per GPU, total = arguments +

@@ -15,7 +15,7 @@ the residual bytes for scale.
 every pool's slots. Rows in results/pipeline_memory.json from before the one pipeline measured the previous
 executor, whose "1f1b" was today's `1f1b-lockstep` (fused backwards).
 
-Usage: python -m experiments.bench.pipeline_memory [--out experiments/results/pipeline_memory.json]
+Usage: python -m experiments.bench.memory.pipeline_memory [--out experiments/results/pipeline_memory.json]
 """
 
 from __future__ import annotations
@@ -86,13 +86,10 @@ def measure(schedule, v, m, recompute):
         global_batch_size=m,
     )
     sched = pipeline_schedule(parallel)
-    abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg), jax.random.key(0))
-    abstract = {**abstract, "layers": jax.eval_shape(lambda x: sharding.stage_layers(x, P, v), abstract["layers"])}
-    specs = sharding.param_specs(abstract, pipelined=True)
     mesh = make_mesh(parallel)
+    abstract = jax.eval_shape(lambda key: gpt.init_params(key, cfg), jax.random.key(0))
+    params, specs = sharding.place_params(abstract, parallel, mesh)
     step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute)
-    shardings = sharding.named(mesh, specs)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     batch = jax.ShapeDtypeStruct((m, 1, cfg.seq_length), np.int32)
     compiled = step.lower(params, batch, batch, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes

@@ -7,7 +7,7 @@ The configuration is the GPU's: flash attention ("pallas") and the fused LayerNo
 shapes are traced (nothing runs), so the kernels need no GPU. Megatron keeps every sequence-sharded tensor of a
 layer at 1/t under sequence parallelism: the done-when is SP's stash per layer ≤ (1/t + ε) of t = 1's.
 
-Usage: python -m experiments.bench.sp_stash [--out experiments/results/sp_stash.json]
+Usage: python -m experiments.bench.memory.sp_stash [--out experiments/results/sp_stash.json]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ exits 0 (one GPU cannot show pipe-divergent behaviour).
 Prints and writes {"backend", "devices", "status": "ok" | "mismatch" | "hung" | "skipped", "max_rel_diff",
 "uniform_s", "per_rank_s"}.
 
-Usage: python -m experiments.bench.probe_divergent_branches [--timeout-s 180] [--out FILE]
+Usage: python -m experiments.bench.probes.probe_divergent_branches [--timeout-s 180] [--out FILE]
 """
 
 from __future__ import annotations

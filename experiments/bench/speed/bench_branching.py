@@ -5,7 +5,7 @@ step time "auto" saves on CPU. On a GPU both are expected to take the same locks
 branching needs one kind per tick, so the p = 2 layout runs `1f1b-lockstep` (fused backwards; "1f1b" splits them on
 unit ticks and runs per-rank only); the layout keeps its name.
 
-Usage: python -m experiments.bench.bench_branching [--rounds 5] [--smoke]
+Usage: python -m experiments.bench.speed.bench_branching [--rounds 5] [--smoke]
        [--out experiments/results/bench_branching.json]
 """
 

@@ -8,7 +8,8 @@ Prints and writes {"<policy>": {"executor_s", "reference_s", "reference_over_exe
 "reference_over_executor_cpu_time"}} (wall and process CPU time; the CPU time follows the work executed on a loaded
 machine): the issue's target is a ratio ≥ 0.95.
 
-Usage: python -m experiments.bench.bench_executor_p1 [--rounds 7] [--out experiments/results/bench_executor_p1.json]
+Usage: python -m experiments.bench.speed.bench_executor_p1 [--rounds 7]
+       [--out experiments/results/bench_executor_p1.json]
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ the total work. Plain 1F1B here is `1f1b-lockstep` (fused backwards, one kind pe
 runs under both branchings and is placed as interleaved is: the table the name "1f1b" ran before the one pipeline
 (warm-up 2(p − 1 − s)), which the ratios' names keep.
 
-Usage: python -m experiments.bench.bench_interleaving [--rounds 5] [--recompute none|selective|full]
+Usage: python -m experiments.bench.speed.bench_interleaving [--rounds 5] [--recompute none|selective|full]
        [--out experiments/results/bench_interleaving.json]
-       python -m experiments.bench.bench_interleaving --smoke --out /tmp/x.json   # tiny shapes, one round (checks only)
+       python -m experiments.bench.speed.bench_interleaving --smoke --out /tmp/x.json  # tiny shapes, one round (checks)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Pallas kernels against XLA (and cuDNN attention) over a sweep of sequence lengths, plus one training step of a
 ~1.3B GPT on one device (TFLOP/s per device by eq. 3, and MFU). JSON and a plot.
 
-On a GPU:   python -m experiments.bench.bench_kernels            (bf16, compiled kernels)
-On a CPU:   python -m experiments.bench.bench_kernels --smoke    (tiny shapes, interpret mode: checks only)
+On a GPU:   python -m experiments.bench.speed.bench_kernels            (bf16, compiled kernels)
+On a CPU:   python -m experiments.bench.speed.bench_kernels --smoke    (tiny shapes, interpret mode: checks only)
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ p = 4, m = 8, d = t = 1, b = 1, recompute none, per-rank branching, the paper's 
 step's time follows the work all ranks execute, and the per-tick overhead shows as the ratio to the single-device
 step.
 
-Usage: python -m experiments.bench.bench_one_pipeline [--rounds 5] [--out experiments/results/one_pipeline_steps.json]
+Usage: python -m experiments.bench.speed.bench_one_pipeline [--rounds 5]
+       [--out experiments/results/bench_one_pipeline.json]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", nargs="+", default=[name for name, _ in CASES])
-    parser.add_argument("--out", default=str(RESULTS / "one_pipeline_steps.json"))
+    parser.add_argument("--out", default=str(RESULTS / "bench_one_pipeline.json"))
     args = parser.parse_args(argv)
 
     from ptd_jax.config import ModelConfig

@@ -4,7 +4,7 @@ into I and W), simulated bubble next to the formula, peak stash per rank, XLA `m
 device, compile time and step time; plus compile time at m = 64 vs m = 8 and the executor at p = 1 against the
 reference step with the same (full) recomputation. JSON and a plot.
 
-Usage: python -m experiments.bench.bench_pipeline [--quick] [--out experiments/results/bench_pipeline.json]
+Usage: python -m experiments.bench.speed.bench_pipeline [--quick] [--out experiments/results/bench_pipeline.json]
 Step times on 8 simulated devices sharing the host's cores are not GPU speedups; ratios in one run are comparable.
 """
 
@@ -41,21 +41,10 @@ def grad_step(mesh, cfg, parallel, params_specs, sched):
     from jax.sharding import PartitionSpec as P
 
     from ptd_jax.parallel import sharding
-    from ptd_jax.parallel.step import loss_and_grads
+    from ptd_jax.parallel.step import GradPlan, loss_and_grads
 
     def body(params, tokens, labels, mask):
-        return loss_and_grads(
-            params,
-            tokens,
-            labels,
-            mask,
-            None,
-            model_cfg=cfg,
-            parallel=parallel,
-            recompute="none",
-            param_specs=params_specs,
-            sched=sched,
-        )
+        return loss_and_grads(params, tokens, labels, mask, None, GradPlan(cfg, parallel, params_specs, "none", sched))
 
     batch = sharding.BATCH_SPEC
     return jax.jit(
@@ -69,9 +58,9 @@ def run_case(name, p, v, m, cfg, repeats):
 
     from ptd_jax import model as gpt
     from ptd_jax.config import ParallelConfig
-    from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.pipeline import build
+    from ptd_jax.parallel.sharding import place_params
     from ptd_jax.parallel.step import accumulation_schedule
 
     parallel = ParallelConfig(
@@ -83,10 +72,7 @@ def run_case(name, p, v, m, cfg, repeats):
     )
     sched = build(name, p, v, m) if p > 1 else accumulation_schedule(parallel)  # p = 1: what the training step runs
     mesh = make_mesh(parallel)
-    params = gpt.init_params(jax.random.key(0), cfg)
-    params = {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
-    specs = sharding.param_specs(params, pipelined=True)
-    params = jax.device_put(params, sharding.named(mesh, specs))
+    params, specs = place_params(gpt.init_params(jax.random.key(0), cfg), parallel, mesh)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
     step = grad_step(mesh, cfg, parallel, specs, sched)
     compile_s, temp, step_s = compile_and_time(step, (params, tokens, tokens, np.ones_like(tokens)), repeats)

@@ -2,7 +2,8 @@
 parallel machinery when there is nothing to parallelise (target: ratio >= 1, i.e. no slower).
 
 Alternating rounds in one process (the machine is shared and noisy), medians, JSON out.
-Usage: python -m experiments.bench.bench_tp_step [--rounds 7] [--steps 5] [--out experiments/results/bench_tp_step.json]
+Usage: python -m experiments.bench.speed.bench_tp_step [--rounds 7] [--steps 5]
+       [--out experiments/results/bench_tp_step.json]
 """
 
 from __future__ import annotations

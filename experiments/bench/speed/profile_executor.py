@@ -2,7 +2,7 @@
 reference step with the same recomputation policy, leaf operations grouped by kind, per step. Explains the ratio
 measured by `bench_executor_p1.py`.
 
-Usage: python -m experiments.bench.profile_executor [--recompute none|full]
+Usage: python -m experiments.bench.speed.profile_executor [--recompute none|full]
        [--out experiments/results/profile_executor.json]
 """
 
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     from ptd_jax.config import ModelConfig, ParallelConfig
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.mesh import make_mesh
-    from ptd_jax.parallel.step import accumulation_schedule, loss_and_grads
+    from ptd_jax.parallel.step import GradPlan, accumulation_schedule, loss_and_grads
     from ptd_jax.train.reference import accumulate_gradients
 
     cfg = ModelConfig(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128)
@@ -78,31 +78,18 @@ def main(argv=None) -> None:
     sched = accumulation_schedule(parallel)  # the p = 1 table the training step runs
     mesh = make_mesh(parallel)
     params = gpt.init_params(jax.random.key(0), cfg)
-    staged = {**params, "layers": sharding.stage_layers(params["layers"], 1, 1)}
-    specs = sharding.param_specs(staged, pipelined=True)
-    staged = jax.device_put(staged, sharding.named(mesh, specs))
+    placed, specs = sharding.place_params(params, parallel, mesh)  # p = 1: the reference layout, as training runs it
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m, 1, cfg.seq_length), dtype=np.int32)
     mask = np.ones_like(tokens)
 
     def body(prm, tok, lab, msk):
-        return loss_and_grads(
-            prm,
-            tok,
-            lab,
-            msk,
-            None,
-            model_cfg=cfg,
-            parallel=parallel,
-            recompute=args.recompute,
-            param_specs=specs,
-            sched=sched,
-        )
+        return loss_and_grads(prm, tok, lab, msk, None, GradPlan(cfg, parallel, specs, args.recompute, sched))
 
     batch = sharding.BATCH_SPEC
     steps = {
         "executor": (
             jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch, batch), out_specs=(P(), specs, P()))),
-            (staged, tokens, tokens, mask),
+            (placed, tokens, tokens, mask),
         ),
         "reference": (
             jax.jit(lambda prm, t, lab, msk: accumulate_gradients(prm, t, lab, msk, cfg, recompute=args.recompute)),

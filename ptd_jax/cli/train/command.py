@@ -50,7 +50,9 @@ def run(argv=None) -> dict | int:
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's info/warnings; our own lines say what happened
 
-    tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
+    tokenizer = training_tokenizer(
+        args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size, tokenizer_model=args.tokenizer_model
+    )
     model_cfg = checks.check_default_kernels(model_config_from_args(args, tokenizer), args)
     train_cfg = train_config_from_args(args)
     device, local = jax.local_devices()[0], jax.local_device_count()
@@ -80,7 +82,9 @@ def compile_for_target(args) -> int:
         raise ConfigError(f"--compile-only compiles for --target GPUs: drop fake_devices={args.fake_devices}")
     if args.tokenizer_type is None and args.vocab_size is None:  # no data to decide V: the preset's
         args.vocab_size = model_preset(args.model_preset).vocab_size
-    tokenizer = training_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size)
+    tokenizer = training_tokenizer(
+        args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size, tokenizer_model=args.tokenizer_model
+    )
     model_cfg = model_config_from_args(args, tokenizer).replace(**compile_only.gpu_defaults(args))
     num_gpus = args.num_gpus or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     return compile_only.run(
