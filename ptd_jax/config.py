@@ -308,6 +308,29 @@ class ModelConfig:
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
+    @property
+    def layer_parameters(self) -> int:
+        """One layer's parameters: two norms, QKV (H + 2G heads of K), the output projection and the MLP (two
+        F-wide inputs with SwiGLU), with biases where switched on."""
+        D, H, G, K, F = self.hidden_size, self.num_attention_heads, self.num_groups, self.head_dim, self.ffn_size
+        bias = self.add_bias_linear
+        qkv = (D + self.qkv_bias) * (H + 2 * G) * K
+        mlp = (2 if self.swiglu else 1) * (D + bias) * F + F * D + bias * D
+        return 2 * self.norm_parameters + qkv + H * K * D + bias * D + mlp
+
+    @property
+    def norm_parameters(self) -> int:
+        return self.hidden_size * (1 if self.normalization == "RMSNorm" else 2)
+
+    @property
+    def num_parameters(self) -> int:
+        """Exactly the parameters of the model over the real vocabulary (as transformers counts them): embeddings,
+        the layers (`layer_parameters`), the final norm and an untied output layer."""
+        D, V = self.hidden_size, self.vocab_size
+        position = self.max_positions * D if self.position_embedding_type == "learned_absolute" else 0
+        output = V * D if self.untie_embeddings_and_output_weights else 0
+        return V * D + position + self.num_layers * self.layer_parameters + self.norm_parameters + output
+
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel_size)
 
@@ -603,6 +626,68 @@ def _paper_preset(row: PaperRow) -> ModelConfig:
     )
 
 
+def _llama(layers, hidden, heads, groups, ffn, vocab, seq, base, **switches) -> ModelConfig:
+    """A Llama-family model: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied output, no biases (Megatron's
+    switches for Llama; the shapes are the published configs' on the Hugging Face Hub)."""
+    llama = dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        add_bias_linear=False,
+    )
+    return ModelConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        seq_length=seq,
+        rotary_base=base,
+        **{**llama, **switches},
+    )
+
+
+LLAMA3_VOCAB_SIZE = 128256
+LLAMA3_1_SCALING = dict(use_rope_scaling=True, rope_scaling_factor=8.0)
+LLAMA3_2_SCALING = dict(use_rope_scaling=True, rope_scaling_factor=32.0)
+LLAMA_PRESETS: dict[str, ModelConfig] = {
+    "llama2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096, 10000.0),
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, LLAMA3_VOCAB_SIZE, 8192, 500000.0),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, LLAMA3_VOCAB_SIZE, 8192, 500000.0),
+    "llama3.1-405b": _llama(126, 16384, 128, 8, 53248, LLAMA3_VOCAB_SIZE, 8192, 500000.0, **LLAMA3_1_SCALING),
+    "llama3.2-1b": _llama(
+        16,
+        2048,
+        32,
+        8,
+        8192,
+        LLAMA3_VOCAB_SIZE,
+        8192,
+        500000.0,
+        untie_embeddings_and_output_weights=False,
+        **LLAMA3_2_SCALING,
+    ),  # fmt: skip
+    "llama3.2-3b": _llama(
+        28,
+        3072,
+        24,
+        8,
+        8192,
+        LLAMA3_VOCAB_SIZE,
+        8192,
+        500000.0,
+        kv_channels=128,
+        untie_embeddings_and_output_weights=False,
+        **LLAMA3_2_SCALING,
+    ),  # fmt: skip
+    "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32000, 8192, 10000.0, window_size=4096),  # v0.1
+    "qwen2.5-7b": _llama(28, 3584, 28, 4, 18944, 152064, 8192, 1000000.0, add_qkv_bias=True, layernorm_epsilon=1e-6),
+}
+"""seq_length is the training sequence (Megatron's --seq-length), 4096 or 8192, not the models' longest context."""
+
+
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Small enough to train to a visibly falling loss on a 2-core CPU in a few minutes.
     "tiny": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=257),
@@ -613,6 +698,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=GPT2_VOCAB_SIZE
     ),
     **{f"paper-{row.name.lower()}": _paper_preset(row) for row in PAPER_TABLE_1},
+    **LLAMA_PRESETS,
 }
 
 

@@ -1,12 +1,17 @@
-"""Hugging Face GPT-2 <-> ptd_jax: `from_hf(path) -> (ModelConfig, params)` and `to_hf(params, model_cfg, path)`.
+"""Hugging Face causal LMs <-> ptd_jax: `from_hf(path) -> (ModelConfig, params)` and `to_hf(params, model_cfg, path)`
+for GPT-2 (here) and Llama, Mistral and Qwen2 (the mapping in `interop/hf_llama.py`).
 
 Megatron's GPT is GPT-2 (learned positions, pre-LN, tanh GeLU, tied output layer), so the conversion is a renaming
-and a few reshapes, with no torch (the `safetensors` numpy API). HF's layout facts:
+and a few reshapes, with no torch (numpy and the safetensors file format). HF's GPT-2 layout facts:
 - `Conv1D` weights are (in, out): `c_attn.weight` [D, 3D] is our qkv kernel [D, 3, H, K] flattened, since its
   columns are [q | k | v], each head-major; `attn.c_proj.weight` [D, D] is our out kernel [H, K, D] flattened;
   `mlp.c_fc.weight` [D, F] and `mlp.c_proj.weight` [F, D] are fc1 and fc2 as they are;
 - `lm_head.weight` is tied to `wte` (it is not stored, or stored equal);
 - a GPT2LMHeadModel prefixes every tensor with "transformer.", a GPT2Model does not.
+
+A folder is what `save_pretrained` writes: config.json and model.safetensors, or shards named by
+model.safetensors.index.json; tensors of any float dtype (bfloat16 included) are read lazily from the mapped files
+and converted to float32 one at a time. `to_hf` writes one float32 model.safetensors.
 
 The params are the canonical form of `parallel/sharding.py` (layers [L, ...], the unpadded vocabulary), as a
 checkpoint stores them: `model.logits` runs them on one device, and `ptd-convert` writes them as a checkpoint that
@@ -16,14 +21,17 @@ checkpoint stores them: `model.logits` runs them on one device, and `ptd-convert
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
 
 from ptd_jax.config import ConfigError, ModelConfig
+from ptd_jax.interop import hf_llama
 from ptd_jax.interop.tensors import tensor_getter
 
 HF_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+"""The GPT-2 architectures; `hf_llama.ARCHITECTURES` the Llama family's."""
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 _DEFAULTS = {
     "scale_attn_weights": True,
@@ -34,22 +42,30 @@ _DEFAULTS = {
 """GPT-2 options that change the computation: a config setting another value is refused."""
 
 
-def _hf_config(path: Path) -> dict:
+def _read_config(path: Path) -> dict:
+    """config.json as a dict, checked to be a GPT-2 or a Llama-family model."""
     config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text())
         if not isinstance(config, dict):
             raise ValueError(f"a JSON {type(config).__name__}, expected an object")
     except FileNotFoundError:
-        raise ConfigError(f"{path} has no config.json (expected a Hugging Face GPT-2 folder)") from None
+        raise ConfigError(f"{path} has no config.json (expected a Hugging Face model folder)") from None
     except (OSError, ValueError) as err:
         raise ConfigError(f"{config_path} does not parse ({err})".splitlines()[0]) from None
     architectures = config.get("architectures") or []
-    if config.get("model_type") != "gpt2" or not set(architectures) <= set(HF_ARCHITECTURES):
+    family = config.get("model_type")
+    known = {"gpt2": HF_ARCHITECTURES} | {k: (v,) for k, v in hf_llama.FAMILIES.items()}
+    if family not in known or not set(architectures) <= set(known[family]):
         raise ConfigError(
-            f"{path} holds model_type={config.get('model_type')!r} architectures={architectures}; "
-            f"only GPT-2 ({', '.join(HF_ARCHITECTURES)}) converts"
+            f"{path} holds model_type={family!r} architectures={architectures}; only GPT-2 "
+            f"({', '.join(HF_ARCHITECTURES)}), {', '.join(hf_llama.ARCHITECTURES)} convert"
         )
+    return config
+
+
+def _check_gpt2(config: dict, config_path) -> None:
+    """Refuses a GPT-2 config.json that Megatron's GPT does not compute."""
     missing = [
         k for k in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size") if not isinstance(config.get(k), int)
     ]
@@ -64,11 +80,14 @@ def _hf_config(path: Path) -> dict:
     activation = config.get("activation_function", "gelu_new")
     if activation not in _GELU:
         raise ConfigError(f"{config_path} has activation_function={activation!r}; one of {sorted(_GELU)} converts")
-    return config
 
 
-def model_config_from_hf(config: dict) -> ModelConfig:
-    """ModelConfig of an HF GPT-2 config.json (sequence length = n_positions; change it with .replace)."""
+def model_config_from_hf(config: dict, where="config.json") -> ModelConfig:
+    """ModelConfig of an HF config.json: GPT-2 (sequence length = n_positions) or the Llama family (sequence length
+    = max_position_embeddings; `hf_llama.model_config_from_hf`). Change the sequence length with .replace."""
+    if config.get("model_type") != "gpt2":
+        return hf_llama.model_config_from_hf(config, str(where))
+    _check_gpt2(config, where)
     D = config["n_embd"]
     return ModelConfig(
         num_layers=config["n_layer"],
@@ -84,20 +103,103 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     )
 
 
-def from_hf(path) -> tuple[ModelConfig, dict]:
-    """An HF GPT-2 folder (config.json + model.safetensors) -> (ModelConfig, canonical float32 numpy params)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+# ---------------------------------------------------------------------------------------------------------------
+# safetensors files, read without torch
+# ---------------------------------------------------------------------------------------------------------------
 
-    path = Path(path)
-    cfg = model_config_from_hf(_hf_config(path))
-    weights_path = path / "model.safetensors"
+_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
+"""safetensors dtype codes numpy has (BF16 through ml_dtypes, which JAX brings)."""
+
+
+def _dtype(code: str):
+    if code == "BF16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            return None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(_DTYPES[code]) if code in _DTYPES else np.dtype(bool) if code == "BOOL" else None
+
+
+class _Stored:
+    """One tensor of a memory-mapped safetensors file, copied out when numpy asks for it (`np.asarray(t, dtype)`):
+    a model converts one tensor at a time, whatever its size on disk."""
+
+    def __init__(self, data, name: str, info: dict, begin: int, source: str):
+        self.data, self.name, self.code, self.begin, self.source = data, name, info["dtype"], begin, source
+        self.shape = tuple(info["shape"])
+
+    def __array__(self, dtype=None, copy=None):
+        stored = _dtype(self.code)
+        if stored is None:
+            raise ConfigError(f"{self.source}: tensor {self.name!r} has dtype {self.code}, which does not convert")
+        count = int(np.prod(self.shape, dtype=np.int64))
+        return np.array(np.frombuffer(self.data, stored, count, self.begin).reshape(self.shape), dtype=dtype)
+
+
+def _read_file(file: Path) -> dict:
+    """{name: _Stored} of one safetensors file (its header checked against its size)."""
     try:
-        raw = load_file(str(weights_path))
+        with open(file, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
-        raise ConfigError(f"{path} has no model.safetensors") from None
-    except (SafetensorError, OSError, ValueError, TypeError) as err:
-        raise ConfigError(f"{weights_path} does not parse ({err})".splitlines()[0]) from None
+        raise ConfigError(f"{file.parent} has no {file.name}") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{file} does not parse ({err})".splitlines()[0]) from None
+    try:
+        n = int.from_bytes(data[:8], "little")
+        if len(data) < 8 or n > len(data) - 8:
+            raise ValueError(f"a header of {n} bytes in a file of {len(data)}")
+        header = json.loads(bytes(data[8 : 8 + n]))
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            dtype = _dtype(info["dtype"])
+            size = int(np.prod(info["shape"], dtype=np.int64)) * (dtype.itemsize if dtype is not None else 0)
+            if not 0 <= begin <= end <= len(data) - 8 - n or (dtype is not None and end - begin != size):
+                raise ValueError(f"tensor {name!r} has data_offsets {[begin, end]} for {info['shape']}")
+            tensors[name] = _Stored(data, name, info, 8 + n + begin, str(file))
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{file} does not parse ({type(err).__name__}: {err})".splitlines()[0]) from None
+    return tensors
+
+
+def _read_tensors(path: Path) -> tuple[dict, str]:
+    """(every tensor of the folder by name, what error messages call it): model.safetensors, or the shards that
+    model.safetensors.index.json names."""
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").exists() or not index.exists():
+        return _read_file(path / "model.safetensors"), str(path / "model.safetensors")
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(f"{index} does not parse ({type(err).__name__}: {err})".splitlines()[0]) from None
+    tensors = {}
+    for shard in shards:
+        tensors |= _read_file(path / shard)
+    return tensors, str(index)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HF -> ptd_jax
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def from_hf(path) -> tuple[ModelConfig, dict]:
+    """An HF GPT-2, Llama, Mistral or Qwen2 folder (config.json + safetensors) -> (ModelConfig, canonical float32
+    numpy params). Anything that does not convert is a one-line ConfigError."""
+    path = Path(path)
+    config = _read_config(path)
+    cfg = model_config_from_hf(config, path / "config.json")
+    raw, source = _read_tensors(path)
+    if config["model_type"] != "gpt2":
+        return cfg, hf_llama.params_from_hf({k.removeprefix("model."): v for k, v in raw.items()}, cfg, source)
+    return cfg, _gpt2_params(raw, cfg, source)
+
+
+def _gpt2_params(raw: dict, cfg: ModelConfig, weights_path: str) -> dict:
     tensors = {k.removeprefix("transformer."): v for k, v in raw.items()}
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
 

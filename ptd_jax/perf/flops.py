@@ -49,9 +49,17 @@ def layer_forward_flops(cfg: ModelConfig, tokens: float) -> float:
     return layer_matmul_flops(cfg, tokens) + attention_core_flops(cfg, tokens)
 
 
+def attention_width(cfg: ModelConfig) -> int:
+    """H · K: the width of the attention core's matmuls (h for GPT-2; grouped-query attention shares keys and
+    values between query heads, so the core's FLOPs follow the query heads)."""
+    return cfg.num_attention_heads * cfg.head_dim
+
+
 def attention_core_flops(cfg: ModelConfig, tokens: float) -> float:
-    """Q·Kᵀ and scores·V of one layer's forward (what selective recomputation runs again): 4 s h per token."""
-    return 4 * tokens * cfg.seq_length * cfg.hidden_size
+    """Q·Kᵀ and scores·V of one layer's forward (what selective recomputation runs again): 4 s H K per token, the
+    whole s × s square: causal attention is *not* halved here (the paper's eq. 3, NeMo and torchtitan count it so;
+    newer Megatron-LM halves it)."""
+    return 4 * tokens * cfg.seq_length * attention_width(cfg)
 
 
 def head_forward_flops(cfg: ModelConfig, tokens: float, vocab_size: int) -> float:
@@ -71,7 +79,7 @@ def selective_recompute_flops(cfg: ModelConfig, tokens: float) -> float:
     needed by the backward, so JAX's remat drops its recomputation (counted on the traced step,
     tests/train/test_flops.py); Megatron's checkpointed core attention reruns both. A flash backend's kernel output
     (and its log-sum-exp) is kept by the policy like any non-elementwise output: nothing is recomputed."""
-    return 2 * tokens * cfg.seq_length * cfg.hidden_size if cfg.attention_backend == "xla" else 0.0
+    return 2 * tokens * cfg.seq_length * attention_width(cfg) if cfg.attention_backend == "xla" else 0.0
 
 
 # The Pallas kernel's tiling (`pallas_kernels.flash_attention.BlockSizes` and `flash_attention`), restated without
@@ -105,12 +113,12 @@ def attention_flops(cfg: ModelConfig, tokens: float) -> tuple[float, float]:
     - "cudnn": FlashAttention-2's causal kernels, counted as FlashAttention-2 counts them (its tiles are not ours
       to see): the lower half of the dense scores, 2 matmuls forward and 5 backward (Q·Kᵀ recomputed once):
       (2 s h, 5 s h) per token."""
-    s, h = cfg.seq_length, cfg.hidden_size
+    s, h = cfg.seq_length, attention_width(cfg)
     if cfg.attention_backend == "xla":
         return 4 * tokens * s * h, 8 * tokens * s * h
     if cfg.attention_backend == "cudnn":
         return 2 * tokens * s * h, 5 * tokens * s * h
-    heads, head_dim = cfg.num_attention_heads, h // cfg.num_attention_heads
+    heads, head_dim = cfg.num_attention_heads, cfg.head_dim
     pairs = flash_block_pairs(s)
     per_pair = 2 * pairs["block_q"] * pairs["block_k"] * max(FLASH_MIN_TILE, _next_power_of_2(head_dim)) * heads
     sequences = tokens / s
@@ -129,14 +137,18 @@ def layer_recompute_flops(cfg: ModelConfig, tokens: float, recompute: str) -> fl
     if recompute == "selective":
         return selective_recompute_flops(cfg, tokens)
     return (
-        layer_matmul_flops(cfg, tokens) - 2 * tokens * cfg.hidden_size * cfg.ffn_size + attention_flops(cfg, tokens)[0]
+        layer_matmul_flops(cfg, tokens) - 2 * tokens * cfg.ffn_size * cfg.hidden_size + attention_flops(cfg, tokens)[0]
     )
 
 
 def layer_matmul_flops(cfg: ModelConfig, tokens: float) -> float:
-    """QKV, the output projection, fc1 and fc2 of one layer's forward: 2(4h² + 2hF) per token."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    return 2 * tokens * (4 * h * h + 2 * h * f)
+    """QKV, the output projection, fc1 and fc2 of one layer's forward: 2(4h² + 2hF) per token for GPT-2; in
+    general 2(h (H + 2G) K + H K h + (2 if SwiGLU else 1) h F + F h): grouped-query attention's K and V
+    projections are G heads wide, SwiGLU's fc1 is two F-wide matmuls (gate and up)."""
+    h, f, K = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
+    H, G = cfg.num_attention_heads, cfg.num_groups
+    up = 2 if cfg.swiglu else 1
+    return 2 * tokens * (h * (H + 2 * G) * K + H * K * h + up * h * f + f * h)
 
 
 def layer_executed_flops(cfg: ModelConfig, tokens: float, recompute: str) -> tuple[float, float]:

@@ -44,9 +44,20 @@ from ptd_jax.perf.hardware import GIB
 
 
 def layer_params(cfg: ModelConfig) -> float:
-    """Weights of one layer: QKV and output 4h², MLP 2hF, biases and the two LayerNorms 9h + F (12h² + 13h at F=4h)."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    return 4 * h * h + 2 * h * f + 9 * h + f
+    """Weights of one layer: for GPT-2 QKV and output 4h², MLP 2hF, biases and the two LayerNorms 9h + F (12h² + 13h
+    at F=4h); in general what `ModelConfig.num_parameters` counts per layer (grouped QKV, SwiGLU, the switches'
+    biases and norms)."""
+    return float(cfg.layer_parameters)
+
+
+def _widths(cfg: ModelConfig) -> dict[str, float]:
+    """Per token, in units of h: the QKV projection's output ((H + 2G) K), the attention core's output (H K), fc1's
+    output (F, SwiGLU's gate and up 2F)."""
+    h = cfg.hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_groups) * cfg.head_dim / h
+    core = cfg.num_attention_heads * cfg.head_dim / h
+    fc1 = (2 if cfg.swiglu else 1) * cfg.ffn_size / h
+    return {"qkv": qkv, "core": core, "fc1": fc1}
 
 
 def params_per_gpu(cfg: ModelConfig, parallel: ParallelConfig) -> dict[str, float]:
@@ -57,10 +68,14 @@ def params_per_gpu(cfg: ModelConfig, parallel: ParallelConfig) -> dict[str, floa
     h = cfg.hidden_size
     layers = cfg.num_layers / p * layer_params(cfg) / t
     embedding = cfg.padded_vocab_size(t) * h / t
-    first = layers + embedding + cfg.max_positions * h
-    last = layers + embedding + 2 * h
+    positions = cfg.max_positions * h if cfg.position_embedding_type == "learned_absolute" else 0
+    final_norm = h if cfg.normalization == "RMSNorm" else 2 * h
+    # the output layer is the embedding when tied (both stages hold it), its own rows when untied
+    output = embedding if cfg.untie_embeddings_and_output_weights else 0
+    first = layers + embedding + positions
+    last = layers + (output or embedding) + final_norm
     if p == 1:
-        first = last = layers + embedding + cfg.max_positions * h + 2 * h
+        first = last = layers + embedding + output + positions + final_norm
     return {"first": first, "last": last}
 
 
@@ -89,15 +104,17 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
-    split = 16 / t  # q, k, v, the attention output and fc1's output: split over the heads / the ffn dim
+    w = _widths(cfg)
+    # q, k, v, the attention output and fc1's output, split over the heads / the ffn dim (16/t for GPT-2)
+    split = 2 * (w["qkv"] + w["core"] + w["fc1"]) / t
     # the layer's input, the residual after attention and the two LayerNorm outputs: whole without sequence
     # parallelism; with it all four are the rank's 1/t of the sequence (the all-gathers are issued again in the
     # backward, not kept)
     stream = 8 / t if sp else 8
     if recompute == "selective":  # the attention core's output is kept by name, beside the projection's input
-        return sbh * (stream + split + 2 / t)
+        return sbh * (stream + split + 2 * w["core"] / t)
     if cfg.attention_backend == "xla":  # the float32 scores are kept, the attention output is recomputed
-        return sbh * (stream + split - 2 / t) + 4 * a * s * s * b / t
+        return sbh * (stream + split - 2 * w["core"] / t) + 4 * a * s * s * b / t
     return sbh * (stream + split)
 
 
@@ -124,7 +141,10 @@ def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     and fc1 are the gathered LayerNorm outputs under sequence parallelism): 2 s b (4h + 4h/t + 2F/t), with the
     MLP width F = 4h: 2 s b h (4 + 12/t)."""
     t, h = parallel.tensor_model_parallel_size, cfg.hidden_size
-    return 2 * cfg.seq_length * parallel.micro_batch_size * (4 * h + 4 * h / t + 2 * cfg.ffn_size / t)
+    w = _widths(cfg)
+    # QKV's and fc1's outputs, the projection's input, fc2's input (F: after SwiGLU's product) split over t
+    split = h * (w["qkv"] + w["core"] + w["fc1"]) + cfg.ffn_size
+    return 2 * cfg.seq_length * parallel.micro_batch_size * (4 * h + split / t)
 
 
 def record_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:

@@ -93,6 +93,7 @@ def layout_record(cfg: ModelConfig, parallel: ParallelConfig, pred: Prediction, 
     """The JSON row of one layout (the keys of docs/architecture.md, "Interfaces", and more)."""
     v = parallel.virtual_pipeline_stages
     return {
+        "num_parameters": cfg.num_parameters,
         "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
         "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
         "data_parallel_size": parallel.data_parallel_size,

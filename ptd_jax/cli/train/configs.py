@@ -15,6 +15,24 @@ from ptd_jax.data.tokenizer import ByteTokenizer
 from ptd_jax.perf import auto_schedule
 from ptd_jax.runtime import multiprocess, platform
 
+LLAMA_SWITCHES = (
+    "normalization",
+    "swiglu",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position",
+    "kv_channels",
+    "untie_embeddings_and_output_weights",
+    "add_qkv_bias",
+    "window_size",
+)
+"""ModelConfig fields set by flags of the same name (unset: the preset's)."""
 SCALER_FLAGS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 DEMO_LAYOUT = {
@@ -71,9 +89,20 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
             "ffn_hidden_size",
             "seq_length",
             "max_position_embeddings",
+            "layernorm_epsilon",
+            *LLAMA_SWITCHES,
         )
         if getattr(args, name) is not None
     }
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ConfigError(
+            f"num_query_groups={args.num_query_groups} needs --group-query-attention (without it Megatron silently "
+            f"trains multi-head attention)"
+        )
+    if args.group_query_attention:
+        overrides["num_query_groups"] = 1 if args.num_query_groups is None else args.num_query_groups
+    if args.disable_bias_linear:
+        overrides["add_bias_linear"] = False
     return base.replace(
         **overrides,
         # the data's tokenizer decides V, as in Megatron
@@ -88,7 +117,6 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
         gelu_approximate=args.gelu == "tanh",
         dtype=compute_dtype(args),
         # the kernels are the default on GPUs (`check_default_kernels` tests them first), XLA's elsewhere

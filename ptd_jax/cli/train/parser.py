@@ -11,7 +11,9 @@ from ptd_jax.cli.args import OneLineParser, add_tokenizer_args, finite_float, po
 from ptd_jax.config import (
     LR_DECAY_STYLES,
     MODEL_PRESETS,
+    NORMALIZATIONS,
     PIPELINE_BRANCHINGS,
+    POSITION_EMBEDDINGS,
     PIPELINE_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
     TrainConfig,
@@ -60,10 +62,13 @@ def add_model_args(g) -> None:
     g.add_argument("--hidden-dropout", type=finite_float, default=0.0)
     g.add_argument("--attention-dropout", type=finite_float, default=0.0)
     g.add_argument("--init-method-std", type=finite_float, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=finite_float, default=1e-5)
+    g.add_argument(
+        "--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon", type=finite_float, help="default 1e-5"
+    )
     g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="GeLU form: tanh approximation or exact")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
     add_precision_args(g)
+    add_llama_args(g)
     g.add_argument(
         "--attention-backend",
         choices=["xla", "pallas", "cudnn"],
@@ -194,6 +199,38 @@ def add_data_args(g) -> None:
     g.add_argument("--plot-dir", help="write loss_curve.png here")
     g.add_argument("--peak-tflops", type=finite_float, help="device peak for MFU (default: datasheet or measured)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_llama_args(g) -> None:
+    """Megatron's switches that make the GPT a Llama, Mistral or Qwen2 (unset: the preset's; GPT-2's by default)."""
+    g.add_argument("--normalization", choices=NORMALIZATIONS)
+    g.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP: silu(x W_gate) * (x W_up)")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS)
+    g.add_argument("--rotary-base", type=positive_float)
+    g.add_argument("--rotary-percent", type=finite_float, help="the share of each head's dims that rotate, (0, 1]")
+    g.add_argument(
+        "--rotary-interleaved",
+        action="store_true",
+        default=None,
+        help="rotate adjacent pairs (Meta's original Llama code) instead of the two halves (Hugging Face's)",
+    )
+    g.add_argument("--use-rope-scaling", action="store_true", default=None, help="Llama 3.1's RoPE scaling")
+    g.add_argument("--rope-scaling-factor", type=finite_float, help="default 8")
+    g.add_argument("--rope-low-freq-factor", type=finite_float, help="default 1")
+    g.add_argument("--rope-high-freq-factor", type=finite_float, help="default 4")
+    g.add_argument("--rope-original-max-position-embeddings", dest="rope_original_max_position", type=int)
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="grouped-query attention with --num-query-groups key/value heads (1 when not given: multi-query, as "
+        "in Megatron)",
+    )
+    g.add_argument("--num-query-groups", type=int, help="needs --group-query-attention")
+    g.add_argument("--kv-channels", type=int, help="the head dim (default: hidden / heads)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers (Llama)")
+    g.add_argument("--add-qkv-bias", action="store_true", default=None, help="biases on QKV only (Qwen2)")
+    g.add_argument("--window-size", type=int, help="sliding-window attention: each query sees this many keys")
 
 
 def add_data_flags(g) -> None:
