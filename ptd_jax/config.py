@@ -626,7 +626,7 @@ def _paper_preset(row: PaperRow) -> ModelConfig:
     )
 
 
-def _llama(layers, hidden, heads, groups, ffn, vocab, seq, base, **switches) -> ModelConfig:
+def _llama(layers, hidden, heads, groups, ffn, vocab, seq, **switches) -> ModelConfig:
     """A Llama-family model: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied output, no biases (Megatron's
     switches for Llama; the shapes are the published configs' on the Hugging Face Hub)."""
     llama = dict(
@@ -644,46 +644,27 @@ def _llama(layers, hidden, heads, groups, ffn, vocab, seq, base, **switches) -> 
         ffn_hidden_size=ffn,
         vocab_size=vocab,
         seq_length=seq,
-        rotary_base=base,
         **{**llama, **switches},
     )
 
 
 LLAMA3_VOCAB_SIZE = 128256
 LLAMA3_1_SCALING = dict(use_rope_scaling=True, rope_scaling_factor=8.0)
-LLAMA3_2_SCALING = dict(use_rope_scaling=True, rope_scaling_factor=32.0)
+LLAMA3_2_SCALING = dict(use_rope_scaling=True, rope_scaling_factor=32.0, untie_embeddings_and_output_weights=False)
+"""Llama 3.2 1B and 3B: RoPE scaled by 32, and the output layer tied to the embedding."""
 LLAMA_PRESETS: dict[str, ModelConfig] = {
-    "llama2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096, 10000.0),
-    "llama3-8b": _llama(32, 4096, 32, 8, 14336, LLAMA3_VOCAB_SIZE, 8192, 500000.0),
-    "llama3-70b": _llama(80, 8192, 64, 8, 28672, LLAMA3_VOCAB_SIZE, 8192, 500000.0),
-    "llama3.1-405b": _llama(126, 16384, 128, 8, 53248, LLAMA3_VOCAB_SIZE, 8192, 500000.0, **LLAMA3_1_SCALING),
-    "llama3.2-1b": _llama(
-        16,
-        2048,
-        32,
-        8,
-        8192,
-        LLAMA3_VOCAB_SIZE,
-        8192,
-        500000.0,
-        untie_embeddings_and_output_weights=False,
-        **LLAMA3_2_SCALING,
-    ),  # fmt: skip
+    "llama2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096, rotary_base=1e4),
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, LLAMA3_VOCAB_SIZE, 8192, rotary_base=5e5),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, LLAMA3_VOCAB_SIZE, 8192, rotary_base=5e5),
+    "llama3.1-405b": _llama(126, 16384, 128, 8, 53248, LLAMA3_VOCAB_SIZE, 8192, rotary_base=5e5, **LLAMA3_1_SCALING),
+    "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, LLAMA3_VOCAB_SIZE, 8192, rotary_base=5e5, **LLAMA3_2_SCALING),
     "llama3.2-3b": _llama(
-        28,
-        3072,
-        24,
-        8,
-        8192,
-        LLAMA3_VOCAB_SIZE,
-        8192,
-        500000.0,
-        kv_channels=128,
-        untie_embeddings_and_output_weights=False,
-        **LLAMA3_2_SCALING,
-    ),  # fmt: skip
-    "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32000, 8192, 10000.0, window_size=4096),  # v0.1
-    "qwen2.5-7b": _llama(28, 3584, 28, 4, 18944, 152064, 8192, 1000000.0, add_qkv_bias=True, layernorm_epsilon=1e-6),
+        28, 3072, 24, 8, 8192, LLAMA3_VOCAB_SIZE, 8192, rotary_base=5e5, kv_channels=128, **LLAMA3_2_SCALING
+    ),
+    "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32000, 8192, rotary_base=1e4, window_size=4096),  # v0.1
+    "qwen2.5-7b": _llama(
+        28, 3584, 28, 4, 18944, 152064, 8192, rotary_base=1e6, add_qkv_bias=True, layernorm_epsilon=1e-6
+    ),
 }
 """seq_length is the training sequence (Megatron's --seq-length), 4096 or 8192, not the models' longest context."""
 

@@ -1,7 +1,10 @@
 """Interop with the PyTorch ecosystem, numpy only (no torch at run time).
 
-hf.py        Hugging Face GPT-2 folders (config.json + model.safetensors): `from_hf`, `to_hf`
-megatron.py  megatron-core GPTModel state dicts: `from_megatron`, `to_megatron`
+hf.py        Hugging Face folders (config.json + safetensors, sharded too): `from_hf`, `to_hf` for GPT-2, and the
+             dispatch to the Llama family
+hf_llama.py  LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM: config fields (v4 `rope_scaling` and v5
+             `rope_parameters`) and tensors
+megatron.py  megatron-core GPTModel state dicts: `from_megatron`, `to_megatron` (the GPT-2 architecture)
 tensors.py   what both share
 """
 

@@ -203,7 +203,7 @@ def _gpt2_params(raw: dict, cfg: ModelConfig, weights_path: str) -> dict:
     tensors = {k.removeprefix("transformer."): v for k, v in raw.items()}
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
 
-    get = tensor_getter(tensors, str(weights_path), "config.json")
+    get = tensor_getter(tensors, weights_path, "config.json")
 
     def stack(name, shape, out_shape=None):
         return np.stack([get(f"h.{i}.{name}", shape).reshape(out_shape or shape) for i in range(L)])
@@ -234,16 +234,60 @@ def _gpt2_params(raw: dict, cfg: ModelConfig, weights_path: str) -> dict:
     }
     head = raw.get("lm_head.weight")
     if head is not None and not np.array_equal(np.asarray(head, np.float32), params["embed"]["word"]):
-        raise ConfigError(f"{weights_path}: lm_head.weight is not tied to wte.weight (ptd_jax's output layer is)")
-    return cfg, params
+        raise ConfigError(f"{weights_path}: lm_head.weight is not tied to wte.weight (GPT-2's output layer is)")
+    return params
 
 
-def to_hf(params, model_cfg: ModelConfig, path) -> Path:
-    """Canonical params (as `from_hf` returns them, or a checkpoint stores them) -> an HF GPT2LMHeadModel folder."""
+# ---------------------------------------------------------------------------------------------------------------
+# ptd_jax -> HF
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def to_hf(params, model_cfg: ModelConfig, path, architecture: str | None = None) -> Path:
+    """Canonical params (as `from_hf` returns them, or a checkpoint stores them; a padded vocabulary is cut) -> an HF
+    folder (config.json + one float32 model.safetensors) that `AutoModelForCausalLM.from_pretrained` loads.
+    `architecture`: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM; None picks GPT-2
+    for learned positions, else `hf_llama.choose_architecture`'s. A config it cannot hold is a one-line
+    ConfigError, and nothing is written then."""
     from safetensors.numpy import save_file
 
-    cfg, path = model_cfg, Path(path)
-    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.ffn_size
+    path = Path(path)
+    if architecture in HF_ARCHITECTURES or (
+        architecture is None and model_cfg.position_embedding_type == "learned_absolute"
+    ):
+        tensors, config = _gpt2_to_hf(params, model_cfg)
+    else:
+        tensors, config = hf_llama.hf_from_params(params, model_cfg, architecture)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def _gpt2_to_hf(params, cfg: ModelConfig) -> tuple[dict, dict]:
+    """(tensors, config.json) of a GPT2LMHeadModel, or a ConfigError naming what GPT-2 does not have."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    gpt2 = {
+        "normalization": "LayerNorm",
+        "swiglu": False,
+        "position_embedding_type": "learned_absolute",
+        "num_groups": H,
+        "head_dim": D // H,
+        "untie_embeddings_and_output_weights": False,
+        "add_bias_linear": True,
+        "qkv_bias": True,
+        "window_size": None,
+    }
+    unfit = [f"{k}={getattr(cfg, k)!r}" for k, v in gpt2.items() if getattr(cfg, k) != v]
+    if D % H:
+        unfit.append(f"hidden_size={D} not divisible by num_attention_heads={H}")
+    if unfit:
+        raise ConfigError(f"GPT2LMHeadModel cannot hold {', '.join(unfit)} (GPT-2 is {gpt2})")
+    L, F = cfg.num_layers, cfg.ffn_size
     p = {k: {n: np.asarray(v, np.float32) for n, v in group.items()} for k, group in params.items() if k != "layers"}
     layers = {k: {n: np.asarray(v, np.float32) for n, v in group.items()} for k, group in params["layers"].items()}
     word = p["embed"]["word"][: cfg.vocab_size]  # a run's padded embedding converts too
@@ -291,11 +335,4 @@ def to_hf(params, model_cfg: ModelConfig, path) -> Path:
         "bos_token_id": cfg.vocab_size - 1,
         "eos_token_id": cfg.vocab_size - 1,
     }
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return path
+    return tensors, config

@@ -129,6 +129,8 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
     G = config.get("num_key_value_heads") or H
     K = config.get("head_dim") or None
     positions = config["max_position_embeddings"]
+    switches = _rope(config, where) | _biases(config, family, where)
+    switches["window_size"] = _window(config, family, L, where)
     try:
         return ModelConfig(
             num_layers=L,
@@ -147,9 +149,7 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
             num_query_groups=None if G == H else G,
             kv_channels=None if K is None or (D % H == 0 and K == D // H) else K,
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
-            window_size=_window(config, family, L, where),
-            **_rope(config, where),
-            **_biases(config, family, where),
+            **switches,
         )
     except (TypeError, ValueError) as err:  # ConfigError included: name the file
         raise ConfigError(f"{where}: {err}".splitlines()[0]) from None
@@ -162,16 +162,8 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
 
 def params_from_hf(tensors: dict, cfg: ModelConfig, source: str) -> dict:
     """HF tensors ("model." prefix removed; arrays or anything numpy converts) -> canonical float32 params."""
-    L, D, H, K, F, V = (
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.head_dim,
-        cfg.ffn_size,
-        cfg.vocab_size,
-    )
-    G = cfg.num_groups
-    R = H // G
+    L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    F, V, G = cfg.ffn_size, cfg.vocab_size, cfg.num_groups
     get = tensor_getter(tensors, source, "config.json")
 
     def stack(name, shape):
@@ -189,12 +181,12 @@ def params_from_hf(tensors: dict, cfg: ModelConfig, source: str) -> dict:
         attn_params["qkv_bias"] = attn("bias", lambda n: (n * K,))
     if cfg.add_bias_linear:
         attn_params["out_bias"] = stack("self_attn.o_proj.bias", (D,))
-    elif cfg.qkv_bias and f"layers.0.self_attn.o_proj.bias" in tensors:  # Llama's attention_bias without mlp_bias
-        if np.any(stack("self_attn.o_proj.bias", (D,))):
-            raise ConfigError(
-                f"{source}: o_proj.bias is not zero with attention_bias=True and mlp_bias=False; ptd_jax has "
-                f"attention-only biases on q, k and v (add_qkv_bias) only"
-            )
+    elif "layers.0.self_attn.o_proj.bias" in tensors and np.any(stack("self_attn.o_proj.bias", (D,))):
+        # Llama's attention_bias without mlp_bias: converts where its o_proj bias is zero (what `to_hf` writes)
+        raise ConfigError(
+            f"{source}: o_proj.bias is not zero with attention_bias=True and mlp_bias=False; ptd_jax has "
+            f"attention-only biases on q, k and v (add_qkv_bias) only"
+        )
     mlp = {
         "fc1_kernel": np.stack(
             [stack(f"mlp.{p}_proj.weight", (F, D)).transpose(0, 2, 1) for p in ("gate", "up")], axis=2
@@ -273,15 +265,8 @@ def hf_from_params(params, cfg: ModelConfig, architecture: str | None = None) ->
     `choose_architecture`). Biases HF's architecture has and ours lacks are written as zeros."""
     architecture = choose_architecture(cfg, architecture)
     family = next(k for k, v in FAMILIES.items() if v == architecture)
-    L, D, H, K, F, V = (
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.head_dim,
-        cfg.ffn_size,
-        cfg.vocab_size,
-    )
-    G = cfg.num_groups
+    L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    V, G = cfg.vocab_size, cfg.num_groups
     R = H // G
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     lay = {k: {n: f32(v) for n, v in group.items()} for k, group in params["layers"].items()}

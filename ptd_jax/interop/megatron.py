@@ -21,6 +21,25 @@ _MEGATRON_LN = {
 _LN_FIELDS = {"scale": "weight", "bias": "bias"}
 
 
+def _check_gpt2(cfg: ModelConfig, direction: str) -> None:
+    """Only the GPT-2 switches convert today; a Llama-family config is refused with one line, never half-mapped."""
+    gpt2 = ModelConfig(num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads)
+    switches = (
+        "normalization",
+        "swiglu",
+        "position_embedding_type",
+        "num_query_groups",
+        "kv_channels",
+        "untie_embeddings_and_output_weights",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "window_size",
+    )
+    changed = [f"{n}={getattr(cfg, n)!r}" for n in switches if getattr(cfg, n) != getattr(gpt2, n)]
+    if changed:
+        raise ConfigError(f"{direction} converts the GPT-2 architecture only, not {', '.join(changed)}")
+
+
 def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> dict[str, np.ndarray]:
     """Canonical params -> megatron-core GPTModel's state dict (t = p = 1) as float32 numpy arrays, for
     `model.load_state_dict({k: torch.from_numpy(v) ...}, strict=False)` (strict=False: it also lists
@@ -30,6 +49,7 @@ def to_megatron(params, model_cfg: ModelConfig, layer_spec: str = "local") -> di
     only, so the two losses are one function only on the canonical (unpadded) embedding."""
     if layer_spec not in _MEGATRON_LN:
         raise ConfigError(f"{layer_spec=} is not one of {sorted(_MEGATRON_LN)}")
+    _check_gpt2(model_cfg, "to_megatron")
     cfg = model_cfg
     L, D = cfg.num_layers, cfg.hidden_size
     f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
@@ -69,6 +89,7 @@ def from_megatron(state: dict, model_cfg: ModelConfig) -> dict:
     `output_layer.weight` equal to the word embedding ignored) -> canonical float32 numpy params: the word embedding
     cut to the real vocabulary (`model_cfg.vocab_size` rows; Megatron pads it). The inverse of `to_megatron` on
     canonical params; a missing tensor, a wrong shape or an untied output layer is a one-line `ConfigError`."""
+    _check_gpt2(model_cfg, "from_megatron")
     cfg = model_cfg
     L, D, H, K, F = cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
     tensors = {}

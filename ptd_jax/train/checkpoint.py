@@ -42,8 +42,27 @@ ARCHITECTURE_FIELDS = (
     "vocab_size",
     "ffn_hidden_size",
     "max_position_embeddings",
+    "normalization",
+    "layernorm_epsilon",
+    "swiglu",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position",
+    "num_query_groups",
+    "kv_channels",
+    "untie_embeddings_and_output_weights",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "window_size",
 )
-"""Fields that fix the canonical shapes; everything else (padding, dtype, dropout, layout) may change on load."""
+"""Fields that fix the canonical shapes or the function the weights compute; everything else (padding, dtype,
+dropout, layout, kernels) may change on load. A checkpoint written before a field existed has its default."""
 
 
 def _manager(directory, *, create: bool, keep: int | None = None, async_save: bool = False):
@@ -203,10 +222,18 @@ def read_meta(directory, step: int) -> dict:
 
 
 def _shape_fields(model: dict) -> dict:
-    """The fields that fix the canonical shapes, defaults resolved (ffn 4h, positions = seq_length)."""
-    fields = {k: model.get(k) for k in ARCHITECTURE_FIELDS}
+    """The fields that fix the architecture, defaults resolved (ffn 4h, positions = seq_length, G = heads, K = h/a;
+    no position table under RoPE, so its length does not matter)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    fields = {k: model.get(k, defaults[k]) for k in ARCHITECTURE_FIELDS}
     fields["ffn_hidden_size"] = fields["ffn_hidden_size"] or 4 * model["hidden_size"]
     fields["max_position_embeddings"] = fields["max_position_embeddings"] or model["seq_length"]
+    fields["num_query_groups"] = fields["num_query_groups"] or model["num_attention_heads"]
+    fields["kv_channels"] = fields["kv_channels"] or model["hidden_size"] // model["num_attention_heads"]
+    if fields["position_embedding_type"] == "rope":
+        fields["max_position_embeddings"] = None
+    if fields["add_qkv_bias"] is None:
+        fields["add_qkv_bias"] = fields["add_bias_linear"]
     return fields
 
 

@@ -177,7 +177,7 @@ def test_ptd_convert_from_hf_then_train_at_3d_then_to_hf(hf_dir, tmp_path, capsy
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda d: d.update(model_type="llama", architectures=["LlamaForCausalLM"]), "only GPT-2"),
+        (lambda d: d.update(model_type="falcon", architectures=["FalconForCausalLM"]), "only GPT-2"),
         (lambda d: d.update(activation_function="relu"), "activation_function='relu'"),
         (lambda d: d.update(scale_attn_by_inverse_layer_idx=True), "sets {'scale_attn_by_inverse_layer_idx': True}"),
         (lambda d: d.pop("n_embd"), "lacks the integer fields ['n_embd']"),
