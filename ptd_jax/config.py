@@ -302,7 +302,11 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """F: `ffn_hidden_size`, else 4h, or with SwiGLU Megatron's int(8h/3 / 64) · 64 (the same parameters as
+        4h in two matrices)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
 
     @property
     def max_positions(self) -> int:

@@ -24,6 +24,30 @@ def test_the_presets_have_the_published_parameter_counts():
     assert {name: MODEL_PRESETS[name].num_parameters for name in PUBLISHED} == PUBLISHED
 
 
+def test_swiglu_without_a_width_takes_megatrons_two_thirds():
+    """Megatron's default F for SwiGLU: int(8h/3 / 64) · 64, the parameters of a 4h GeLU MLP in three matrices."""
+    from ptd_jax.config import ModelConfig
+
+    assert ModelConfig(hidden_size=128, swiglu=True).ffn_size == 320
+    assert ModelConfig(hidden_size=128).ffn_size == 512 and ModelConfig(ffn_hidden_size=7, swiglu=True).ffn_size == 7
+
+
+def test_a_sliding_window_defaults_to_xla_attention_on_a_gpu(monkeypatch):
+    """The kernels have no window: on a GPU (and with --compile-only) a windowed model's default backend is XLA."""
+    from ptd_jax.cli.train import build_parser, model_config_from_args
+    from ptd_jax.cli.train.compile_only import gpu_defaults
+    from ptd_jax.runtime import platform
+
+    monkeypatch.setattr(platform, "gpu_present", lambda: True)
+    args = build_parser().parse_args(["--model-preset", "mistral-7b"])
+    assert model_config_from_args(args).attention_backend == "xla" and gpu_defaults(args)["attention_backend"] == "xla"
+    args = build_parser().parse_args(["--model-preset", "llama3-8b"])
+    assert (
+        model_config_from_args(args).attention_backend == "pallas"
+        and gpu_defaults(args)["attention_backend"] == "pallas"
+    )
+
+
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-7b", "mistral-7b"])
 def test_the_count_equals_transformers_on_the_same_config(name):
     """Built on torch's meta device (no memory), counted by transformers."""
@@ -63,9 +87,16 @@ def test_the_count_equals_transformers_on_the_same_config(name):
         (["--position-embedding-type", "rope", "--kv-channels", "3"], "= 3 must be even"),
         (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "rotary_percent=1.5 must be in (0, 1]"),
         (["--position-embedding-type", "rope", "--rotary-percent", "0"], "rotary_percent=0.0 must be in (0, 1]"),
-        (["--use-rope-scaling", "--rope-scaling-factor", "0"], "rope_scaling_factor=0.0 must be > 0"),
-        (["--use-rope-scaling", "--rope-scaling-factor", "-2"], "rope_scaling_factor=-2.0 must be > 0"),
+        (
+            ["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "0"],
+            "rope_scaling_factor=0.0 must be > 0",
+        ),
+        (
+            ["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "-2"],
+            "rope_scaling_factor=-2.0 must be > 0",
+        ),
         (["--window-size", "0"], "window_size=0 must be >= 1"),
+        (["--rotary-base", "5"], "rotary_base=5.0 needs --position-embedding-type rope"),
         (["--window-size", "4", "--attention-backend", "pallas"], "window_size=4 needs attention_backend='xla'"),
     ],
 )

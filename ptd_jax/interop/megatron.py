@@ -28,11 +28,11 @@ def _check_gpt2(cfg: ModelConfig, direction: str) -> None:
         "normalization",
         "swiglu",
         "position_embedding_type",
-        "num_query_groups",
-        "kv_channels",
+        "num_groups",
+        "head_dim",
         "untie_embeddings_and_output_weights",
         "add_bias_linear",
-        "add_qkv_bias",
+        "qkv_bias",
         "window_size",
     )
     changed = [f"{n}={getattr(cfg, n)!r}" for n in switches if getattr(cfg, n) != getattr(gpt2, n)]

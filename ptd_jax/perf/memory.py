@@ -70,12 +70,10 @@ def params_per_gpu(cfg: ModelConfig, parallel: ParallelConfig) -> dict[str, floa
     embedding = cfg.padded_vocab_size(t) * h / t
     positions = cfg.max_positions * h if cfg.position_embedding_type == "learned_absolute" else 0
     final_norm = h if cfg.normalization == "RMSNorm" else 2 * h
-    # the output layer is the embedding when tied (both stages hold it), its own rows when untied
+    # everything but the layers is replicated over "pipe" (`sharding.param_spec`): every stage holds the embedding,
+    # an untied output layer, the positions and the final norm, and the stages that use them get their gradients
     output = embedding if cfg.untie_embeddings_and_output_weights else 0
-    first = layers + embedding + positions
-    last = layers + (output or embedding) + final_norm
-    if p == 1:
-        first = last = layers + embedding + output + positions + final_norm
+    first = last = layers + embedding + output + positions + final_norm
     return {"first": first, "last": last}
 
 

@@ -119,10 +119,10 @@ def layout_record(cfg: ModelConfig, parallel: ParallelConfig, pred: Prediction, 
 
 
 def candidates(cfg: ModelConfig, num_gpus: int, global_batch_size: int):
-    """(t, p, b, k) of every layout the flags allow: t | heads and ffn, p | layers, d = N/(t·p) | B, b | B/d,
-    k = layers per virtual stage (None: plain 1F1B) with v = l/(p·k) >= 2."""
+    """(t, p, b, k) of every layout the flags allow: t | heads, query groups and ffn, p | layers, d = N/(t·p) | B,
+    b | B/d, k = layers per virtual stage (None: plain 1F1B) with v = l/(p·k) >= 2."""
     for t in divisors(num_gpus):
-        if cfg.num_attention_heads % t or cfg.ffn_size % t:
+        if cfg.num_attention_heads % t or cfg.num_groups % t or cfg.ffn_size % t:
             continue
         for p in divisors(num_gpus // t):
             if cfg.num_layers % p:

@@ -69,10 +69,13 @@ def layer_gemm_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware)
     s, b, h, f = cfg.seq_length, parallel.micro_batch_size, cfg.hidden_size, cfg.ffn_size
     t, a, d_head = parallel.tensor_model_parallel_size, cfg.num_attention_heads, cfg.head_dim
     tokens = s * b
+    qkv = (a + 2 * cfg.num_groups) * d_head  # 3h for GPT-2; grouped-query attention's K and V are G heads
+    core = a * d_head
+    up = 2 if cfg.swiglu else 1  # SwiGLU's gate and up
     dense = (
-        hw.gemm_seconds(tokens, 3 * h / t, h)
-        + hw.gemm_seconds(tokens, h, h / t)
-        + hw.gemm_seconds(tokens, f / t, h)
+        hw.gemm_seconds(tokens, qkv / t, h)
+        + hw.gemm_seconds(tokens, h, core / t)
+        + hw.gemm_seconds(tokens, up * f / t, h)
         + hw.gemm_seconds(tokens, h, f / t)
     )
     heads = b * a / t  # batched: Q·Kᵀ (s×d_head · d_head×s) and scores·V (s×s · s×d_head) per head
@@ -85,7 +88,10 @@ def layer_elementwise_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> dict[
     s, b, h, a = cfg.seq_length, parallel.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     t = parallel.tensor_model_parallel_size
     replicated = 22 / t if parallel.sequence_parallel else 22  # 2 LayerNorms (4 sbh) + 2 bias-dropout-adds (7 sbh)
-    return {"linear": s * b * h * (replicated + 16 / t), "softmax": 9 * a * s * s * b / t}
+    # the MLP activation reads fc1's output and writes fc2's input, 2 bytes each: GeLU F + F (16 sbh/t at F = 4h),
+    # SwiGLU 2F + F
+    split = (6 if cfg.swiglu else 4) * cfg.ffn_size / h / t
+    return {"linear": s * b * h * (replicated + split), "softmax": 9 * a * s * s * b / t}
 
 
 def tensor_allreduce_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:

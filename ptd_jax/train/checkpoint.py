@@ -34,7 +34,9 @@ from ptd_jax.data import DataError, parse_split
 from ptd_jax.optimizer import at_schedule_step, schedule_count
 from ptd_jax.parallel import sharding
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the fused QKV stored per query group, [L, D, G, R+2, K] (1 stored [L, D, 3, H, K] and is refused: read it with
+the ptd_jax that wrote it, `ptd-convert to-hf`, then `ptd-convert from-hf` here)."""
 ARCHITECTURE_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -212,8 +214,14 @@ def read_meta(directory, step: int) -> dict:
         ) from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
+        hint = (
+            " (QKV stored [D, 3, H, K]: convert it with the ptd_jax that wrote it, ptd-convert to-hf, then ptd-convert "
+            "from-hf here)"
+            if version == 1
+            else ""
+        )
         raise ConfigError(
-            f"--load {directory} step {step} has format_version={version}, this ptd_jax reads {FORMAT_VERSION}"
+            f"--load {directory} step {step} has format_version={version}, this ptd_jax reads {FORMAT_VERSION}{hint}"
         )
     missing = [k for k in ("iteration", "consumed_samples", "rng_key", "data", "model", "train") if k not in meta]
     if missing or not isinstance(meta["model"], dict):
@@ -232,6 +240,10 @@ def _shape_fields(model: dict) -> dict:
     fields["kv_channels"] = fields["kv_channels"] or model["hidden_size"] // model["num_attention_heads"]
     if fields["position_embedding_type"] == "rope":
         fields["max_position_embeddings"] = None
+    else:  # the rotary settings change nothing without RoPE
+        fields.update(
+            {k: None for k in ARCHITECTURE_FIELDS if k.startswith(("rotary_", "rope_")) or k == "use_rope_scaling"}
+        )
     if fields["add_qkv_bias"] is None:
         fields["add_qkv_bias"] = fields["add_bias_linear"]
     return fields

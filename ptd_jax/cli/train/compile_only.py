@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ptd_jax.config import model_preset
 from ptd_jax.perf.hardware import TARGETS
 
 GIB = 2**30
@@ -19,8 +20,9 @@ GIB = 2**30
 def gpu_defaults(args) -> dict:
     """ModelConfig fields the `auto` kernel defaults resolve to on a GPU: Pallas attention, fused kernels."""
     fields = {}
-    if args.attention_backend is None:
-        fields["attention_backend"] = "pallas"
+    if args.attention_backend is None:  # the kernels have no sliding window yet: XLA's attention has
+        window = args.window_size if args.window_size is not None else model_preset(args.model_preset).window_size
+        fields["attention_backend"] = "xla" if window is not None else "pallas"
     if args.fused_kernels is None:
         fields["fused_kernels"] = True
     return fields

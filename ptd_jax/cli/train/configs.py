@@ -103,6 +103,10 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
         overrides["num_query_groups"] = 1 if args.num_query_groups is None else args.num_query_groups
     if args.disable_bias_linear:
         overrides["add_bias_linear"] = False
+    rope = overrides.get("position_embedding_type", base.position_embedding_type) == "rope"
+    rotary = [n for n in LLAMA_SWITCHES if n.startswith(("rotary_", "rope_", "use_rope")) and n in overrides]
+    if rotary and not rope:
+        raise ConfigError(f"{rotary[0]}={overrides[rotary[0]]} needs --position-embedding-type rope")
     return base.replace(
         **overrides,
         # the data's tokenizer decides V, as in Megatron
@@ -120,7 +124,8 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
         gelu_approximate=args.gelu == "tanh",
         dtype=compute_dtype(args),
         # the kernels are the default on GPUs (`check_default_kernels` tests them first), XLA's elsewhere
-        attention_backend=args.attention_backend or ("pallas" if platform.gpu_present() else "xla"),
+        attention_backend=args.attention_backend
+        or ("pallas" if platform.gpu_present() and overrides.get("window_size", base.window_size) is None else "xla"),
         fused_kernels=args.fused_kernels if args.fused_kernels is not None else platform.gpu_present(),
     )
 

@@ -63,7 +63,11 @@ def add_model_args(g) -> None:
     g.add_argument("--attention-dropout", type=finite_float, default=0.0)
     g.add_argument("--init-method-std", type=finite_float, default=0.02)
     g.add_argument(
-        "--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon", type=finite_float, help="default 1e-5"
+        "--norm-epsilon",
+        "--layernorm-epsilon",
+        dest="layernorm_epsilon",
+        type=finite_float,
+        help="the norms' epsilon (default: the preset's, 1e-5 for GPT-2)",
     )
     g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="GeLU form: tanh approximation or exact")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 master weights")
