@@ -1,4 +1,5 @@
-"""Eight simulated CPU devices for every test (set before JAX starts) and a private corpus cache."""
+"""Eight simulated CPU devices for every test (set before JAX starts), private corpus and compilation caches, the
+session fixtures and the quick subset's marker. Shared code that is not a fixture lives in tests/helpers/."""
 
 import os
 import re
@@ -7,15 +8,15 @@ import tempfile
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("PTD_JAX_CACHE", tempfile.mkdtemp(prefix="ptd_jax_test_cache_"))
+# XLA's persistent compilation cache, private to this run and inherited by the processes the tests start: the many
+# runs of the same tiny steps (train() in-process, ptd-train in a subprocess) compile each program once
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ptd_jax_test_xla_cache_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-TEXT = (
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
-    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
-)
+from tests.helpers.corpus import TEXT, write_text_documents  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,48 +25,10 @@ def small_corpus(tmp_path_factory):
     from ptd_jax.data.preprocess import build_indexed_dataset
 
     root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.RandomState(0)
-    for i in range(60):
-        lines = TEXT.splitlines(keepends=True)
-        start = rng.randint(0, len(lines) - 4)
-        (root / f"doc{i:03d}.txt").write_text(f"# document {i}\n" + "".join(lines[start:]) * 2)
+    write_text_documents(root)
     prefix = str(tmp_path_factory.mktemp("data") / "small_text_document")
     build_indexed_dataset([str(root)], prefix, progress=False)
     return prefix
-
-
-def signal_after_logged(proc, metrics, records: int, signum, timeout_s: float = 300) -> tuple[str, str]:
-    """Send `signum` to a training process once its --metrics-file holds `records` lines (or it ended, or the
-    timeout passed); (stdout, stderr) after it exits. A process still alive at the end is killed."""
-    import time
-
-    try:
-        deadline = time.monotonic() + timeout_s
-        while (
-            time.monotonic() < deadline
-            and proc.poll() is None
-            and not (metrics.exists() and metrics.read_text().count("\n") >= records)
-        ):
-            time.sleep(0.05)
-        proc.send_signal(signum)
-        return proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def random_corpus_at(folder, documents: int, shortest: int, longest: int, seed: int) -> str:
-    """A .bin/.idx pair of `documents` random byte-token documents of shortest..longest tokens (a second dataset
-    beside `small_corpus`, for blends); returns its prefix."""
-    from ptd_jax.data.indexed_dataset import IndexedDatasetWriter
-
-    rng = np.random.default_rng(seed)
-    prefix = folder / "random_document"
-    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
-        for _ in range(documents):
-            writer.add_document(rng.integers(0, 257, size=int(rng.integers(shortest, longest))))
-    return str(prefix)
 
 
 @pytest.fixture(scope="session")
@@ -90,12 +53,12 @@ def gpt2_files(tmp_path_factory):
 # The quick subset (`pytest -m quick`, a few minutes): the architecture rules, configs and bad input, the schedules,
 # the model against transformers, and one exactness case of each parallelism against the single-device reference.
 QUICK = (
-    "tests/test_layout.py",
-    "tests/test_code_shape.py",
+    "tests/repo/test_layout.py",
+    "tests/repo/test_code_shape.py",
     "tests/test_config.py",
-    "tests/test_readme.py",
+    "tests/repo/test_readme.py",
     "tests/parallel/pipeline/test_schedule.py",
-    "tests/test_interop.py::test_logits_equal_transformers_gpt2",
+    "tests/interop/test_hf.py::test_logits_equal_transformers_gpt2",
     "tests/parallel/test_tensor.py",
     "tests/parallel/pipeline/test_executor.py::test_float64_pipeline_equals_the_reference[d2p2t2-1f1b-per-rank]",
 )

@@ -45,7 +45,11 @@ def compile_only(argv, capsys):
     return code, out, err
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize(
+    "target",
+    # the h200 is the h100's chip (sm_90, `test_the_planner_and_the_compiler_describe_the_same_gpus`): -m slow
+    [pytest.param(name, marks=[pytest.mark.slow] * (name == "h200")) for name in sorted(TARGETS)],
+)
 def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
     code, out, _ = compile_only([*ISSUE_COMMAND, "--target", target], capsys)
     summary = json.loads(out)

@@ -12,6 +12,7 @@ import pytest
 
 from ptd_jax.cli.train import main
 from ptd_jax.train import checkpoint
+from tests.helpers.cli import exit_code
 
 QUIET = ["--no-progress", "--eval-iters", "0"]
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", *QUIET]
@@ -28,7 +29,7 @@ D8 = [
 ]
 
 CASES = [
-    # layouts and sizes (the cases tests/test_cli.py had)
+    # layouts and sizes (the cases the CLI smoke tests had)
     (
         ["--hidden-size", "100", "--num-attention-heads", "3"],
         "hidden_size=100 is not divisible by num_attention_heads=3",
@@ -230,14 +231,6 @@ def saved_run(tmp_path_factory):
     return ckpt
 
 
-def _exit_code(argv) -> int:
-    """main()'s return value, or the code argparse exits with."""
-    try:
-        return main(argv)
-    except SystemExit as stop:
-        return stop.code
-
-
 def _files(root: Path) -> set:
     return {p.relative_to(root) for p in root.rglob("*")}
 
@@ -257,7 +250,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     argv = [a.format(**fill) for a in args]
     before, saved_before = _files(tmp_path), _files(saved_run)
     capsys.readouterr()
-    code = _exit_code([*QUIET, *argv])
+    code = exit_code(main, [*QUIET, *argv])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("ptd-train: error: "), err

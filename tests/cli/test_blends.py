@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ptd_jax.cli.train import main
-from tests.conftest import random_corpus_at
+from tests.helpers.cli import exit_code
+from tests.helpers.corpus import random_corpus_at
 
 TINY = [
     "--num-layers",
@@ -49,13 +50,6 @@ def second_corpus(tmp_path_factory):
 def losses(path):
     with open(path) as f:
         return [r["lm_loss"] for r in map(json.loads, f) if r.get("kind") == "train"]
-
-
-def exit_code(argv) -> int:
-    try:
-        return main(argv)
-    except SystemExit as stop:
-        return stop.code
 
 
 def test_a_blend_trains_resumes_bitwise_and_refuses_other_weights(small_corpus, second_corpus, tmp_path, capsys):
@@ -153,7 +147,7 @@ REFUSALS = [
 def test_bad_data_flags_exit_2_with_one_line(args, message, small_corpus, second_corpus, capsys):
     fill = {"a": small_corpus, "b": second_corpus}
     capsys.readouterr()
-    assert exit_code([*TINY, *[a.format(**fill) for a in args]]) == 2
+    assert exit_code(main, [*TINY, *[a.format(**fill) for a in args]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ptd-train: error: ") and "Traceback" not in err, err
     assert message.format(**fill) in err, err

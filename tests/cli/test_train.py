@@ -1,9 +1,13 @@
+"""`ptd-train` (`ptd_jax/cli/train/`): a smoke run with its metrics and plot, the installed scripts, the demo layout,
+the kernel flags and their self-check fallback, and flags reaching the layout. Bad input: test_bad_input_train.py."""
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 from ptd_jax.runtime import platform
+from tests.helpers.cli import run_train
 
 
 REQUIRED_KEYS = {"iteration", "lm_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
@@ -24,14 +28,8 @@ SMALL = [
 ]
 
 
-def run_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True, cwd=cwd, timeout=600
-    )
-
-
 def test_smoke_train_with_metrics_plot_and_fake_devices(small_corpus, tmp_path):
-    proc = run_cli(
+    proc = run_train(
         *SMALL,
         "--fake-devices",
         "1",
@@ -72,7 +70,7 @@ def test_console_scripts_are_installed():
         assert proc.returncode == 0 and "--" in proc.stdout
 
 
-# Bad input (one line, exit 2, nothing written): tests/test_bad_input_train.py.
+# Bad input (one line, exit 2, nothing written): tests/cli/test_bad_input_train.py.
 
 
 def test_default_demo_is_the_3d_layout_on_8_simulated_devices(monkeypatch):

@@ -4,11 +4,11 @@ proportions of the greedy rule, samples independent of how many are read, the ca
 import numpy as np
 import pytest
 
-from ptd_jax.data import GPTData, GPTDataset, split_documents
+from ptd_jax.data import GPTData, GPTDataset, MockData, PerSplit, split_documents
 from ptd_jax.data import blend as blend_module
 from ptd_jax.data.blend import BlendIndex, blending_indices, normalize, parse_blend
 from ptd_jax.data.indexed_dataset import DataError, IndexedDataset
-from tests.conftest import random_corpus_at
+from tests.helpers.corpus import random_corpus_at
 
 S = 16
 WEIGHT_SETS = [[0.3, 0.7], [1, 2, 3], [5, 0, 1, 1e-3], [1] * 9, [0.1, 0.2, 0.3, 0.15, 0.25, 0.01, 0.7, 0.3]]
@@ -131,14 +131,11 @@ def test_bad_weights_are_refused_naming_the_values(words, message):
 def test_separate_split_paths_use_each_dataset_whole(small_corpus, random_corpus):
     """--train-data-path / --valid-data-path: no --split; train is stream 0 of all of its documents, valid stream 1."""
     data = GPTData(
-        None,
+        PerSplit(random_corpus, ("1", small_corpus, "1", random_corpus), small_corpus),
         seq_length=S,
         global_batch_size=8,
         eval_iters=2,
         seed=3,
-        train_path=random_corpus,
-        valid_path=("1", small_corpus, "1", random_corpus),
-        test_path=small_corpus,
     )
     indexed = IndexedDataset(random_corpus)
     everything = np.arange(len(indexed.doc_index) - 1)
@@ -151,12 +148,12 @@ def test_separate_split_paths_use_each_dataset_whole(small_corpus, random_corpus
 
 
 def test_mock_data_is_random_tokens_of_the_vocabulary_from_the_seed_alone():
-    args = dict(seq_length=S, global_batch_size=8, eval_iters=1, seed=5, vocab_size=50, mock=True)
-    a, b = GPTData(None, **args), GPTData(None, **args)
+    args = dict(seq_length=S, global_batch_size=8, eval_iters=1, seed=5, vocab_size=50)
+    a, b = GPTData(MockData(), **args), GPTData(MockData(), **args)
     first = a.train_samples(0, 40).tokens
     np.testing.assert_array_equal(first[17:24], b.train_batch(2).tokens[1:8])  # any range, any order
     assert first.min() >= 0 and first.max() < 50 and len(np.unique(first)) == 50
     valid = next(a.valid_batches()).tokens
     assert not np.array_equal(valid, first[:8])  # another stream
-    assert not np.array_equal(GPTData(None, **{**args, "seed": 6}).train_batch(0).tokens, first[:8])
+    assert not np.array_equal(GPTData(MockData(), **{**args, "seed": 6}).train_batch(0).tokens, first[:8])
     assert a.data_config()["mock_data"] is True

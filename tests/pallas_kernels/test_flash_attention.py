@@ -26,8 +26,23 @@ def rel(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape, blocks", SHAPES, ids=[str(s[0]) for s in SHAPES])
+@pytest.mark.parametrize(
+    "shape, blocks, dtype, tol",
+    [
+        pytest.param(
+            shape,
+            blocks,
+            dtype,
+            tol,
+            id=f"{shape}-{name}",
+            # bfloat16 runs each blocking and padding path the float32 case runs, at a looser tolerance: the default
+            # run keeps it on the padded shape only (-m slow: every shape)
+            marks=[pytest.mark.slow] * (name == "bf16" and shape != (1, 40, 2, 8)),
+        )
+        for shape, blocks in SHAPES
+        for dtype, tol, name in ((jnp.float32, 1e-5, "f32"), (jnp.bfloat16, 1e-2, "bf16"))
+    ],
+)
 def test_forward_and_gradients_match_the_reference(shape, blocks, dtype, tol):
     q, k, v, do = inputs(shape, dtype)
     out = flash_attention(q, k, v, block_sizes=blocks, interpret=True)
@@ -140,9 +155,7 @@ def test_every_kernel_gives_the_xla_gradients_at_odd_widths(d, p, t, sp):
         global_batch_size=4 * d,
     )
     params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
-    if p > 1:
-        params["layers"] = sharding.stage_layers(params["layers"], p, 2)
-    specs = sharding.param_specs(params, pipelined=p > 1)
+    params, specs = sharding.place_params(params, parallel, make_mesh(parallel))
     tokens = jax.random.randint(jax.random.key(1), (parallel.num_microbatches, 2 * d, 25), 0, 200)
     mask = jnp.ones((parallel.num_microbatches, 2 * d, 24), jnp.int32).at[0, 0, 3:9].set(0)
     out = {}

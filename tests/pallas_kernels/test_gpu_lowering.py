@@ -98,8 +98,9 @@ def test_the_3d_parallel_step_with_every_kernel_lowers_to_triton(monkeypatch):
         pipeline_branching="uniform",
     )  # what "auto" runs on a GPU (the mesh here is CPU's)
     params = jax.eval_shape(lambda k: gpt.init_params(k, cfg, tensor_parallel_size=2), jax.random.key(0))
-    params["layers"] = jax.eval_shape(lambda layers: sharding.stage_layers(layers, 2, 2), params["layers"])
-    step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, sharding.param_specs(params, pipelined=True))
+    mesh = make_mesh(parallel)
+    params, specs = sharding.place_params(params, parallel, mesh)
+    step = make_parallel_grad_step(mesh, cfg, parallel, specs)
     tokens = spec((parallel.num_microbatches, 4, cfg.seq_length), jnp.int32)
     exported = jax.export.export(
         step, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]

@@ -104,7 +104,7 @@ def test_bytes_per_parameter_are_megatrons_with_microbatches_accumulated_in_plac
     (XLA's memory analysis of the compiled step, activations extrapolated out): each layer's gradient is added in
     place into the float32 accumulators. With the whole microbatch gradient beside them (a scan of value_and_grad)
     and the master shards split on an inner dim (a transposed copy after the all-gather) it held +27% here."""
-    from experiments.bench.bench_optimizer_memory import measure
+    from experiments.bench.memory.bench_optimizer_memory import measure
 
     row = measure(
         "float16", 2, True, 4, model=dict(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=512)

@@ -15,6 +15,7 @@ from ptd_jax.analysis.collectives import jaxpr_collectives, summarize
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.step import init_sharded_state, make_parallel_grad_step, make_parallel_train_step
 from ptd_jax.train.reference import accumulate_gradients
+from tests.helpers.exactness import assert_equals_reference
 
 # 8 heads and ffn 128 split evenly up to t = 8; seq 16 splits for sequence parallelism up to t = 8.
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=16, vocab_size=257)
@@ -42,25 +43,29 @@ def layout(d, t, sp=False):
 def compare(d, t, sp, cfg, rtol):
     params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
     tokens, labels, mask = batch()
-    ref_loss, ref_grads = jax.jit(accumulate_gradients, static_argnums=4)(params, tokens, labels, mask, cfg)
+    reference = jax.jit(accumulate_gradients, static_argnums=4)(params, tokens, labels, mask, cfg)
     parallel = layout(d, t, sp)
     mesh = make_mesh(parallel)
-    specs = sharding.param_specs(params)
+    placed, specs = sharding.place_params(params, parallel, mesh)
     step = make_parallel_grad_step(mesh, cfg, parallel, specs)
-    loss, grads, norm = step(jax.device_put(params, sharding.named(mesh, specs)), tokens, labels, mask)
-    assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
-    for path, ref, got in zip(
-        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads), jax.tree.leaves(grads)
-    ):
-        assert got.shape == ref.shape
-        err = float(jnp.max(jnp.abs(got - ref))) / float(jnp.max(jnp.abs(ref)))
-        assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
-    ref_norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(ref_grads))))
-    assert float(norm) == pytest.approx(ref_norm, rel=rtol)
+    assert_equals_reference(step(placed, tokens, labels, mask), reference, rtol)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("d, t", LAYOUTS, ids=[f"d{d}t{t}" for d, t in LAYOUTS])
+# The default run: each t with and without sequence parallelism once, data parallelism at every t (t = 2 and 4 with
+# d > 1 run the same tensor-parallel code as at d = 1, and sequence parallelism at t = 1 is d8t1's); -m slow: all.
+FLOAT64_SLOW = {(1, 2, False), (1, 2, True), (1, 4, False), (1, 4, True), (1, 1, True)}
+
+
+@pytest.mark.parametrize(
+    "d, t, sp",
+    [
+        pytest.param(
+            d, t, sp, id=f"d{d}t{t}-{'tp+sp' if sp else 'tp'}", marks=[pytest.mark.slow] * ((d, t, sp) in FLOAT64_SLOW)
+        )
+        for sp in (False, True)
+        for d, t in LAYOUTS
+    ],
+)
 def test_float64_loss_and_gradients_equal_the_reference(d, t, sp):
     with jax.enable_x64(True):
         compare(d, t, sp, CFG.replace(dtype="float64", param_dtype="float64"), rtol=1e-12)
@@ -212,7 +217,7 @@ def test_sequence_parallel_stashes_one_tth_of_a_layer(backend):
     selective: with sequence parallelism exactly 1/t of the unsplit t = 1 layer's at t = 2 and 4, the LayerNorm
     outputs kept as sequence shards and all-gathered again in the backward (Megatron's arrangement). Before, the
     all-gathered [B, S, D] LayerNorm outputs were kept whole: 9 s b h bytes at t = 4 against 24/4 = 6."""
-    from experiments.bench.sp_stash import MODEL, layer_stash
+    from experiments.bench.memory.sp_stash import MODEL, layer_stash
 
     model = MODEL if backend == "pallas+fused" else {**MODEL, "attention_backend": "xla", "fused_kernels": False}
     for recompute in ("none", "selective"):

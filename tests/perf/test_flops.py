@@ -1,3 +1,6 @@
+"""FLOP counts (`ptd_jax/perf/flops.py`): the paper's eq. (2)-(4), model and hardware FLOPs per recompute policy,
+schedule and attention backend, against hand counts and the traced programs; the GPU peaks table."""
+
 import pytest
 
 from ptd_jax.config import PAPER_VOCAB_SIZE, model_preset
@@ -88,9 +91,9 @@ BENCH = dict(num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=6
 @pytest.mark.parametrize(
     "case",
     [
-        # Matmul FLOPs counted on the traced executor's jaxpr by experiments/bench/pipeline_flops.py (recompute full:
-        # results/pipeline_flops.json; none and selective: the same `measure` with the step's recompute set), per
-        # device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
+        # Matmul FLOPs counted on the traced executor's jaxpr by experiments/bench/counts/pipeline_flops.py
+        # (recompute full: results/pipeline_flops.json; none and selective: the same `measure` with the step's
+        # recompute set), per device: (model, schedule, p, v, m, t, recompute, uniform per rank, per-rank per rank)
         (BENCH, "1f1b-lockstep", 4, 1, 8, 1, "full", 96905199616.0, [55834574848.0] * 3 + [75967234048.0]),
         (BENCH, "interleaved", 4, 2, 8, 1, "full", 86436216832.0, [55834574848.0] * 3 + [75967234048.0]),
         ("1.3b", "1f1b-lockstep", 4, 1, 16, 2, "full", 61074434949120.0, [42880953483264.0] * 3 + [53034256171008.0]),

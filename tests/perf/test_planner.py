@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,8 +22,8 @@ from ptd_jax.perf.memory import (
 )
 from ptd_jax.perf.search import make_parallel, search
 from ptd_jax.perf.timing import data_parallel_seconds, tensor_allreduce_seconds
+from tests.helpers.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 A100 = HARDWARE["a100-80gb"]
 GPT3 = ModelConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, vocab_size=51200)
 

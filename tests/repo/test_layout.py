@@ -1,8 +1,9 @@
 """The architecture's rules, checked on the source (docs/architecture.md, "Layout"): imports flow one way
-(config, data -> model, optimizer -> parallel -> train -> the CLI), no import cycles anywhere (experiments/ and the
-tests included), no private names across packages, `pallas_kernels` independent of `ptd_jax`, the library
+(config, data -> model, optimizer -> parallel -> perf -> train -> the CLI), no import cycles anywhere (experiments/
+and the tests included), no private names across packages, `pallas_kernels` independent of `ptd_jax`, the library
 independent of `experiments` and each experiments room importing only `experiments.common` of the others, the
-schedule modules free of JAX, and small modules."""
+schedule modules free of JAX; and the tests' own rule: a test module imports tests/helpers/, never another test
+module or conftest."""
 
 import ast
 import subprocess
@@ -11,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("ptd_jax", "pallas_kernels")
+from tests.helpers.repo import PACKAGES, ROOT
+
 ALL_ROOTS = (*PACKAGES, "experiments", "tests")
 """Every folder of Python modules in the repository: the cycle check covers them all."""
-MAX_LINES = 600
-"""STYLE.md: a module past ~600 lines is split by responsibility (a smell to look at, not a cap to pack code under)."""
 
 # Layer of each part: a module may import its own layer or lower ones only (cycles within a layer are checked
 # separately). The kernels sit below everything and import nothing of ptd_jax.
@@ -31,9 +30,9 @@ LAYERS = [
     ("ptd_jax.loss_scale", 3),
     ("ptd_jax.interop", 3),
     ("ptd_jax.parallel", 4),
-    ("ptd_jax.inference", 5),
-    ("ptd_jax.train", 5),
-    ("ptd_jax.perf", 6),
+    ("ptd_jax.perf", 5),
+    ("ptd_jax.inference", 6),
+    ("ptd_jax.train", 6),
     ("ptd_jax.aot", 6),
     ("ptd_jax.cli", 7),
 ]
@@ -180,9 +179,17 @@ def test_the_tests_import_no_private_names_of_the_packages():
     assert found == []
 
 
-def test_modules_are_small():
-    big = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert big == {}
+def test_the_tests_import_helpers_not_other_tests():
+    """Shared code lives in tests/helpers/: no module under tests/ imports conftest or a test module."""
+    mods = module_files(("tests",))
+    found = [
+        f"{module}:{line} imports {target}{'.' + name if name else ''}"
+        for module, path in mods.items()
+        for target, name, line in imports(path, module, mods)
+        if target.split(".")[0] in ("tests", "conftest")
+        and any(part == "conftest" or part.startswith("test_") for part in f"{target}.{name or ''}".split("."))
+    ]
+    assert found == []
 
 
 def test_no_module_names_a_schedule():

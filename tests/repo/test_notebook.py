@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
+from tests.helpers.repo import ROOT
+
+NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 
 
 def execute(path: Path, tmp_path: Path, monkeypatch):

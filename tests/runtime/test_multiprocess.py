@@ -22,7 +22,7 @@ from ptd_jax.runtime import multiprocess
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import BATCH_SPEC
 from ptd_jax.train import checkpoint
-from tests.conftest import signal_after_logged
+from tests.helpers.cli import signal_after_logged
 
 TINY = [
     "--num-layers",
@@ -153,7 +153,7 @@ def test_a_save_converted_on_the_devices_is_the_host_paths_checkpoint(tmp_path):
     from ptd_jax.optimizer import make_optimizer
     from ptd_jax.parallel import sharding
     from ptd_jax.parallel.step import init_sharded_state
-    from tests.train.test_checkpoint import MODEL, layout, random_state
+    from tests.helpers.checkpoints import MODEL, layout, random_state
 
     optimizer = make_optimizer(TrainConfig())
     source = layout(2, 2, 2, 1)

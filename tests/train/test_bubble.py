@@ -64,4 +64,9 @@ def test_short_runs_and_p1_do_not_measure(small_corpus):
         ]
         is None
     )
-    assert bubble.after_first_step(True, *[None] * 5, TINY, ParallelConfig(), None, None, 500, print) is None
+    assert (
+        bubble.after_first_step(
+            True, *[None] * 4, bubble.StepBuild(None, TINY, ParallelConfig(), None, None), 500, print
+        )
+        is None
+    )

@@ -13,14 +13,15 @@ import jax
 import numpy as np
 import pytest
 
-from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.config import TrainConfig
 from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.step import init_sharded_state
 from ptd_jax.train import RunOptions, checkpoint, train
+from tests.helpers.checkpoints import MODEL, layout, random_state
+from tests.helpers.cli import run_train
 
-MODEL = ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=257)
 SMALL = [
     "--num-layers",
     "4",
@@ -42,36 +43,6 @@ SMALL = [
     "--log-interval",
     "1",
 ]
-
-
-def layout(d, p, t, v, B=8):
-    return ParallelConfig(
-        data_parallel_size=d,
-        pipeline_model_parallel_size=p,
-        tensor_model_parallel_size=t,
-        virtual_pipeline_stages=v,
-        pipeline_schedule="interleaved" if v > 1 else "1f1b",
-        micro_batch_size=1,
-        global_batch_size=B,
-    )
-
-
-def random_state(parallel, optimizer, seed=0):
-    """A state whose every leaf (moments included) holds distinct values; padded vocabulary rows stay zero."""
-    mesh = make_mesh(parallel)
-    state = init_sharded_state(jax.random.key(seed), MODEL, optimizer, mesh, parallel)
-    canonical = sharding.to_canonical(optimizer, state, MODEL.vocab_size, parallel.pipeline_model_parallel_size > 1)
-    leaves, tree = jax.tree.flatten(canonical)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    noisy = [x + jax.random.normal(k, x.shape, x.dtype) if x.ndim else x for x, k in zip(leaves, keys)]
-    noisy = jax.tree.unflatten(tree, noisy)
-    padded = MODEL.padded_vocab_size(parallel.tensor_model_parallel_size)
-    back = sharding.from_canonical(
-        optimizer, noisy, padded, parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages
-    )
-    shardings = jax.tree.map(lambda x: x.sharding, {"params": state["params"], "opt_state": state["opt_state"]})
-    back = jax.device_put(back, shardings)
-    return {**back, "step": state["step"]}, mesh
 
 
 @pytest.mark.parametrize("target", [(1, 4, 2, 2), pytest.param((8, 1, 1, 1), marks=pytest.mark.slow), (1, 2, 4, 1)])
@@ -127,21 +98,15 @@ LAYOUTS = {
 }
 
 
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "ptd_jax.cli.train", *args], capture_output=True, text=True, timeout=600
-    )
-
-
 @pytest.mark.parametrize("name", [pytest.param("1x1x1"), pytest.param("3d-interleaved", marks=pytest.mark.slow)])
 def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, tmp_path, name):
     """20 iterations straight == 10 + save + a new process that loads and runs 10 more, bitwise (float32),
     though the second process asks for 40 iterations (stopped at 20 by --exit-interval; --lr-decay-iters fixed)."""
     common = [*SMALL, *LAYOUTS[name], "--data-path", small_corpus, "--lr-decay-iters", "40"]
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "b.jsonl")
-    a = run_cli(*common, "--train-iters", "20", "--metrics-file", str(tmp_path / "a.jsonl"))
+    a = run_train(*common, "--train-iters", "20", "--metrics-file", str(tmp_path / "a.jsonl"))
     assert a.returncode == 0, a.stderr
-    b1 = run_cli(
+    b1 = run_train(
         *common,
         "--train-iters",
         "10",
@@ -157,7 +122,7 @@ def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, t
     assert b1.returncode == 0, b1.stderr
     assert "holds no checkpoint yet: starting from scratch" in b1.stderr
     shutil.rmtree(tmp_path / "ckpt" / "10")  # resume from 5: iterations 6-10 of the metrics file are cut back
-    b2 = run_cli(
+    b2 = run_train(
         *common,
         "--train-iters",
         "40",
@@ -271,7 +236,7 @@ def test_sigkill_during_an_asynchronous_save_leaves_the_last_complete_step(small
     assert partial, "the run was never caught mid-save"
     assert int(partial.split(".")[0]) not in steps and len(steps) >= 2
     last = steps[-1]
-    resumed = run_cli(*args, "--train-iters", str(last + 2))
+    resumed = run_train(*args, "--train-iters", str(last + 2))
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from iteration {last}" in resumed.stderr
     assert json.loads(resumed.stdout.splitlines()[-1])["iterations"] == 2
@@ -296,7 +261,7 @@ def _main(*args):
 def test_resume_options_no_load_optim_override_data_config_and_finetune(small_corpus, tmp_path):
     """In this process (8 devices, d = 8): --no-load-optim keeps the parameters and the learning rate's position
     but not Adam's moments; --override-data-config takes another seed and says so; --finetune starts at 0. The
-    refusals are in tests/test_bad_input_train.py."""
+    refusals are in tests/cli/test_bad_input_train.py."""
     ckpt = str(tmp_path / "ckpt")
     base = [
         *SMALL,

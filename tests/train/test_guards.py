@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from ptd_jax.cli import train as cli
+from ptd_jax.cli.train import command
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.train import RunOptions, checkpoint, train
 from ptd_jax.train.guards import DivergedError
@@ -55,8 +55,8 @@ def test_a_diverged_run_exits_1_with_one_line(monkeypatch, capsys):
     def diverge(argv):
         raise DivergedError("stopping at iteration 8: max_skipped_iters=3 iterations in a row had a non-finite")
 
-    monkeypatch.setattr(cli, "run", diverge)
-    assert cli.main([]) == 1
+    monkeypatch.setattr(command, "run", diverge)
+    assert command.main([]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ptd-train: error: stopping at iteration 8")
 

@@ -1,6 +1,6 @@
 """Stopping on a signal (`ptd_jax/train/interrupt.py`): SIGTERM to a one-process run stops it after the current step,
-saves that step, finishes the write and exits 143 with one line (Ctrl-C's version: tests/test_bad_input_train.py;
-several processes: tests/test_multiprocess.py)."""
+saves that step, finishes the write and exits 143 with one line (Ctrl-C's version: tests/cli/test_bad_input_train.py;
+several processes: tests/runtime/test_multiprocess.py)."""
 
 import json
 import signal
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from ptd_jax.train import checkpoint
-from tests.conftest import signal_after_logged
+from tests.helpers.cli import signal_after_logged
 
 TINY = [
     "--num-layers",

@@ -26,14 +26,11 @@ from ptd_jax.parallel.step import (
     pipeline_schedule,
 )
 from ptd_jax.train.reference import accumulate_gradients, make_eval_step
+from tests.helpers.exactness import assert_equals_reference
 
 B, S = 8, 16
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b-lockstep", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
 LAYOUTS = [(1, 4, 1), (1, 4, 2), (2, 2, 2), (1, 2, 1), (1, 8, 1), (1, 2, 4)]  # (d, p, t)
-
-
-def v_shaped(schedule: str) -> bool:
-    return SCHEDULE_SPECS[schedule].stage_map == "v"
 
 
 def branchings(schedule: str) -> tuple[str, ...]:
@@ -68,36 +65,24 @@ def batch(m):
     return [x.reshape(m, B // m, S) for x in (toks[:, :-1], toks[:, 1:], mask)]
 
 
-def staged(params, p, v):
-    return {**params, "layers": sharding.stage_layers(params["layers"], p, v)}
+def abstract_params(cfg, parallel):
+    """ShapeDtypeStructs of the reference params in `parallel`'s layout, on its mesh, and their specs (for tracing)."""
+    t = parallel.tensor_model_parallel_size
+    params = jax.eval_shape(lambda key: gpt.init_params(key, cfg, tensor_parallel_size=t), jax.random.key(0))
+    return sharding.place_params(params, parallel, make_mesh(parallel))
 
 
 def compare(parallel, cfg, rtol, recompute="none"):
-    p, v, t = (
-        parallel.pipeline_model_parallel_size,
-        parallel.virtual_pipeline_stages,
-        parallel.tensor_model_parallel_size,
-    )
-    params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
+    params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=parallel.tensor_model_parallel_size)
     m = parallel.num_microbatches * parallel.data_parallel_size  # reference microbatches of b rows each
-    ref_loss, ref_grads = jax.jit(accumulate_gradients, static_argnums=4)(params, *batch(m), cfg)
+    reference = jax.jit(accumulate_gradients, static_argnums=4)(params, *batch(m), cfg)
     mesh = make_mesh(parallel)
-    turn = v_shaped(parallel.pipeline_schedule)  # ZB-V stores its chunks in the V (`sharding.stage_layers`)
-    pp = {**params, "layers": sharding.stage_layers(params["layers"], p, v, turn)}
-    specs = sharding.param_specs(pp, pipelined=True)
+    placed, specs = sharding.place_params(params, parallel, mesh)  # ZB-V's chunks in the V
     step = make_parallel_grad_step(
         mesh, cfg, parallel, specs, scatter_gather=parallel.scatter_gather, recompute=recompute
     )
-    loss, grads, norm = step(jax.device_put(pp, sharding.named(mesh, specs)), *batch(parallel.num_microbatches))
-    grads = {**grads, "layers": sharding.unstage_layers(grads["layers"], turn)}
-    assert float(loss) == pytest.approx(float(ref_loss), rel=rtol)
-    for path, ref, got in zip(
-        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(ref_grads), jax.tree.leaves(grads)
-    ):
-        err = float(jnp.max(jnp.abs(got - ref))) / float(jnp.max(jnp.abs(ref)))
-        assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
-    ref_norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(ref_grads))))
-    assert float(norm) == pytest.approx(ref_norm, rel=rtol)
+    loss, grads, norm = step(placed, *batch(parallel.num_microbatches))
+    assert_equals_reference((loss, sharding.reference_layout(grads, parallel), norm), reference, rtol)
 
 
 # The default run covers every schedule and each of the issue's layouts (1,4,1), (1,4,2), (2,2,2) at least once,
@@ -232,13 +217,8 @@ def test_pipeline_evaluation_equals_the_reference(branching):
     params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=2)
     ref = float(make_eval_step(cfg)(params, *batch(4)))
     mesh = make_mesh(parallel)
-    pp = staged(params, 2, 2)
-    specs = sharding.param_specs(pp, pipelined=True)
-    got = float(
-        make_parallel_eval_step(mesh, cfg, parallel, specs)(
-            jax.device_put(pp, sharding.named(mesh, specs)), *batch(parallel.num_microbatches)
-        )
-    )
+    placed, specs = sharding.place_params(params, parallel, mesh)
+    got = float(make_parallel_eval_step(mesh, cfg, parallel, specs)(placed, *batch(parallel.num_microbatches)))
     assert got == pytest.approx(ref, rel=1e-6)
 
 
@@ -253,10 +233,8 @@ def test_float64_pipeline_evaluation_equals_the_reference(schedule, v):
         params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=2)
         ref = float(make_eval_step(cfg)(params, *batch(parallel.num_microbatches)))
         mesh = make_mesh(parallel)
-        pp = {**params, "layers": sharding.stage_layers(params["layers"], 4, v, v_shaped(schedule))}
-        specs = sharding.param_specs(pp, pipelined=True)
-        step = make_parallel_eval_step(mesh, cfg, parallel, specs)
-        got = float(step(jax.device_put(pp, sharding.named(mesh, specs)), *batch(parallel.num_microbatches)))
+        placed, specs = sharding.place_params(params, parallel, mesh)
+        got = float(make_parallel_eval_step(mesh, cfg, parallel, specs)(placed, *batch(parallel.num_microbatches)))
     assert got == pytest.approx(ref, rel=1e-12)
 
 
@@ -425,11 +403,9 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
     p, v, t = 2, 2, 2
     cfg = model_cfg(p, x64=False)
     parallel = layout(1, p, t, "interleaved", v, branching=branching)
-    params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
-    pp = staged(params, p, v)
-    specs = sharding.param_specs(pp, pipelined=True)
+    params, specs = abstract_params(cfg, parallel)
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs)
-    jaxpr = jax.make_jaxpr(step)(pp, *batch(parallel.num_microbatches))
+    jaxpr = jax.make_jaxpr(step)(params, *batch(parallel.num_microbatches))
     sched = pipeline_schedule(parallel)
     vocab_local = cfg.padded_vocab_size(t) // t  # no other matmul of the model has this output width
     assert vocab_local not in {cfg.hidden_size, cfg.ffn_size // t, cfg.head_dim, S}
@@ -462,9 +438,7 @@ def one_training_step(parallel, cfg, tcfg, key=7):
     state = init_sharded_state(jax.random.key(0), cfg, opt, mesh, parallel)
     step = make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, state)
     state, metrics = step(state, *batch(parallel.num_microbatches), jax.random.key(key))
-    params = state["params"]
-    if parallel.pipeline_model_parallel_size > 1:
-        params = {**params, "layers": sharding.unstage_layers(params["layers"], v_shaped(parallel.pipeline_schedule))}
+    params = sharding.reference_layout(state["params"], parallel)
     return float(metrics["lm_loss"]), float(metrics["grad_norm"]), params
 
 
@@ -569,8 +543,7 @@ def _chunk_work(recompute, sp=False):
     and in a backward tick (`layer_backward`); p = 2, t = 2, GPipe (fused backwards), per-rank."""
     cfg = model_cfg(2, x64=False)
     parallel = layout(1, 2, 2, "gpipe", 1, sp=sp, branching="per-rank")
-    params = staged(gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=2), 2, 1)
-    specs = sharding.param_specs(params, pipelined=True)
+    params, specs = abstract_params(cfg, parallel)
     step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs, recompute=recompute)
     jaxpr = jax.make_jaxpr(step)(params, *batch(parallel.num_microbatches))
     bodies = dict(tick_bodies(jaxpr.jaxpr, pipeline_schedule(parallel)))
@@ -622,21 +595,7 @@ def test_sequence_parallel_backward_gathers_again_and_recomputes_no_matmul():
 @pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_float64_pipeline_with_recomputation_equals_the_reference(recompute):
     with jax.enable_x64(True):
-        parallel = layout(1, 2, 2, "interleaved", 2)
-        cfg = model_cfg(2)
-        t = parallel.tensor_model_parallel_size
-        params = gpt.init_params(jax.random.key(0), cfg, tensor_parallel_size=t)
-        m = parallel.num_microbatches
-        ref_loss, ref_grads = jax.jit(accumulate_gradients, static_argnums=4)(params, *batch(m), cfg)
-        mesh = make_mesh(parallel)
-        pp = staged(params, 2, 2)
-        specs = sharding.param_specs(pp, pipelined=True)
-        step = make_parallel_grad_step(mesh, cfg, parallel, specs, recompute=recompute)
-        loss, grads, _ = step(jax.device_put(pp, sharding.named(mesh, specs)), *batch(m))
-        grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
-        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
-        for ref, got in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads)):
-            assert float(jnp.max(jnp.abs(got - ref))) <= 1e-12 * float(jnp.max(jnp.abs(ref)))
+        compare(layout(1, 2, 2, "interleaved", 2), model_cfg(2), rtol=1e-12, recompute=recompute)
 
 
 # --- the distributed optimizer and `--pipeline-schedule auto` ---------------------------------------------------
