@@ -3,14 +3,19 @@ session fixtures and the quick subset's marker. Shared code that is not a fixtur
 
 import os
 import re
+import shutil
 import tempfile
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
-os.environ.setdefault("PTD_JAX_CACHE", tempfile.mkdtemp(prefix="ptd_jax_test_cache_"))
-# XLA's persistent compilation cache, private to this run and inherited by the processes the tests start: the many
-# runs of the same tiny steps (train() in-process, ptd-train in a subprocess) compile each program once
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ptd_jax_test_xla_cache_"))
+# A corpus cache and XLA's persistent compilation cache private to this run (removed at its end), inherited by the
+# processes the tests start: the many runs of the same tiny steps (train() in-process, ptd-train in a subprocess)
+# compile each program once
+_CREATED = [
+    os.environ.setdefault(name, tempfile.mkdtemp(prefix=prefix))
+    for name, prefix in (("PTD_JAX_CACHE", "ptd_jax_test_cache_"), ("JAX_COMPILATION_CACHE_DIR", "ptd_jax_test_xla_"))
+    if name not in os.environ
+]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -72,3 +77,9 @@ def pytest_collection_modifyitems(config, items):
             matched.update(prefix for prefix in QUICK if item.nodeid.startswith(prefix))
     if config.getoption("markexpr") == "quick" and not config.args[1:] and set(QUICK) - matched:
         raise pytest.UsageError(f"QUICK names tests that do not exist: {sorted(set(QUICK) - matched)}")
+
+
+def pytest_unconfigure(config):
+    """The caches made above go with the run (a cache named by the environment stays)."""
+    for folder in _CREATED:
+        shutil.rmtree(folder, ignore_errors=True)

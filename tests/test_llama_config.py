@@ -101,6 +101,6 @@ def test_the_count_equals_transformers_on_the_same_config(name):
     ],
 )
 def test_bad_llama_switches_get_one_line_and_exit_2(argv, message, capsys):
-    assert main(["--fake-devices", "2", "--train-iters", "1", *argv]) == 2
+    assert main(["--train-iters", "1", *argv]) == 2  # refused before anything starts (this process's devices)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err

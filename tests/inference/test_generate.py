@@ -72,11 +72,12 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 
     def support(**kw):
         keys = jax.random.split(jax.random.key(0), 400)
-        draw = jax.jit(jax.vmap(lambda k: sample(logits, k, 1.0, kw.get("top_k"), kw.get("top_p"))[0]))
+        draw = jax.vmap(lambda k: sample(logits, k, 1.0, kw.get("top_k"), kw.get("top_p"))[0])
         return set(np.asarray(draw(keys)).tolist())
 
-    assert support(top_p=0.8) == {0, 1}  # .5 + .3 reaches .8
-    assert support(top_p=0.81) == {0, 1, 2}
+    # .5 + .3 reaches .78 but not .82 (away from .8 itself, where float32 rounding decides)
+    assert support(top_p=0.78) == {0, 1}
+    assert support(top_p=0.82) == {0, 1, 2}
     assert support(top_k=2) == {0, 1}
     assert support(top_k=1000) == {0, 1, 2, 3}  # more than V: all of them, no error
     assert support(top_k=3, top_p=0.6) == {0, 1}

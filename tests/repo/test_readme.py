@@ -11,8 +11,8 @@ README = ROOT / "README.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 INSTALL_AND_TRAIN = "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/ptd-train"
 INSTALL_AND_TEST = (
-    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/ruff check && "
-    ".venv/bin/python -m pytest -q"
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/ruff format --check && "
+    ".venv/bin/ruff check && .venv/bin/python -m pytest -q"
 )
 
 
