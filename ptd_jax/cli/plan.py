@@ -22,6 +22,7 @@ import sys
 
 from ptd_jax.cli.args import OneLineParser, positive_int
 from ptd_jax.config import (
+    ATTENTION_BACKENDS,
     MODEL_PRESETS,
     PIPELINE_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
@@ -52,6 +53,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--make-vocab-size-divisible-by",
     ):
         g.add_argument(flag, type=positive_int)
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        help="the attention the run uses (xla keeps the s x s scores; pallas and cudnn do not; default: the "
+        "preset's, xla: ptd-train's on GPUs is pallas)",
+    )
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +134,7 @@ def model_config(args) -> ModelConfig:
             "max_position_embeddings",
             "vocab_size",
             "make_vocab_size_divisible_by",
+            "attention_backend",
         )
         if getattr(args, name) is not None
     }
