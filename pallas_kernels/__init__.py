@@ -2,7 +2,7 @@
 
 from pallas_kernels.cross_entropy import cross_entropy_reference, softmax_cross_entropy
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
-from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
+from pallas_kernels.layer_norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
 __all__ = [
     "BlockSizes",
@@ -10,6 +10,8 @@ __all__ = [
     "flash_attention_reference",
     "layer_norm",
     "layer_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
     "softmax_cross_entropy",
     "cross_entropy_reference",
 ]

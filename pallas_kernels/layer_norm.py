@@ -1,8 +1,10 @@
-"""Fused LayerNorm over the last dim in Pallas: mean, variance, scale and shift in one pass; the backward computes
-dx in one pass per row block and reduces the weight and bias gradients (per-block partial sums, summed after).
-A width D that is not a power of two is read with masked loads over the next power of two (Triton's tiles).
+"""Fused LayerNorm and RMSNorm over the last dim in Pallas: mean, variance, scale and shift in one pass; the
+backward computes dx in one pass per row block and reduces the weight and bias gradients (per-block partial sums,
+summed after). RMSNorm (Llama's) is the same kernels without the centring and the shift. A width D that is not a
+power of two is read with masked loads over the next power of two (Triton's tiles).
 
-`layer_norm(x, weight, bias, *, eps=1e-5, interpret=False)`; statistics in float32 whatever the input dtype.
+`layer_norm(x, weight, bias, *, eps=1e-5, interpret=False)`, `rms_norm(x, weight, *, eps=1e-5, interpret=False)`;
+statistics in float32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def layer_norm_reference(x, weight, bias, *, eps: float = 1e-5):
     )
 
 
+def rms_norm_reference(x, weight, *, eps: float = 1e-5):
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps) * weight.astype(jnp.float32)).astype(
+        x.dtype
+    )
+
+
 def _row_block(ref, width):
     """The block's rows over `width` >= D columns (a power of two, as Triton needs): columns past D read 0."""
     D = ref.shape[-1]
@@ -69,11 +78,11 @@ def _store_rows(ref, value, width):
         pltriton.store(ref.at[:, pl.ds(0, width)], value, mask=cols < ref.shape[-1])
 
 
-def _fwd_kernel(ids, x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps, width):
+def _fwd_kernel(ids, x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps, width, rms):
     D = x_ref.shape[-1]
     x = _row_block(x_ref, width).astype(jnp.float32)  # [rows, width], zero past D
     real = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < D
-    mean = x.sum(axis=-1) / D
+    mean = jnp.zeros(x.shape[:1], jnp.float32) if rms else x.sum(axis=-1) / D  # RMSNorm: no centring
     xc = jnp.where(real, x - mean[:, None], 0.0)
     rstd = jax.lax.rsqrt((xc * xc).sum(axis=-1) / D + eps)
     y = xc * rstd[:, None] * _vector(w_ref, width).astype(jnp.float32) + _vector(b_ref, width).astype(jnp.float32)
@@ -82,14 +91,15 @@ def _fwd_kernel(ids, x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps, wid
     rstd_ref[...] = rstd
 
 
-def _bwd_kernel(ids, x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, db_ref, *, width):
+def _bwd_kernel(ids, x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, db_ref, *, width, rms):
     D = x_ref.shape[-1]
     x = _row_block(x_ref, width).astype(jnp.float32)
     dy = _row_block(dy_ref, width).astype(jnp.float32)  # zero on padded rows (and past D)
     rstd = rstd_ref[...]
     xhat = (x - mean_ref[...][:, None]) * rstd[:, None]
     g = dy * _vector(w_ref, width).astype(jnp.float32)  # zero past D (dy is)
-    dx = rstd[:, None] * (g - g.sum(axis=-1, keepdims=True) / D - xhat * (g * xhat).sum(axis=-1, keepdims=True) / D)
+    centred = 0.0 if rms else g.sum(axis=-1, keepdims=True) / D  # the mean's gradient (LayerNorm only)
+    dx = rstd[:, None] * (g - centred - xhat * (g * xhat).sum(axis=-1, keepdims=True) / D)
     _store_rows(dx_ref, dx.astype(dx_ref.dtype), width)
     _store_rows(dw_ref, (dy * xhat).sum(axis=0)[None, :], width)
     _store_rows(db_ref, dy.sum(axis=0)[None, :], width)
@@ -104,11 +114,11 @@ def _specs(rows, D, block):
     )
 
 
-def _forward(x2, w, b, eps, block, interpret):
+def _forward(x2, w, b, eps, block, interpret, rms=False):
     rows, D = x2.shape
     mat, vec_d, vec_rows, _ = _specs(rows, D, block)
     return pallas_call(
-        functools.partial(_fwd_kernel, eps=eps, width=pl.next_power_of_2(D)),
+        functools.partial(_fwd_kernel, eps=eps, width=pl.next_power_of_2(D), rms=rms),
         grid=(rows // block,),
         in_specs=[mat, vec_d, vec_d],
         out_specs=[mat, vec_rows, vec_rows],
@@ -118,27 +128,27 @@ def _forward(x2, w, b, eps, block, interpret):
             out_struct((rows,), jnp.float32, x2),
         ],
         interpret=interpret,
-        name="layer_norm_fwd",
+        name="rms_norm_fwd" if rms else "layer_norm_fwd",
     )(x2, w, b)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _layer_norm(x2, w, b, eps, block, interpret):
-    return _forward(x2, w, b, eps, block, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _layer_norm(x2, w, b, eps, block, interpret, rms):
+    return _forward(x2, w, b, eps, block, interpret, rms)[0]
 
 
-def _layer_norm_fwd(x2, w, b, eps, block, interpret):
-    y, mean, rstd = _forward(x2, w, b, eps, block, interpret)
+def _layer_norm_fwd(x2, w, b, eps, block, interpret, rms):
+    y, mean, rstd = _forward(x2, w, b, eps, block, interpret, rms)
     return y, (x2, w, b, mean, rstd)
 
 
-def _layer_norm_bwd(eps, block, interpret, residuals, dy):
+def _layer_norm_bwd(eps, block, interpret, rms, residuals, dy):
     x2, w, b, mean, rstd = residuals
     rows, D = x2.shape
     mat, vec_d, vec_rows, partial = _specs(rows, D, block)
     n = rows // block
     dx, dw_parts, db_parts = pallas_call(
-        functools.partial(_bwd_kernel, width=pl.next_power_of_2(D)),
+        functools.partial(_bwd_kernel, width=pl.next_power_of_2(D), rms=rms),
         grid=(n,),
         in_specs=[mat, vec_d, vec_rows, vec_rows, mat],
         out_specs=[mat, partial, partial],
@@ -148,7 +158,7 @@ def _layer_norm_bwd(eps, block, interpret, residuals, dy):
             out_struct((n, D), jnp.float32, x2),
         ],
         interpret=interpret,
-        name="layer_norm_bwd",
+        name="rms_norm_bwd" if rms else "layer_norm_bwd",
     )(x2, w, mean, rstd, dy)
     return dx, dw_parts.sum(0).astype(w.dtype), db_parts.sum(0).astype(b.dtype)
 
@@ -168,4 +178,21 @@ def layer_norm(x, weight, bias, *, eps: float = 1e-5, block_sizes: BlockSizes = 
     padded = -(-rows // block) * block  # zero rows: normalised harmlessly, sliced off, no gradient
     if padded != rows:
         x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
-    return _layer_norm(x2, weight, bias, float(eps), block, interpret)[:rows].reshape(x.shape)
+    return _layer_norm(x2, weight, bias, float(eps), block, interpret, False)[:rows].reshape(x.shape)
+
+
+def rms_norm(x, weight, *, eps: float = 1e-5, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+    """RMSNorm of x [..., D] with weight [D]: x / sqrt(mean(x²) + eps) · weight (Llama's); differentiable. The
+    LayerNorm kernels without the centring, with a zero shift (whose gradient is dropped)."""
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"weight.shape={weight.shape} must be ({D},) for {x.shape=}")
+    x, weight = match_varying(x, weight)
+    x2 = x.reshape(-1, D)
+    rows = x2.shape[0]
+    block = block_sizes.for_shape(rows, pl.next_power_of_2(D))
+    padded = -(-rows // block) * block
+    if padded != rows:
+        x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
+    shift = jnp.zeros_like(weight)
+    return _layer_norm(x2, weight, shift, float(eps), block, interpret, True)[:rows].reshape(x.shape)

@@ -174,8 +174,12 @@ def rms_norm(x_BxSxD, p, eps: float):
 
 
 def norm(x_BxSxD, p, cfg: ModelConfig):
-    """The configured normalization: LayerNorm (the Pallas kernel with `fused_kernels`) or RMSNorm."""
+    """The configured normalization, LayerNorm or RMSNorm (each the Pallas kernel with `fused_kernels`)."""
     if cfg.normalization == "RMSNorm":
+        if cfg.fused_kernels:
+            from pallas_kernels import rms_norm as fused_rms_norm
+
+            return fused_rms_norm(x_BxSxD, p["scale"], eps=cfg.layernorm_epsilon, interpret=interpret_kernels())
         return rms_norm(x_BxSxD, p, cfg.layernorm_epsilon)
     return layer_norm(x_BxSxD, p, cfg.layernorm_epsilon, cfg.fused_kernels)
 

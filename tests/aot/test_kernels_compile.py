@@ -46,6 +46,7 @@ def test_layer_norm_compiles(target, width):
     x = jax.ShapeDtypeStruct((256, width), jnp.bfloat16, sharding=gpu)
     w = jax.ShapeDtypeStruct((width,), jnp.float32, sharding=gpu)
     compiles(jax.value_and_grad(lambda x, w, b: pk.layer_norm(x, w, b).astype(jnp.float32).sum(), (0, 1, 2)), x, w, w)
+    compiles(jax.value_and_grad(lambda x, w: pk.rms_norm(x, w).astype(jnp.float32).sum(), (0, 1)), x, w)
 
 
 @pytest.mark.parametrize("target", TARGET_NAMES)

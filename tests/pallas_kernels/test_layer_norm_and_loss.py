@@ -1,4 +1,4 @@
-"""Fused LayerNorm and cross-entropy kernels (interpret mode) against their references."""
+"""Fused LayerNorm, RMSNorm and cross-entropy kernels (interpret mode) against their references."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 from pallas_kernels.cross_entropy import BlockSizes as CEBlocks
 from pallas_kernels.cross_entropy import cross_entropy_reference, softmax_cross_entropy
 from pallas_kernels.layer_norm import BlockSizes as LNBlocks
-from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
+from pallas_kernels.layer_norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
 
 def rel(a, b):
@@ -35,6 +35,29 @@ def test_layer_norm_forward_and_gradients(shape, blocks, dtype, tol):
     got = jax.grad(loss(lambda *a: layer_norm(*a, block_sizes=blocks, interpret=True)), (0, 1, 2))(x, w, b)
     want = jax.grad(loss(layer_norm_reference), (0, 1, 2))(x, w, b)
     for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
+        assert rel(g, r) <= 2 * tol, name
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "shape, blocks", [((4, 16, 32), LNBlocks(16)), ((3, 10, 48), LNBlocks(16))], ids=["blocks", "ragged-width-48"]
+)
+def test_rms_norm_forward_and_gradients(shape, blocks, dtype, tol):
+    """RMSNorm (Llama's): the LayerNorm kernels without centring or shift, against the reference, value and
+    gradients; and it is not LayerNorm (the input has a mean the two treat differently)."""
+    k = jax.random.split(jax.random.key(0), 3)
+    x = (jax.random.normal(k[0], shape) * 3 + 1).astype(dtype)
+    w, dy = jax.random.normal(k[1], shape[-1:]), jax.random.normal(k[2], shape)
+    got = rms_norm(x, w, block_sizes=blocks, interpret=True)
+    assert rel(got, rms_norm_reference(x, w)) <= tol
+    assert rel(got, layer_norm_reference(x, w, jnp.zeros_like(w))) > 0.1
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * dy)
+
+    got = jax.grad(loss(lambda *a: rms_norm(*a, block_sizes=blocks, interpret=True)), (0, 1))(x, w)
+    want = jax.grad(loss(rms_norm_reference), (0, 1))(x, w)
+    for name, g, r in zip(("dx", "dweight"), got, want):
         assert rel(g, r) <= 2 * tol, name
 
 
@@ -146,3 +169,32 @@ def test_kernels_inside_shard_map_match_the_references():
     assert rel(got[0], want_value) <= 1e-5
     for name, g, r in zip(("dx", "dw", "db", "dhead"), got[1:], want_grads):
         assert rel(g, r) <= 1e-5, name
+
+
+def test_a_llama_model_with_fused_kernels_equals_xla():
+    """`fused_kernels` on a Llama config: the RMSNorm kernel (and the fused loss) give XLA's loss and gradients."""
+    from ptd_jax import model as gpt
+    from ptd_jax.config import ModelConfig
+
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=16,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+    )
+    params = gpt.init_params(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 257)
+    mask = jnp.ones_like(tokens)
+
+    def loss(c):
+        return jax.value_and_grad(lambda p: gpt.loss_sum(p, tokens, tokens, mask, c))(params)
+
+    (want, gw), (got, gg) = loss(cfg), loss(cfg.replace(fused_kernels=True))
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gw)):
+        assert rel(a, b) <= 1e-4
