@@ -169,14 +169,18 @@ def _dq_kernel(
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _specs(B, S, H, K, blocks):
-    """BlockSpecs over the grid (batch, head, block): a block of rows, the whole sequence, per-row vectors."""
+def _specs(B, S, H, K, blocks, group: int = 1):
+    """BlockSpecs over the grid (batch, query head, block): a block of rows, the whole sequence, per-row vectors.
+    `group` R query heads share one key/value head (grouped-query attention): the key/value specs (`rows_kv`,
+    `whole_kv`) read head h // R, so no repeated copy of K and V exists."""
     rows_q = pl.BlockSpec((None, blocks.block_q, None, K), lambda b, h, i: (b, i, h, 0))
     rows_k = pl.BlockSpec((None, blocks.block_k, None, K), lambda b, h, i: (b, i, h, 0))
+    rows_kv = pl.BlockSpec((None, blocks.block_k, None, K), lambda b, h, i: (b, i, h // group, 0))
     whole = pl.BlockSpec((None, S, None, K), lambda b, h, i: (b, 0, h, 0))
+    whole_kv = pl.BlockSpec((None, S, None, K), lambda b, h, i: (b, 0, h // group, 0))
     vec_q = pl.BlockSpec((None, None, blocks.block_q), lambda b, h, i: (b, h, i))
     vec_whole = pl.BlockSpec((None, None, S), lambda b, h, i: (b, h, 0))
-    return rows_q, rows_k, whole, vec_q, vec_whole
+    return rows_q, rows_k, rows_kv, whole, whole_kv, vec_q, vec_whole
 
 
 def _warps(head_dim):
@@ -185,17 +189,20 @@ def _warps(head_dim):
 
 
 def _check(q, k, v):
-    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
+    if q.ndim != 4 or k.shape != v.shape or q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:]:
         raise ValueError(
-            f"q, k, v must share one [batch, seq, heads, head_dim] shape, got {q.shape=}, {k.shape=}, {v.shape=}"
+            f"q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] must agree, got {q.shape=}, "
+            f"{k.shape=}, {v.shape=}"
         )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"the {q.shape[2]} query heads do not split into groups of the {k.shape[2]} key/value heads")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
 
 
 def _forward(q, k, v, causal, scale, blocks, kv_len, interpret):
     B, S, H, K = q.shape
-    rows_q, _, whole, vec_q, _ = _specs(B, S, H, K, blocks)
+    rows_q, _, _, _, whole_kv, vec_q, _ = _specs(B, S, H, K, blocks, H // k.shape[2])
     kernel = functools.partial(
         _fwd_kernel,
         scale=scale,
@@ -208,7 +215,7 @@ def _forward(q, k, v, causal, scale, blocks, kv_len, interpret):
     return pallas_call(
         kernel,
         grid=(B, H, S // blocks.block_q),
-        in_specs=[rows_q, whole, whole],
+        in_specs=[rows_q, whole_kv, whole_kv],
         out_specs=[rows_q, vec_q],
         out_shape=[out_struct(q.shape, q.dtype, q), out_struct((B, H, S), jnp.float32, q)],
         interpret=interpret,
@@ -221,23 +228,30 @@ def _backward(residuals, do, causal, scale, blocks, kv_len, interpret):
     """(dq, dk, dv) from the forward's residuals (q, k, v, o, lse) and the output's cotangent `do`."""
     q, k, v, o, lse = residuals
     B, S, H, K = q.shape
-    rows_q, rows_k, whole, vec_q, vec_whole = _specs(B, S, H, K, blocks)
+    G = k.shape[2]
+    rows_q, rows_k, rows_kv, whole, whole_kv, vec_q, vec_whole = _specs(B, S, H, K, blocks, H // G)
     delta = jnp.einsum("bshk,bshk->bhs", o.astype(jnp.float32), do.astype(jnp.float32))  # rowsum(dO ∘ O)
     common = dict(scale=scale, causal=causal, block_q=blocks.block_q, block_k=blocks.block_k, seq_len=S, kv_len=kv_len)
     dk, dv = pallas_call(
         functools.partial(_dkdv_kernel, **common),
         grid=(B, H, S // blocks.block_k),
-        in_specs=[whole, rows_k, rows_k, whole, vec_whole, vec_whole],
+        in_specs=[whole, rows_kv, rows_kv, whole, vec_whole, vec_whole],
         out_specs=[rows_k, rows_k],
-        out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
+        # per query head (float32 where a group sums several), then summed over each group's R heads
+        out_shape=[
+            out_struct(q.shape, k.dtype if G == H else jnp.float32, k),
+            out_struct(q.shape, v.dtype if G == H else jnp.float32, v),
+        ],
         interpret=interpret,
         num_warps=_warps(K),
         name="flash_attention_dkdv",
     )(q, k, v, do, lse, delta)
+    if G != H:
+        dk, dv = (d.reshape(B, S, G, H // G, K).sum(3).astype(x.dtype) for d, x in ((dk, k), (dv, v)))
     dq = pallas_call(
         functools.partial(_dq_kernel, **common),
         grid=(B, H, S // blocks.block_q),
-        in_specs=[rows_q, whole, whole, rows_q, vec_q, vec_q],
+        in_specs=[rows_q, whole_kv, whole_kv, rows_q, vec_q, vec_q],
         out_specs=rows_q,
         out_shape=out_struct(q.shape, q.dtype, q),
         interpret=interpret,
@@ -274,7 +288,9 @@ def flash_attention(
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
 ):
-    """Causal (or full) attention over [batch, seq, heads, head_dim]; differentiable (custom VJP)."""
+    """Causal (or full) attention of q [batch, seq, heads, head_dim] over k, v [batch, seq, kv_heads, head_dim]
+    (grouped-query attention: heads = R · kv_heads, query head h reads key/value head h // R in place);
+    differentiable (custom VJP)."""
     _check(q, k, v)
     q, k, v = match_varying(q, k, v)
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])

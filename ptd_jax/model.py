@@ -248,15 +248,15 @@ def causal_attention(
     """softmax(q kᵀ / sqrt(K) + causal mask) v for the R query heads of each of G key/value heads (grouped-query
     attention; R = 1 is multi-head), scores and softmax in float32: context [B, S, G, R, K]. The XLA path reads each
     key/value head once for its R queries. backend 'pallas' runs the fused flash-attention kernel (interpreted on
-    CPU) on keys and values repeated R times, 'cudnn' jax.nn.dot_product_attention's cuDNN path (grouped natively)."""
+    CPU), whose query head h reads key/value head h // R in place; 'cudnn' jax.nn.dot_product_attention's cuDNN
+    path (grouped natively)."""
     B, S, G, R, K = q_BxSxGxRxK.shape
     if backend in ("pallas", "cudnn"):
         q_BxSxHxK = q_BxSxGxRxK.reshape(B, S, G * R, K)
         if backend == "pallas":
             from pallas_kernels import flash_attention
 
-            k, v = (jnp.repeat(x, R, axis=2) for x in (k_BxSxGxK, v_BxSxGxK))
-            out = flash_attention(q_BxSxHxK, k, v, causal=True, interpret=interpret_kernels())
+            out = flash_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, causal=True, interpret=interpret_kernels())
         else:
             out = jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, is_causal=True, implementation="cudnn")
         return out.reshape(B, S, G, R, K)

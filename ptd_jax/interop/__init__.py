@@ -4,7 +4,7 @@ hf.py        Hugging Face folders (config.json + safetensors, sharded too): `fro
              dispatch to the Llama family
 hf_llama.py  LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM: config fields (v4 `rope_scaling` and v5
              `rope_parameters`) and tensors
-megatron.py  megatron-core GPTModel state dicts: `from_megatron`, `to_megatron` (the GPT-2 architecture)
+megatron.py  megatron-core GPTModel state dicts: `from_megatron`, `to_megatron` (GPT-2 and the Llama switches)
 tensors.py   what both share
 """
 

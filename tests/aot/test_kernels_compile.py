@@ -35,8 +35,11 @@ def flash_loss(block_sizes=None):
 @pytest.mark.parametrize("target", TARGET_NAMES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_flash_attention_compiles(target, head_dim):
-    q = jax.ShapeDtypeStruct((1, 2048, 4, head_dim), jnp.bfloat16, sharding=one_gpu(target))
+    gpu = one_gpu(target)
+    q = jax.ShapeDtypeStruct((1, 2048, 4, head_dim), jnp.bfloat16, sharding=gpu)
     compiles(jax.value_and_grad(flash_loss(), (0, 1, 2)), q, q, q)
+    kv = jax.ShapeDtypeStruct((1, 2048, 2, head_dim), jnp.bfloat16, sharding=gpu)  # grouped: 2 key/value heads
+    compiles(jax.value_and_grad(flash_loss(), (0, 1, 2)), q, kv, kv)
 
 
 @pytest.mark.parametrize("target", TARGET_NAMES)

@@ -88,6 +88,28 @@ def test_causal_masking_future_keys_do_not_leak():
     assert not np.allclose(np.asarray(changed[:, j:]), np.asarray(base[:, j:]))
 
 
+@pytest.mark.parametrize("shape, groups", [((2, 40, 4, 8), 2), ((1, 64, 6, 16), 1)], ids=["R2-padded", "R6"])
+def test_grouped_query_attention_reads_each_key_value_head_in_place(shape, groups):
+    """k, v with G heads for H = R·G query heads: the kernel (query head h reads key/value head h // R, no repeated
+    copy) equals the reference on K and V repeated R times, value and gradients (dK, dV summed over each group)."""
+    B, S, H, K = shape
+    q, k, v, do = inputs(shape, jnp.float32)
+    k, v = k[:, :, :groups], v[:, :, :groups]
+    R = H // groups
+
+    def reference(q, k, v):
+        return flash_attention_reference(q, jnp.repeat(k, R, axis=2), jnp.repeat(v, R, axis=2))
+
+    out = flash_attention(q, k, v, interpret=True)
+    assert out.shape == shape and rel(out, reference(q, k, v)) <= 1e-5
+    got = jax.grad(lambda *a: jnp.sum(flash_attention(*a, interpret=True) * do), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a) * do), argnums=(0, 1, 2))(q, k, v)
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape and rel(g, w) <= 2e-5, name
+    with pytest.raises(ValueError, match="the 4 query heads do not split into groups of the 3"):
+        flash_attention(*inputs((1, 16, 4, 8), jnp.float32)[:1], *inputs((1, 16, 3, 8), jnp.float32)[1:3])
+
+
 def test_bad_shapes_are_named():
     q, k, v, _ = inputs((1, 48, 2, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"block_q=24 and block_k=32 must be positive powers of two"):

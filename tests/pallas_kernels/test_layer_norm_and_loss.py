@@ -172,7 +172,8 @@ def test_kernels_inside_shard_map_match_the_references():
 
 
 def test_a_llama_model_with_fused_kernels_equals_xla():
-    """`fused_kernels` on a Llama config: the RMSNorm kernel (and the fused loss) give XLA's loss and gradients."""
+    """`fused_kernels` and Pallas attention on a Llama config: the RMSNorm kernel, the fused loss and grouped flash
+    attention give XLA's loss and gradients."""
     from ptd_jax import model as gpt
     from ptd_jax.config import ModelConfig
 
@@ -194,7 +195,7 @@ def test_a_llama_model_with_fused_kernels_equals_xla():
     def loss(c):
         return jax.value_and_grad(lambda p: gpt.loss_sum(p, tokens, tokens, mask, c))(params)
 
-    (want, gw), (got, gg) = loss(cfg), loss(cfg.replace(fused_kernels=True))
+    (want, gw), (got, gg) = loss(cfg), loss(cfg.replace(fused_kernels=True, attention_backend="pallas"))
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gw)):
         assert rel(a, b) <= 1e-4
