@@ -175,9 +175,12 @@ def _specs(B, S, H, K, blocks, group: int = 1):
     `whole_kv`) read head h // R, so no repeated copy of K and V exists."""
     rows_q = pl.BlockSpec((None, blocks.block_q, None, K), lambda b, h, i: (b, i, h, 0))
     rows_k = pl.BlockSpec((None, blocks.block_k, None, K), lambda b, h, i: (b, i, h, 0))
-    rows_kv = pl.BlockSpec((None, blocks.block_k, None, K), lambda b, h, i: (b, i, h // group, 0))
     whole = pl.BlockSpec((None, S, None, K), lambda b, h, i: (b, 0, h, 0))
-    whole_kv = pl.BlockSpec((None, S, None, K), lambda b, h, i: (b, 0, h // group, 0))
+    if group == 1:  # multi-head attention: the key/value specs are the query side's (the index maps stay plain)
+        rows_kv, whole_kv = rows_k, whole
+    else:
+        rows_kv = pl.BlockSpec((None, blocks.block_k, None, K), lambda b, h, i: (b, i, h // group, 0))
+        whole_kv = pl.BlockSpec((None, S, None, K), lambda b, h, i: (b, 0, h // group, 0))
     vec_q = pl.BlockSpec((None, None, blocks.block_q), lambda b, h, i: (b, h, i))
     vec_whole = pl.BlockSpec((None, None, S), lambda b, h, i: (b, h, 0))
     return rows_q, rows_k, rows_kv, whole, whole_kv, vec_q, vec_whole
