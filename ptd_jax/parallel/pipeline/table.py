@@ -127,14 +127,23 @@ class Table:
         f, b, w = times
         return {"F": f, "B": b + w, "I": b, "W": w}[action.kind] / self.v
 
-    def simulate(self, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None) -> dict:
+    def simulate(
+        self, backward_ratio: float = 2.0, times: tuple[float, float, float] | None = None, duration=None
+    ) -> dict:
         """The table's makespan: each tick lasts as long as its longest cell (`cell_time`); `times` = (f, b, w), by
         default (1, k/2, k/2) for backward = k × forward. Bubble = (makespan − ideal) / ideal, the paper's
-        t_pb / t_id, with ideal = m·(f + b + w)."""
+        t_pb / t_id, with ideal = m·(f + b + w). `duration(rank, action)`, where given, times each cell instead
+        (ranks at different clocks: `perf/energy.py`). `busy`: each rank's summed cell time."""
         times = times or (1.0, backward_ratio / 2, backward_ratio / 2)
-        makespan = sum(max(self.cell_time(c.action, times) for c in row) for row in self.cells)
+        cells = self.durations(duration or (lambda rank, action: self.cell_time(action, times)))
+        makespan = sum(max(row) for row in cells)
         ideal = self.m * sum(times)
-        return {"makespan": makespan, "ideal": ideal, "bubble_fraction": (makespan - ideal) / ideal}
+        busy = [sum(row[r] for row in cells) for r in range(self.p)]
+        return {"makespan": makespan, "ideal": ideal, "bubble_fraction": (makespan - ideal) / ideal, "busy": busy}
+
+    def durations(self, duration) -> list[list[float]]:
+        """[tick][rank]: each cell's time by `duration(rank, action)`; an idle cell lasts 0."""
+        return [[duration(r, c.action) if c.action else 0.0 for r, c in enumerate(row)] for row in self.cells]
 
     def formula_bubble(self, times: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float | None:
         """The spec's closed form: (p−1)/(v·m), or ZB-H1's (p−1)(f+b−w)/(m(f+b+w)); None where there is none."""
