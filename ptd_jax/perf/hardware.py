@@ -299,3 +299,62 @@ def allgather_seconds(nbytes: float, n: int, bandwidth: float, latency: float, b
     if n <= 1:
         return 0.0
     return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency + base
+
+
+@dataclass(frozen=True)
+class ClockPower:
+    """How a GPU's speed and power follow its SM clock f (`perf/energy.py` plans one clock per pipeline rank with
+    it). An action's compute-bound time scales with max_mhz / f, its memory-bound time does not (the HBM clock is
+    not the SM clock); a busy GPU draws static_w + dynamic_w · (f / max_mhz)^exponent, one waiting in a bubble
+    idle_w. `points`, where given (a measured sweep: `ptd-plan energy --profile`), replace the formula: busy power is
+    interpolated between the measured (MHz, W) pairs and the plan's clocks are the measured ones."""
+
+    name: str
+    max_mhz: float
+    min_mhz: float
+    """The lowest clock the planner tries. Half the maximum: lower, the voltage stops falling with the clock and the
+    power curve flattens, which `exponent` does not describe."""
+    step_mhz: float
+    """The spacing of the clocks the driver accepts (`nvidia-smi -q -d SUPPORTED_CLOCKS`)."""
+    static_w: float
+    dynamic_w: float
+    exponent: float
+    idle_w: float
+    source: str = ""
+    points: tuple[tuple[float, float], ...] = ()
+
+    def clocks(self) -> list[float]:
+        """The clocks a plan may use, highest first."""
+        if self.points:
+            return sorted((mhz for mhz, _ in self.points), reverse=True)
+        n = int((self.max_mhz - self.min_mhz) // self.step_mhz)
+        return [self.max_mhz - i * self.step_mhz for i in range(n + 1)]
+
+    def busy_w(self, mhz: float) -> float:
+        """Power (W) of a busy GPU at SM clock `mhz`."""
+        if not self.points:
+            return self.static_w + self.dynamic_w * (mhz / self.max_mhz) ** self.exponent
+        pts = sorted(self.points)
+        if mhz <= pts[0][0]:
+            return pts[0][1]
+        for (f0, w0), (f1, w1) in zip(pts, pts[1:]):
+            if mhz <= f1:
+                return w0 + (w1 - w0) * (mhz - f0) / (f1 - f0)
+        return pts[-1][1]
+
+
+def _clock_power(name: str, max_mhz: float, tdp_w: float, source: str) -> ClockPower:
+    """The catalogue's model: busy power at the maximum clock = the datasheet's board power (dense GEMMs run at the
+    power limit); 30% of it does not scale with the clock (HBM, leakage, board), the rest as f³ (CMOS dynamic power
+    C·V²·f with the voltage following f over the DVFS range); a rank blocked in a bubble, clock held, draws 22% of
+    it. The shares and the exponent are modelling assumptions, not measurements of ours: replace them with a
+    measured sweep (`ptd-plan energy --profile`, docs/architecture.md, "Energy")."""
+    return ClockPower(name, max_mhz, max_mhz / 2, 15.0, 0.3 * tdp_w, 0.7 * tdp_w, 3.0, 0.22 * tdp_w, source)
+
+
+CLOCK_POWER: dict[str, ClockPower] = {
+    "a100-80gb": _clock_power("a100-80gb", 1410, 400, "NVIDIA A100 datasheet: SXM4 400 W, boost clock 1410 MHz"),
+    "h100-sxm": _clock_power("h100-sxm", 1980, 700, "NVIDIA H100 datasheet: SXM5 up to 700 W, boost 1980 MHz"),
+    "h200": _clock_power("h200", 1980, 700, "NVIDIA H200 datasheet: SXM up to 700 W; the H100's GH100 die"),
+}
+"""Clock and power models of the catalogue's GPUs that `ptd-plan energy --hardware` takes."""
