@@ -62,6 +62,8 @@ PIPELINE_SCHEDULES = tuple(SCHEDULE_SPECS)
 RETIRED_SCHEDULES = {"1f1b-split": "'1f1b' now splits its backwards and holds Megatron's stash p - s"}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 PIPELINE_BRANCHINGS = ("auto", "uniform", "per-rank")
+CP_COMM_TYPES = ("p2p", "all_gather")
+"""How attention crosses the "context" axis (Megatron's --cp-comm-type): a ring of K/V blocks, or K/V gathered."""
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
@@ -344,7 +346,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """PTD-P layout. Devices = data · pipe · tensor; tensor is the innermost mesh axis."""
+    """PTD-P layout, with context parallelism. Devices = data · pipe · context · tensor; tensor is the innermost mesh
+    axis, context the next (`parallel/mesh.py` says why)."""
 
     tensor_model_parallel_size: int = 1
     """t: tensor-parallel group size (within a node in the paper)."""
@@ -366,6 +369,10 @@ class ParallelConfig:
     scatter_gather: bool = True
     """Paper §4.1: send 1/t of each pipeline boundary activation per tensor rank and re-assemble it after."""
     use_distributed_optimizer: bool = False
+    context_parallel_size: int = 1
+    """c: the sequence split over the "context" axis, Megatron's load-balanced 2c chunks (`parallel/context.py`)."""
+    cp_comm_type: str = "p2p"
+    """`CP_COMM_TYPES`: p2p (a ring of K/V blocks, overlapped with the blocks' attention) or all_gather."""
     pipeline_branching: str = "auto"
     """How pipeline cells branch: "uniform" (every rank the same branch each tick; the embedding and the output
     layer run masked on all ranks, only on the ticks that need them) or "per-rank" (each rank its own branch:
@@ -382,10 +389,12 @@ class ParallelConfig:
             "virtual_pipeline_stages",
             "micro_batch_size",
             "global_batch_size",
+            "context_parallel_size",
         ):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive integer")
         spec = schedule_spec(self.pipeline_schedule)
+        _check(self.cp_comm_type in CP_COMM_TYPES, f"cp_comm_type={self.cp_comm_type!r} is not one of {CP_COMM_TYPES}")
         _check(
             self.pipeline_branching in PIPELINE_BRANCHINGS,
             f"pipeline_branching={self.pipeline_branching!r} is not one of {PIPELINE_BRANCHINGS}",
@@ -428,25 +437,33 @@ class ParallelConfig:
 
     @classmethod
     def for_devices(cls, num_devices: int, **kwargs) -> ParallelConfig:
-        """Megatron's rule: data-parallel size = devices / (t · p)."""
+        """Megatron's rule: data-parallel size = devices / (t · p · c)."""
         t = kwargs.get("tensor_model_parallel_size", 1)
         p = kwargs.get("pipeline_model_parallel_size", 1)
+        c = kwargs.get("context_parallel_size", 1)
         _check(t > 0 and p > 0, f"tensor_model_parallel_size={t} and pipeline_model_parallel_size={p} must be positive")
+        _check(c > 0, f"context_parallel_size={c} must be positive")
+        cp = f" x context_parallel_size={c}" if c > 1 else ""
         _check(
-            t * p <= num_devices,
-            f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} needs {t * p} devices but "
+            t * p * c <= num_devices,
+            f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p}{cp} needs {t * p * c} devices but "
             f"only num_devices={num_devices} exist (on CPU, simulate more with --fake-devices)",
         )
         _check(
-            num_devices % (t * p) == 0,
-            f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p} does not divide "
+            num_devices % (t * p * c) == 0,
+            f"tensor_model_parallel_size={t} x pipeline_model_parallel_size={p}{cp} does not divide "
             f"num_devices={num_devices}",
         )
-        return cls(data_parallel_size=num_devices // (t * p), **kwargs)
+        return cls(data_parallel_size=num_devices // (t * p * c), **kwargs)
 
     @property
     def num_devices(self) -> int:
-        return self.data_parallel_size * self.pipeline_model_parallel_size * self.tensor_model_parallel_size
+        return (
+            self.data_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+            * self.tensor_model_parallel_size
+        )
 
     @property
     def num_microbatches(self) -> int:
@@ -480,6 +497,33 @@ class ParallelConfig:
                 f"seq_length={model.seq_length} is not divisible by tensor_model_parallel_size={t} "
                 f"(needed by sequence parallelism)",
             )
+        if self.context_parallel_size > 1:
+            self._check_context(model)
+
+    def _check_context(self, model: ModelConfig) -> None:
+        """Context parallelism's rules: 2c load-balanced chunks of the sequence, each rank's S/c tokens split over
+        tensor under sequence parallelism, and attention by this project's XLA blocks (`parallel/context.py`)."""
+        c, t = self.context_parallel_size, self.tensor_model_parallel_size
+        _check(
+            model.seq_length % (2 * c) == 0,
+            f"seq_length={model.seq_length} is not divisible by 2 x context_parallel_size={c} (the sequence is cut "
+            f"into 2c chunks, rank r holding chunks r and 2c-1-r)",
+        )
+        _check(
+            not self.sequence_parallel or (model.seq_length // c) % t == 0,
+            f"seq_length={model.seq_length} / context_parallel_size={c} is not divisible by "
+            f"tensor_model_parallel_size={t} (needed by sequence parallelism)",
+        )
+        _check(
+            model.attention_backend == "xla",
+            f"context_parallel_size={c} needs attention_backend='xla', got {model.attention_backend!r} (the ring "
+            f"merges per-block log-sum-exps, which the fused kernels do not return yet)",
+        )
+        _check(
+            self.cp_comm_type == "all_gather" or model.attention_dropout == 0.0,
+            f"attention_dropout={model.attention_dropout} with context_parallel_size={c} needs "
+            f"cp_comm_type='all_gather', got {self.cp_comm_type!r} (the ring's backward re-draws no masks)",
+        )
 
     def replace(self, **changes) -> ParallelConfig:
         return dataclasses.replace(self, **changes)

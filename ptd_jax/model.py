@@ -271,6 +271,20 @@ def causal_attention(
     return checkpoint_name(jnp.einsum("bgrqs,bsgk->bqgrk", probs_BxGxRxSxS, v_BxSxGxK), ATTENTION_CONTEXT)
 
 
+_ATTENTION_HOOK: contextvars.ContextVar = contextvars.ContextVar("attention_hook", default=None)
+
+
+@contextlib.contextmanager
+def attention_hook(fn):
+    """Trace `core_attention` as fn(q, k, v, cfg, key) instead of `causal_attention`: how context parallelism
+    (`parallel/context.py`, a layer above this module) attends across devices while tracing a step."""
+    token = _ATTENTION_HOOK.set(fn)
+    try:
+        yield
+    finally:
+        _ATTENTION_HOOK.reset(token)
+
+
 def core_attention(q_BxSxGxRxK, k_BxSxGxK, v_BxSxGxK, cfg: ModelConfig, key=None, recompute: str = "none"):
     """The attention core (scores, softmax, dropout, context). Under `selective` it, and only it, is recomputed
     in the backward, as Megatron's selective recomputation does: its inputs q, k, v (and the dropout key) are
@@ -278,7 +292,11 @@ def core_attention(q_BxSxGxRxK, k_BxSxGxK, v_BxSxGxK, cfg: ModelConfig, key=None
     so no collective is re-issued that `none` does not re-issue. Inside a layer under `remat_layer` its policy
     decides (an enclosing checkpoint's policy governs the nested one) and recomputes the same."""
 
+    hook = _ATTENTION_HOOK.get()
+
     def core(q, k, v, key):
+        if hook is not None:
+            return checkpoint_name(hook(q, k, v, cfg, key), ATTENTION_CONTEXT)
         return causal_attention(
             q,
             k,

@@ -1,7 +1,13 @@
-"""The named device mesh ("data", "pipe", "tensor") and CPU device simulation.
+"""The named device mesh ("data", "pipe", "tensor"), with "context" before "tensor" when c > 1, and CPU device
+simulation.
 
 Tensor is the innermost axis so that tensor-parallel groups are neighbouring devices (one host, NVLink): the
 paper's takeaway #1 (§3.3) — tensor parallelism up to the GPUs of a node, pipeline parallelism across nodes.
+Context comes next, as in Megatron's rank order (tp, then cp): after TP's four all-reduces of b·s·h per layer,
+context parallelism moves the most bytes, K/V blocks around a ring in every layer's forward and backward
+(2·b·(s/c)·G·K per hop, c − 1 hops each way, `parallel/context.py`), against one activation per microbatch at a
+pipeline boundary and one gradient reduction per step for data parallelism; with t·c GPUs in a node the ring stays
+on NVLink. The axis exists only when c > 1, so a run at c = 1 compiles the very program it compiled before.
 """
 
 from __future__ import annotations
@@ -16,14 +22,17 @@ from ptd_jax.config import ConfigError, ParallelConfig
 
 
 class Axis(str, enum.Enum):
-    """Mesh axis names; `Axis.TENSOR` is the innermost."""
+    """Mesh axis names; `Axis.TENSOR` is the innermost, `Axis.CONTEXT` (c > 1 only) the next."""
 
     DATA = "data"
     PIPE = "pipe"
+    CONTEXT = "context"
     TENSOR = "tensor"
 
 
 MESH_AXES = (Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value)
+"""The axes at c = 1; with context parallelism, `CONTEXT_MESH_AXES`."""
+CONTEXT_MESH_AXES = (Axis.DATA.value, Axis.PIPE.value, Axis.CONTEXT.value, Axis.TENSOR.value)
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -63,7 +72,8 @@ def set_fake_devices(num_devices: int, before_backend=None) -> None:
 
 
 def make_mesh(parallel: ParallelConfig, devices=None):
-    """A `jax.sharding.Mesh` of shape (d, p, t) with axes ("data", "pipe", "tensor"), all `AxisType.Auto`.
+    """A `jax.sharding.Mesh` of shape (d, p, t) with axes ("data", "pipe", "tensor"), all `AxisType.Auto`; with
+    context parallelism (d, p, c, t) with axes ("data", "pipe", "context", "tensor").
 
     Uses the first d·p·t of `devices` (default: `jax.devices()` ordered by process, so that each process holds
     a contiguous block: with n devices per process and t dividing n, tensor groups never span processes, and
@@ -75,12 +85,17 @@ def make_mesh(parallel: ParallelConfig, devices=None):
     if devices is None:
         devices = sorted(jax.devices(), key=lambda dev: (dev.process_index, dev.id))
     devices = list(devices)
+    c = parallel.context_parallel_size
     shape = (parallel.data_parallel_size, parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size)
+    axes = MESH_AXES
+    if c > 1:
+        shape, axes = (*shape[:2], c, shape[2]), CONTEXT_MESH_AXES
     needed = int(np.prod(shape))
     if needed > len(devices):
+        named = " x ".join(f"{a}={n}" for a, n in zip(axes, shape))
         raise ConfigError(
-            f"the layout data={shape[0]} x pipe={shape[1]} x tensor={shape[2]} needs {needed} devices but only "
+            f"the layout {named} needs {needed} devices but only "
             f"{len(devices)} exist (on CPU, simulate more with --fake-devices {needed})"
         )
     grid = np.array(devices[:needed], dtype=object).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))

@@ -24,7 +24,7 @@ from ptd_jax.config import ParallelConfig, schedule_spec
 from ptd_jax.model import acc_dtype
 from ptd_jax.parallel.mesh import Axis
 
-TENSOR, DATA, PIPE = Axis.TENSOR.value, Axis.DATA.value, Axis.PIPE.value
+TENSOR, DATA, PIPE, CONTEXT = Axis.TENSOR.value, Axis.DATA.value, Axis.PIPE.value, Axis.CONTEXT.value
 
 # parameter path -> dim split over tensor (the stored arrays: layers carry a leading L dim)
 TENSOR_SPLIT_DIM: dict[tuple[str, ...], int] = {
@@ -138,20 +138,22 @@ def split_axes(spec: P) -> tuple[str, ...]:
     return tuple(a for a in tuple(spec) if a is not None)
 
 
-def replicated_axes(spec: P, pipelined: bool, sequence_parallel: bool) -> tuple[str, ...]:
+def replicated_axes(spec: P, pipelined: bool, sequence_parallel: bool, context: bool = False) -> tuple[str, ...]:
     """Mesh axes a parameter is replicated on but used with differing data, so that its gradient is a partial
     sum: "data" always, "pipe" for the embeddings/final LayerNorm under pipelining, "tensor" for the
-    tensor-replicated weights under sequence parallelism. Marked varying before autodiff (no per-microbatch
-    all-reduce) and summed once after."""
-    marked = (DATA,) + ((PIPE,) if pipelined else ()) + ((TENSOR,) if sequence_parallel else ())
+    tensor-replicated weights under sequence parallelism, "context" for every parameter under context parallelism
+    (each rank holds other tokens). Marked varying before autodiff (no per-microbatch all-reduce) and summed once
+    after."""
+    marked = (DATA,) + ((PIPE,) if pipelined else ()) + ((CONTEXT,) if context else ())
+    marked += (TENSOR,) if sequence_parallel else ()
     split = split_axes(spec)
     return tuple(a for a in marked if a not in split)
 
 
-def replicated_axes_tree(specs, pipelined: bool, sequence_parallel: bool):
+def replicated_axes_tree(specs, pipelined: bool, sequence_parallel: bool, context: bool = False):
     """`replicated_axes` for every leaf of a PartitionSpec tree: a tree of axis-name tuples."""
     return jax.tree.map(
-        lambda s: replicated_axes(s, pipelined, sequence_parallel), specs, is_leaf=lambda x: isinstance(x, P)
+        lambda s: replicated_axes(s, pipelined, sequence_parallel, context), specs, is_leaf=lambda x: isinstance(x, P)
     )
 
 

@@ -31,7 +31,7 @@ from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig, schedule_sp
 from ptd_jax.runtime.platform import resolve_branching
 from ptd_jax.loss_scale import current_scale, guarded_update, init_loss_scale, poison, unscale
 from ptd_jax.optimizer import learning_rate_schedule, new_state, schedule_count
-from ptd_jax.parallel import distributed_optimizer
+from ptd_jax.parallel import context, distributed_optimizer
 from ptd_jax.parallel import sharding
 from ptd_jax.parallel import tensor as tp
 from ptd_jax.parallel.mesh import Axis
@@ -39,7 +39,7 @@ from ptd_jax.parallel.pipeline import executor
 from ptd_jax.parallel.pipeline.table import accumulation_table, build, build_forward_only, validate
 from ptd_jax.parallel.vma import mark_tree, mark_varying
 
-DATA, PIPE, TENSOR = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value
+DATA, PIPE, TENSOR, CONTEXT = Axis.DATA.value, Axis.PIPE.value, Axis.TENSOR.value, Axis.CONTEXT.value
 
 
 def on_mesh(parallel: ParallelConfig, mesh) -> ParallelConfig:
@@ -103,8 +103,23 @@ def _pipeline_layout(param_specs) -> bool:
 def _replicated_axes(param_specs, parallel: ParallelConfig):
     """Per parameter, the mesh axes its gradient is a partial sum over (`sharding.replicated_axes`)."""
     return sharding.replicated_axes_tree(
-        param_specs, parallel.pipeline_model_parallel_size > 1, parallel.sequence_parallel
+        param_specs,
+        parallel.pipeline_model_parallel_size > 1,
+        parallel.sequence_parallel,
+        context=parallel.context_parallel_size > 1,
     )
+
+
+def _token_axes(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The axes the batch's tokens are spread over: "data", and "context" with context parallelism (the loss's sum
+    and its token count are all-reduced over both: the global token mean, whatever a rank's share of the mask)."""
+    return (DATA, CONTEXT) if parallel.context_parallel_size > 1 else (DATA,)
+
+
+def _local_batch(parallel: ParallelConfig, *arrays):
+    """This device's tokens of [M, b, S] arrays: with context parallelism its rank's 2 of the 2c chunks."""
+    c = parallel.context_parallel_size
+    return arrays if c == 1 else tuple(context.split_sequence(x, c) for x in arrays)
 
 
 @dataclass(frozen=True)
@@ -129,18 +144,24 @@ class GradPlan:
 def loss_and_grads(params, tokens, labels, mask, key, plan: GradPlan, loss_scale=None):
     """shard_map body: (mean token loss, fully reduced local gradient shards, global grad norm). With a
     `loss_scale` the backward runs on the scaled loss and loss and gradients are unscaled (float32) before the
-    norm."""
+    norm. With context parallelism, traced `over_context` on this rank's chunks of the sequence."""
+    with context.over_context(plan.parallel):
+        return _loss_and_grads(params, *_local_batch(plan.parallel, tokens, labels, mask), key, plan, loss_scale)
+
+
+def _loss_and_grads(params, tokens, labels, mask, key, plan: GradPlan, loss_scale=None):
     parallel = plan.parallel
     axes = _replicated_axes(plan.param_specs, parallel)
     varying = mark_tree(params, axes)
     scale = jnp.ones((), jnp.float32) if loss_scale is None else loss_scale
     acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
+    token_axes = _token_axes(parallel)
     # the loss is the token sum over the global count: dividing by total_tokens / scale seeds scale / total_tokens
-    total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc) / scale.astype(acc)
+    total_tokens = jax.lax.psum(jnp.sum(mask > 0), token_axes).astype(acc) / scale.astype(acc)
     batch = executor.StepInputs(tokens, labels, mask, total_tokens)
     if plan.sched is None:
         loss, grads = _one_microbatch(varying, batch, plan, key, scale)
-        loss = jax.lax.psum(loss, DATA)
+        loss = jax.lax.psum(loss, token_axes)
     else:
         staged = not _pipeline_layout(plan.param_specs)
         if staged:  # the p = 1 accumulation table: layers [L, ...] as the executor's one chunk [1, 1, L, ...]
@@ -156,7 +177,7 @@ def loss_and_grads(params, tokens, labels, mask, key, plan: GradPlan, loss_scale
         loss, grads = executor.accumulate(varying, batch, plan.sched, opts)
         if staged:
             grads = {**grads, "layers": sharding.unstage_layers(grads["layers"])}
-        loss = jax.lax.psum(loss, DATA if staged else (DATA, PIPE))
+        loss = jax.lax.psum(loss, token_axes if staged else (*token_axes, PIPE))
     if plan.scatter_dims is not None:  # "data" by reduce-scatter, the other axes as usual
         axes = jax.tree.map(lambda a: tuple(x for x in a if x != DATA), axes, is_leaf=lambda a: isinstance(a, tuple))
     grads = jax.tree.map(
@@ -334,8 +355,13 @@ def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
     )
 
     def eval_step(params, tokens, labels, mask):
+        with context.over_context(parallel):
+            return _eval_step(params, *_local_batch(parallel, tokens, labels, mask))
+
+    def _eval_step(params, tokens, labels, mask):
         acc = gpt.acc_dtype(jax.tree.leaves(params)[0].dtype)
-        total_tokens = jax.lax.psum(jnp.sum(mask > 0), DATA).astype(acc)
+        token_axes = _token_axes(parallel)
+        total_tokens = jax.lax.psum(jnp.sum(mask > 0), token_axes).astype(acc)
         if sched is not None:
             varying = mark_tree(params, _replicated_axes(param_specs, parallel))
             opts = executor.Options(
@@ -345,13 +371,13 @@ def make_parallel_eval_step(mesh, model_cfg: ModelConfig, parallel: ParallelConf
                 branching=parallel.pipeline_branching,
             )
             loss = executor.loss(varying, executor.StepInputs(tokens, labels, mask, total_tokens), sched, opts)
-            return jax.lax.psum(loss, (DATA, PIPE))
+            return jax.lax.psum(loss, (*token_axes, PIPE))
 
         def body(total, xs):
             return total + tp.loss_sum(params, *xs, model_cfg, sequence_parallel=parallel.sequence_parallel), None
 
-        total, _ = jax.lax.scan(body, mark_varying(jnp.zeros((), acc), (DATA,)), (tokens, labels, mask))
-        return jax.lax.psum(total, DATA) / total_tokens
+        total, _ = jax.lax.scan(body, mark_varying(jnp.zeros((), acc), token_axes), (tokens, labels, mask))
+        return jax.lax.psum(total, token_axes) / total_tokens
 
     batch = sharding.BATCH_SPEC
     return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(param_specs, batch, batch, batch), out_specs=P()))

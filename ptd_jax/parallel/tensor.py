@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig
+from ptd_jax.parallel import context
 from ptd_jax.parallel.mesh import Axis
 from ptd_jax.parallel.vma import mark_varying, varying_axes
 
@@ -128,7 +129,7 @@ def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None, recompu
     """Column-parallel QKV (local query groups), causal attention on local heads, row-parallel output projection."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
     qkv_BxSxGlxR2xK = gpt.bias(p, "qkv_bias", dot(p, "qkv", x_BxSxD))
-    q, k, v = gpt.split_qkv(qkv_BxSxGlxR2xK, jnp.arange(x_BxSxD.shape[SEQ_DIM]), cfg)
+    q, k, v = gpt.split_qkv(qkv_BxSxGlxR2xK, context.local_positions(x_BxSxD.shape[SEQ_DIM]), cfg)
     key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
     ctx_BxSxGlxRxK = gpt.core_attention(q, k, v, cfg, key, recompute)
     B, S, Gl, R, K = ctx_BxSxGlxRxK.shape
@@ -155,6 +156,7 @@ def transformer_layer(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None,
     k_attn, k_h1, k_h2 = jax.random.split(key, 3) if key is not None else (None, None, None)
     if sequence_parallel:
         k_h1, k_h2 = _per_tensor_rank(k_h1), _per_tensor_rank(k_h2)
+    k_h1, k_h2 = context.per_rank_key(k_h1), context.per_rank_key(k_h2)  # a context rank's own tokens
     h = attention(p["attn"], gpt.norm(x, p["ln1"], cfg), cfg, sequence_parallel, k_attn, recompute)
     x = x + gpt.dropout(h, cfg.hidden_dropout, k_h1)
     h = mlp(p["mlp"], gpt.norm(x, p["ln2"], cfg), cfg, sequence_parallel)
@@ -190,6 +192,8 @@ def vocab_parallel_embed(params, tokens_BxS, cfg: ModelConfig, sequence_parallel
     S = tokens_BxS.shape[1]
     learned = "position" in params["embed"]  # RoPE rotates q and k in the layers instead
     position_SxD = params["embed"]["position"][:S] if learned else None
+    if learned and context.active() is not None:  # this context rank's chunks (`context.local_positions`)
+        position_SxD = jnp.take(params["embed"]["position"], context.local_positions(S), axis=0)
     if sequence_parallel:
         x = reduce_scatter_to_sequence_region(rows_BxSxD)
         seq_local = x.shape[SEQ_DIM]
@@ -199,7 +203,7 @@ def vocab_parallel_embed(params, tokens_BxS, cfg: ModelConfig, sequence_parallel
         x = reduce_from_tensor_region(rows_BxSxD)
         if learned:
             x = x + position_SxD
-    key = _per_tensor_rank(key) if sequence_parallel else key
+    key = context.per_rank_key(_per_tensor_rank(key) if sequence_parallel else key)
     return gpt.dropout(x.astype(jnp.dtype(cfg.dtype)), cfg.hidden_dropout, key)
 
 
