@@ -140,9 +140,9 @@ _OP = re.compile(r"= (.*?) (" + "|".join(_HLO_COLLECTIVES) + r")(-start)?\(")
 
 
 def hlo_collectives(hlo_text: str) -> dict:
-    """{op: {"count", "bytes", "replica_groups", "ops": [{shape, bytes, times, replica_groups}]}} per execution
-    of the ENTRY computation: loop bodies times their known trip count, of each conditional the branch with the
-    most collectives (exactly one runs; as `jaxpr_collectives` counts)."""
+    """{op: {"count", "bytes", "replica_groups", "ops": [{shape, bytes, times, replica_groups, source_target_pairs}]}}
+    per execution of the ENTRY computation: loop bodies times their known trip count, of each conditional the branch
+    with the most collectives (exactly one runs; as `jaxpr_collectives` counts)."""
     computations, entry = _computations(hlo_text)
     own = {name: sum(1 for line in lines if _OP.search(line)) for name, lines in computations.items()}
     weight: dict[str, int] = {}
@@ -182,5 +182,14 @@ def hlo_collectives(hlo_text: str) -> dict:
             groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)
             group = groups.group(1) if groups else ""
             entry_["replica_groups"].add(group)
-            entry_["ops"].append({"shape": op.group(1), "bytes": nbytes, "times": times, "replica_groups": group})
+            pairs = re.search(r"source_target_pairs=(\{[^ ]*\})", line)
+            entry_["ops"].append(
+                {
+                    "shape": op.group(1),
+                    "bytes": nbytes,
+                    "times": times,
+                    "replica_groups": group,
+                    "source_target_pairs": pairs.group(1) if pairs else "",
+                }
+            )
     return result

@@ -1,10 +1,13 @@
 """What a compiled XLA:GPU program launches, read from its HLO text: kernels by kind, and the collectives with
-their group sizes and bytes (`collectives.hlo_collectives` does the counting) in a JSON-friendly form."""
+their group sizes and bytes (`collectives.hlo_collectives` does the counting) in a JSON-friendly form, also by the
+mesh axes each spans (`collectives_by_axes`: context parallelism's ring and gathers by name)."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+
+import numpy as np
 
 from ptd_jax.analysis.collectives import hlo_collectives
 
@@ -66,3 +69,46 @@ def collective_summary(hlo_text: str) -> dict[str, dict]:
         }
         for op, entry in sorted(hlo_collectives(hlo_text).items())
     }
+
+
+def device_groups(groups: str, num_devices: int) -> list[list[int]]:
+    """The device groups of an HLO `replica_groups` attribute (explicit `{{0,1},{2,3}}`, iota `[4,2]<=[8]` or
+    `[2,4]<=[4,2]T(1,0)`; empty: every device) or of a `source_target_pairs` one (each pair a group)."""
+    if groups.startswith("{"):
+        found = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", groups)]
+        return [g for g in found if g] or [list(range(num_devices))]
+    iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", groups)
+    if not iota:
+        return [list(range(num_devices))]
+    shape, dims = [int(x) for x in iota.group(1).split(",")], [int(x) for x in iota.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if iota.group(3):
+        ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
+    return ids.reshape(-1, shape[-1]).tolist()
+
+
+def group_axes(groups: list[list[int]], axis_sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices of any group differ (device i at `np.unravel_index(i, sizes)`: the
+    mesh's devices in order, as `parallel.mesh.make_mesh` and the virtual GPUs lay them out)."""
+    names, sizes = list(axis_sizes), list(axis_sizes.values())
+    varies = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.asarray(group), sizes))  # [axes, members]
+        varies |= {names[a] for a in range(len(names)) if len(set(coords[a])) > 1}
+    return tuple(n for n in names if n in varies)
+
+
+def collectives_by_axes(hlo_text: str, axis_sizes: dict[str, int]) -> dict[str, dict]:
+    """{"op@axes": {"count", "bytes"}} per execution of the program: each collective of the compiled HLO attributed
+    to the mesh axes its groups (or a collective-permute's pairs) span, e.g. "collective-permute@context" for
+    context parallelism's ring; bytes are result bytes, as `collective_summary`'s."""
+    n = int(np.prod(list(axis_sizes.values())))
+    out: dict[str, dict] = {}
+    for op, entry in hlo_collectives(hlo_text).items():
+        for one in entry["ops"]:
+            groups = one.get("source_target_pairs") or one["replica_groups"]
+            key = f"{op}@{','.join(group_axes(device_groups(groups, n), axis_sizes)) or 'none'}"
+            slot = out.setdefault(key, {"count": 0, "bytes": 0})
+            slot["count"] += one["times"]
+            slot["bytes"] += one["times"] * one["bytes"]
+    return dict(sorted(out.items()))

@@ -19,11 +19,11 @@ from jax.sharding import PartitionSpec
 
 from ptd_jax import model as gpt
 from ptd_jax.perf.hardware import Hardware
-from ptd_jax.analysis.hlo import collective_summary, hlo_kernels
+from ptd_jax.analysis.hlo import collective_summary, collectives_by_axes, hlo_kernels
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.optimizer import make_optimizer
 from ptd_jax.parallel import sharding
-from ptd_jax.parallel.mesh import make_mesh
+from ptd_jax.parallel.mesh import make_mesh, mesh_shape
 from ptd_jax.parallel.step import init_sharded_state, make_parallel_eval_step, make_parallel_train_step, on_mesh
 
 GPUS_PER_HOST = 8
@@ -155,6 +155,8 @@ def summary(
             "data": parallel.data_parallel_size,
             "pipe": parallel.pipeline_model_parallel_size,
             "tensor": parallel.tensor_model_parallel_size,
+            "context": parallel.context_parallel_size,
+            "cp_comm_type": parallel.cp_comm_type,
             "virtual": parallel.virtual_pipeline_stages,
             "schedule": parallel.pipeline_schedule,
             "micro_batch_size": parallel.micro_batch_size,
@@ -176,5 +178,7 @@ def summary(
         "compile_time_s": sum(p.compile_time_s for p in programs),
         "compile_time_s_by_program": {p.name: p.compile_time_s for p in programs},
         "collectives": collective_summary(train.hlo_text),
+        # by the mesh axes each spans: "collective-permute@context" is context parallelism's ring
+        "collectives_by_axes": collectives_by_axes(train.hlo_text, mesh_shape(parallel)),
         "kernels": hlo_kernels(train.hlo_text),
     }

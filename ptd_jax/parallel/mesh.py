@@ -71,6 +71,13 @@ def set_fake_devices(num_devices: int, before_backend=None) -> None:
         )
 
 
+def mesh_shape(parallel: ParallelConfig) -> dict[str, int]:
+    """{axis: size} of the layout's mesh, outermost first: `MESH_AXES`, or `CONTEXT_MESH_AXES` when c > 1."""
+    c = parallel.context_parallel_size
+    d, p, t = parallel.data_parallel_size, parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size
+    return dict(zip(CONTEXT_MESH_AXES, (d, p, c, t))) if c > 1 else dict(zip(MESH_AXES, (d, p, t)))
+
+
 def make_mesh(parallel: ParallelConfig, devices=None):
     """A `jax.sharding.Mesh` of shape (d, p, t) with axes ("data", "pipe", "tensor"), all `AxisType.Auto`; with
     context parallelism (d, p, c, t) with axes ("data", "pipe", "context", "tensor").
@@ -85,11 +92,8 @@ def make_mesh(parallel: ParallelConfig, devices=None):
     if devices is None:
         devices = sorted(jax.devices(), key=lambda dev: (dev.process_index, dev.id))
     devices = list(devices)
-    c = parallel.context_parallel_size
-    shape = (parallel.data_parallel_size, parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size)
-    axes = MESH_AXES
-    if c > 1:
-        shape, axes = (*shape[:2], c, shape[2]), CONTEXT_MESH_AXES
+    sizes = mesh_shape(parallel)
+    shape, axes = tuple(sizes.values()), tuple(sizes)
     needed = int(np.prod(shape))
     if needed > len(devices):
         named = " x ".join(f"{a}={n}" for a, n in zip(axes, shape))

@@ -2,7 +2,14 @@
 bytes of asynchronous ops counted once, loop bodies times their trip count, a conditional's largest branch only,
 and replica-group sizes in both of HLO's notations."""
 
-from ptd_jax.analysis.hlo import collective_summary, group_size, hlo_kernels
+from ptd_jax.analysis.hlo import (
+    collective_summary,
+    collectives_by_axes,
+    device_groups,
+    group_axes,
+    group_size,
+    hlo_kernels,
+)
 
 KERNELS = """
 ENTRY %main (p: bf16[8,8]) -> bf16[8,8] {
@@ -74,3 +81,23 @@ def test_group_sizes_in_both_notations():
     assert group_size("{{0,1,2,3},{4,5,6,7}}") == 4
     assert group_size("[4,2]<=[2,4]T(1,0)") == 2
     assert group_size("") == 0
+
+
+def test_collectives_are_attributed_to_the_mesh_axes_their_groups_span():
+    sizes = {"data": 2, "pipe": 1, "context": 2, "tensor": 2}  # device i at unravel_index(i, (2, 1, 2, 2))
+    assert device_groups("{{0,2},{1,3},{4,6},{5,7}}", 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert device_groups("[4,2]<=[8]", 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert device_groups("[2,4]<=[2,4]T(1,0)", 8) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert device_groups("{}", 4) == [[0, 1, 2, 3]]
+    assert group_axes(device_groups("{{0,2},{2,0},{1,3},{3,1}}", 8), sizes) == ("context",)  # a ring's pairs
+    assert group_axes(device_groups("[4,2]<=[8]", 8), sizes) == ("tensor",)
+    assert group_axes(device_groups("[2,4]<=[2,2,2]T(1,0,2)", 8), sizes) == ("data", "tensor")
+    hlo = """ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4] parameter(0)
+  %a = f32[4] collective-permute(f32[4] %p), channel_id=1, source_target_pairs={{0,2},{2,0}}
+  ROOT %b = f32[4] all-reduce(f32[4] %a), channel_id=2, replica_groups=[4,2]<=[8], to_apply=%add
+}"""
+    assert collectives_by_axes(hlo, sizes) == {
+        "all-reduce@tensor": {"count": 1, "bytes": 16},
+        "collective-permute@context": {"count": 1, "bytes": 16},
+    }

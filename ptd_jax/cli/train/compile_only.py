@@ -22,7 +22,8 @@ def gpu_defaults(args) -> dict:
     fields = {}
     if args.attention_backend is None:  # the kernels have no sliding window yet: XLA's attention has
         window = args.window_size if args.window_size is not None else model_preset(args.model_preset).window_size
-        fields["attention_backend"] = "xla" if window is not None else "pallas"
+        # context parallelism attends by XLA blocks too (`parallel/context.py`)
+        fields["attention_backend"] = "xla" if window is not None or args.context_parallel_size > 1 else "pallas"
     if args.fused_kernels is None:
         fields["fused_kernels"] = True
     return fields

@@ -125,7 +125,13 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
         dtype=compute_dtype(args),
         # the kernels are the default on GPUs (`check_default_kernels` tests them first), XLA's elsewhere
         attention_backend=args.attention_backend
-        or ("pallas" if platform.gpu_present() and overrides.get("window_size", base.window_size) is None else "xla"),
+        or (
+            "pallas"
+            if platform.gpu_present()
+            and overrides.get("window_size", base.window_size) is None
+            and args.context_parallel_size == 1
+            else "xla"  # context parallelism attends by XLA blocks (`parallel/context.py`)
+        ),
         fused_kernels=args.fused_kernels if args.fused_kernels is not None else platform.gpu_present(),
     )
 
@@ -142,6 +148,8 @@ def parallel_fields(args, model_cfg: ModelConfig) -> dict:
         use_distributed_optimizer=args.use_distributed_optimizer,
         scatter_gather=not args.no_scatter_gather_tensors_in_pipeline,
         pipeline_branching=args.pipeline_branching,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type,
     )
 
 

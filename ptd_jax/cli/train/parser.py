@@ -9,6 +9,7 @@ import argparse
 
 from ptd_jax.cli.args import OneLineParser, add_tokenizer_args, finite_float, positive_float
 from ptd_jax.config import (
+    CP_COMM_TYPES,
     LR_DECAY_STYLES,
     MODEL_PRESETS,
     NORMALIZATIONS,
@@ -123,6 +124,20 @@ def add_parallel_args(g) -> None:
         help="send whole boundary activations between pipeline stages (paper §4.1 off)",
     )
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="c: split each sequence over c devices (Megatron's load-balanced 2c chunks; seq-length %% 2c == 0); "
+        "data-parallel size = devices / (t * p * c)",
+    )
+    g.add_argument(
+        "--cp-comm-type",
+        choices=CP_COMM_TYPES,
+        default="p2p",
+        help="context parallelism's attention: p2p (a ring of K/V blocks, overlapped with the blocks' attention) "
+        "or all_gather (K/V gathered, then local attention)",
+    )
     g.add_argument("--micro-batch-size", type=int, help="b (default 4; 2 in the demo layout)")
     g.add_argument("--global-batch-size", type=int, default=16)
     g.add_argument(
