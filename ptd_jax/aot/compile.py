@@ -9,7 +9,6 @@ Needs the CUDA plugin (`pip install -e '.[gpu-compile]'`); with `JAX_PLATFORMS=c
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ptd_jax import model as gpt
-from ptd_jax.perf.hardware import Hardware
+from ptd_jax.perf.hardware import Hardware, allocator_fraction
 from ptd_jax.analysis.hlo import collective_summary, collectives_by_axes, hlo_kernels
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.optimizer import make_optimizer
@@ -30,25 +29,8 @@ GPUS_PER_HOST = 8
 INSTALL_HINT = "pip install -e '.[gpu-compile]' (the CUDA plugin for this jax, no GPU needed)"
 
 
-DEFAULT_ALLOCATOR_FRACTION = 0.75
-"""JAX's GPU allocator preallocates this fraction of the device's memory and allocates within it
-(`XLA_PYTHON_CLIENT_MEM_FRACTION` sets another)."""
-
-
 def plugin_installed() -> bool:
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
-
-
-def allocator_fraction() -> float:
-    """The fraction of a GPU's memory a JAX program may use: `XLA_PYTHON_CLIENT_MEM_FRACTION`, else JAX's 0.75."""
-    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    try:
-        fraction = float(value) if value else DEFAULT_ALLOCATOR_FRACTION
-    except ValueError:
-        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} is not a number") from None
-    if not 0 < fraction <= 1:
-        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} must be in (0, 1]")
-    return fraction
 
 
 def topology_name(num_gpus: int) -> str:

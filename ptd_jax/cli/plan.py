@@ -1,8 +1,10 @@
 """`ptd-plan`: the performance model and layout planner on the command line (pure Python, starts at once).
 
-    ptd-plan predict <model flags> --tensor-model-parallel-size T --pipeline-model-parallel-size P
-        [--num-layers-per-virtual-pipeline-stage K] --micro-batch-size b --global-batch-size B --num-gpus N
-        --hardware a100-80gb [--json]
+    ptd-plan predict <ptd-train's command line> [--target h100-sxm] [--num-gpus N] [--json]
+        the prediction for the run `ptd-train` would make with the same flags, on --num-gpus (default t * p) GPUs of
+        --target (alias --hardware; default h100-sxm, as --compile-only): the same parser, the same defaults, the
+        configs `--compile-only` compiles (`configs_for_target`). Flags that do not change the prediction (data,
+        checkpoints, learning rate, ...) are accepted and listed as ignored.
     ptd-plan search <model flags> --num-gpus N --global-batch-size B --hardware H [--top 10] [--json]
         [--verify K]  (compile the K best with XLA:GPU: compiled memory beside the predicted)
     both: [--fp16 | --bf16] (precision: 20 or 18 bytes of state per parameter, fp16 or fp32 gradient all-reduce;
@@ -21,6 +23,9 @@ import json
 import sys
 
 from ptd_jax.cli.args import OneLineParser, positive_int
+from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
+from ptd_jax.cli.train.parser import DEFAULT_TARGET
+from ptd_jax.cli.train.parser import build_parser as train_parser
 from ptd_jax.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
@@ -30,8 +35,8 @@ from ptd_jax.config import (
     ModelConfig,
     model_preset,
 )
-from ptd_jax.perf.hardware import GIB, HARDWARE
-from ptd_jax.perf.search import describe, layout_record, make_parallel, search
+from ptd_jax.perf.hardware import GIB, HARDWARE, allocator_fraction
+from ptd_jax.perf.search import describe, layout_record, search
 from ptd_jax.perf.timing import predict
 
 DEFAULT_PRESET = "paper-1.7b"
@@ -99,14 +104,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="ptd-plan", description="Predict and plan PTD-P layouts (paper §3).")
     sub = parser.add_subparsers(dest="command", required=True)
-    pred = sub.add_parser("predict", help="one layout: time per iteration, its terms, TFLOP/s, memory")
-    add_model_flags(pred)
-    add_run_flags(pred)
-    g = pred.add_argument_group("layout")
-    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int)
-    g.add_argument("--micro-batch-size", type=positive_int, default=1)
+    parser.predict_parser = sub.add_parser(
+        "predict",
+        parents=[train_parser(add_help=False)],
+        help="the run of ptd-train's flags: time per iteration and its terms, TFLOP/s, MFU, memory term by term",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     srch = sub.add_parser("search", help="every layout of --num-gpus that fits, ranked")
     add_model_flags(srch)
     add_run_flags(srch)
@@ -149,9 +152,70 @@ def layout_flags(args) -> dict:
     }
 
 
+PREDICTION_GROUPS = ("model", "parallelism")
+"""ptd-train's flag groups that change the prediction; of the others only these do:"""
+PREDICTION_FLAGS = frozenset(
+    {"recompute_granularity", "target", "num_gpus", "json", "compile_only"}
+    | {"tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"}  # the tokenizer decides V
+)
+
+
+def ignored_flags(parser: argparse.ArgumentParser, args) -> list[str]:
+    """The flags given (not at their default) that the prediction does not depend on."""
+    prediction = set(PREDICTION_FLAGS)
+    for group in parser._action_groups:
+        if group.title and group.title.startswith(PREDICTION_GROUPS):
+            prediction |= {a.dest for a in group._group_actions}
+    prediction.discard("fake_devices")  # the prediction is for --target GPUs
+    return [
+        action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings
+        and action.dest not in prediction
+        and action.dest != "help"
+        and getattr(args, action.dest, None) != action.default
+    ]
+
+
+def predict_run(args, ignored: list[str]) -> dict:
+    """The prediction for ptd-train's flags: `configs_for_target`'s configs on --target, as --compile-only builds
+    them."""
+    from ptd_jax.runtime.platform import resolve_branching
+
+    fill_defaults(args)
+    target = args.target or DEFAULT_TARGET
+    hw = HARDWARE[target]
+    cfg, parallel, train_cfg = configs_for_target(args)
+    recompute = train_cfg.recompute_granularity
+    pred = predict(cfg, parallel, hw, recompute)
+    record = layout_record(cfg, parallel, pred, hw)
+    record.update(
+        hardware=hw.name,
+        num_gpus=parallel.num_devices,
+        global_batch_size=parallel.global_batch_size,
+        recompute_granularity=recompute,
+        lockstep_bubble_fraction=lockstep_bubble(parallel, recompute),
+        memory_stage=pred.memory["stage"],
+        memory_terms_gb={k: v / GIB for k, v in pred.memory.items() if k not in ("stage", "params")},
+        usable_memory_gb=hw.usable_memory_bytes / GIB,
+        allocator_fraction=allocator_fraction(),
+        resolved={
+            "pipeline_schedule": parallel.pipeline_schedule,
+            "pipeline_branching": resolve_branching(parallel.pipeline_branching, "gpu", parallel.pipeline_schedule),
+            "attention_backend": cfg.attention_backend,
+            "fused_kernels": cfg.fused_kernels,
+            "dtype": cfg.dtype,
+            "vocab_size": cfg.vocab_size,
+            "sequence_parallel": parallel.sequence_parallel,
+        },
+        ignored_flags=ignored,
+    )
+    return record
+
+
 def lockstep_bubble(parallel, recompute: str) -> float | None:
-    """The bubble of ptd_jax's own lockstep table for this layout (backward = 3 forwards under full
-    recomputation, 2 otherwise), or None when the table would be too large to build quickly."""
+    """The bubble of ptd_jax's own table for this layout (backward = 3 forwards under full recomputation, 2
+    otherwise), or None when the table would be too large to build quickly."""
     p, v, m = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_stages, parallel.num_microbatches)
     if p == 1:
         return 0.0
@@ -163,36 +227,13 @@ def lockstep_bubble(parallel, recompute: str) -> float | None:
     return sched.simulate(backward_ratio=3.0 if recompute == "full" else 2.0)["bubble_fraction"]
 
 
-def run_predict(args, cfg: ModelConfig) -> dict:
-    hw = HARDWARE[args.hardware]
-    parallel = make_parallel(
-        cfg,
-        args.num_gpus,
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.micro_batch_size,
-        args.global_batch_size,
-        args.num_layers_per_virtual_pipeline_stage,
-        schedule=args.pipeline_schedule,
-        **layout_flags(args),
-    )
-    pred = predict(cfg, parallel, hw, args.recompute_granularity)
-    record = layout_record(cfg, parallel, pred, hw)
-    record.update(
-        hardware=hw.name,
-        num_gpus=args.num_gpus,
-        recompute_granularity=args.recompute_granularity,
-        lockstep_bubble_fraction=lockstep_bubble(parallel, args.recompute_granularity),
-        memory_stage=pred.memory["stage"],
-        usable_memory_gb=hw.usable_memory_bytes / GIB,
-    )
-    return record
-
-
 def print_predict(r: dict) -> None:
+    res = r["resolved"]
     print(
         f"{describe(r)} ({r['pipeline_schedule']}, m={r['num_microbatches']}) on {r['num_gpus']} x {r['hardware']}, "
-        f"recompute={r['recompute_granularity']}"
+        f"recompute={r['recompute_granularity']}; resolved: branching {res['pipeline_branching']}, attention "
+        f"{res['attention_backend']}, fused kernels {'on' if res['fused_kernels'] else 'off'}, {res['dtype']}, "
+        f"V={res['vocab_size']}"
     )
     print(
         f"  iteration {r['iteration_time_s']:.3f} s: "
@@ -204,15 +245,23 @@ def print_predict(r: dict) -> None:
     )
     lock = r["lockstep_bubble_fraction"]
     print(
-        f"  bubble {r['bubble_fraction']:.3f} ((p-1)/(v*m)); ptd_jax lockstep table "
-        f"{'not built (too large)' if lock is None else f'{lock:.3f}'}"
+        f"  bubble {r['bubble_fraction']:.3f}; the schedule's table "
+        f"{'not built (too large)' if lock is None else f'{lock:.3f}'} at B = 2F (3F under full recomputation)"
     )
+    terms = r["memory_terms_gb"]
     fits = "fits" if r["fits"] else "DOES NOT FIT"
     print(
-        f"  memory {r['memory_gb_per_gpu']:.1f} GiB per GPU ({r['memory_stage']} stage: state "
-        f"{r['memory_breakdown_gb']['state']:.1f}, activations {r['memory_breakdown_gb']['activations']:.1f}); "
-        f"{fits} in {r['usable_memory_gb']:.1f} GiB usable"
+        f"  memory {r['memory_gb_per_gpu']:.2f} GiB per GPU ({r['memory_stage']} stage): "
+        + ", ".join(
+            f"{name} {terms[name]:.2f}"
+            for name in ("weights", "compute_copy", "gradients", "optimizer", "stash", "recompute", "logits")
+            if terms.get(name)
+        )
+        + f"; {fits} in {r['usable_memory_gb']:.2f} GiB usable ({r['allocator_fraction']:g} of the GPU: "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION, as ptd-train and --compile-only)"
     )
+    if r["ignored_flags"]:
+        print(f"  ignored (no effect on the prediction): {' '.join(r['ignored_flags'])}")
 
 
 def print_search(result: dict, top: int) -> None:
@@ -252,17 +301,18 @@ MAX_GPUS = 1 << 20
 
 
 def run(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.num_gpus > MAX_GPUS:
         raise ConfigError(f"num_gpus={args.num_gpus} is more than {MAX_GPUS} (the planner enumerates its divisors)")
-    cfg = model_config(args)
     if args.command == "predict":
-        result = run_predict(args, cfg)
+        result = predict_run(args, ignored_flags(parser.predict_parser, args))
         if args.json:
             print(json.dumps(result))
         else:
             print_predict(result)
         return result
+    cfg = model_config(args)
     result = search(
         cfg,
         args.num_gpus,

@@ -60,8 +60,11 @@ _EPOCHS_IN_MEMORY = 2
 
 def parse_split(split: str) -> tuple[float, float, float]:
     """Megatron's --split "969,30,1" -> normalised (train, valid, test) fractions."""
+    fields = split.replace("/", ",").split(",")
+    if not all(x.strip() for x in fields):
+        raise DataError(f"split={split!r} has an empty weight: give up to three numbers, e.g. 969,30,1")
     try:
-        parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+        parts = [float(x) for x in fields]
     except ValueError:
         raise DataError(f"split={split!r} is not a comma-separated list of numbers") from None
     if len(parts) > 3 or not all(math.isfinite(x) for x in parts):
@@ -270,12 +273,13 @@ class MockData:
 class GPTData:
     """The train and validation streams of the data. `train_batch(i)` is global batch i (samples [i·B, (i+1)·B) of
     the training stream), `train_samples(first, count)` any range of it, and `valid_batches()` the same
-    `eval_iters` batches of the validation stream at every evaluation. Nothing depends on the number of
+    `eval_iters` batches of the validation stream at each evaluation, moving on from one to the next, and
+    `test_batches()` those of the test stream (evaluated once, at the end). Nothing depends on the number of
     iterations; `data_config()` names what the streams do depend on.
 
     The data, `source`, is one of (Megatron's flags): a prefix (--data-path), one prefix or a blend's words
     "w1 prefix1 w2 prefix2 ..." (`blend.py`), each prefix cut by `split`; a `PerSplit` (--train-data-path ...),
-    each a prefix or a blend, whole (no split; the test stream is opened and checked, and nothing evaluates it);
+    each a prefix or a blend, whole (no split);
     or `MockData()` (--mock-data, `mock.py`). Train, validation and test are
     streams 0, 1 and 2 of each dataset. In a blend, a dataset whose validation range is empty is left out of the
     validation blend (the others' weights renormalised)."""
@@ -305,6 +309,7 @@ class GPTData:
             self.name = f"mock data (random tokens of V={vocab_size})"
             self.train = MockDataset(vocab_size, seq_length, seed, TRAIN_STREAM)
             self.valid = MockDataset(vocab_size, seq_length, seed, VALID_STREAM) if eval_iters > 0 else None
+            self.test = MockDataset(vocab_size, seq_length, seed, TEST_STREAM) if eval_iters > 0 else None
             self._config = {"mock_data": True, "vocab_size": vocab_size}
         elif per_split is not None:
             self._open_per_split(per_split.train, per_split.valid, per_split.test)
@@ -318,8 +323,15 @@ class GPTData:
         ranges = [split_documents(len(s.doc_index) - 1, self.split) for s in sources]
         weights = [w for w, _ in blend]
         self.train = self._stream(weights, sources, [r[0] for r in ranges], TRAIN_STREAM)
+        if self.train is None:  # refused here, before any model is built
+            docs = sum(len(s.doc_index) - 1 for s in sources)
+            raise DataError(
+                f"split={self.split!r} leaves the training split empty: 0 of {docs} documents of "
+                f"{' '.join(p for _, p in blend)} (give the train share more weight)"
+            )
         if self.eval_iters > 0:
             self.valid = self._stream(weights, sources, [r[1] for r in ranges], VALID_STREAM)
+            self.test = self._stream(weights, sources, [r[2] for r in ranges], TEST_STREAM)
         if len(blend) == 1:  # as before blends: the checkpoints of single-prefix runs keep resuming
             self.indexed = sources[0]
             self.prefix, self.num_documents = os.path.abspath(blend[0][1]), len(sources[0].doc_index) - 1
@@ -350,7 +362,7 @@ class GPTData:
             blend = parse_blend(f"{key}_data_path", words)
             sources = [self._open(p) for _, p in blend]
             weights = [w for w, _ in blend]
-            if key != "valid" or self.eval_iters > 0:
+            if key == "train" or self.eval_iters > 0:
                 everything = [np.arange(len(s.doc_index) - 1) for s in sources]
                 setattr(self, key, self._stream(weights, sources, everything, stream))
             self._config[f"{key}_data"] = _describe(weights, sources)
@@ -398,13 +410,23 @@ class GPTData:
     def train_batch(self, iteration: int) -> Batch:
         return self.train_samples(iteration * self.global_batch_size, self.global_batch_size)
 
-    def valid_batches(self, rows: np.ndarray | None = None):
-        if self.valid is None:
+    def valid_batches(self, rows: np.ndarray | None = None, evaluation: int = 0):
+        """The `eval_iters` global batches of evaluation number `evaluation` (0, 1, ...): batches
+        [evaluation · eval_iters, (evaluation + 1) · eval_iters) of the validation stream, which moves on from one
+        evaluation to the next as Megatron's valid iterator does."""
+        yield from self._eval_batches(self.valid, rows, evaluation * self.eval_iters)
+
+    def test_batches(self, rows: np.ndarray | None = None):
+        """The `eval_iters` first global batches of the test stream (Megatron's test evaluation at the end)."""
+        yield from self._eval_batches(self.test, rows, 0)
+
+    def _eval_batches(self, stream, rows, first_batch: int):
+        if stream is None:
             return
-        for i in range(self.eval_iters):
+        for i in range(first_batch, first_batch + self.eval_iters):
             first = i * self.global_batch_size
             yield make_batch(
-                self.valid.batch(first, self.global_batch_size) if rows is None else _read_rows(self.valid, first, rows)
+                stream.batch(first, self.global_batch_size) if rows is None else _read_rows(stream, first, rows)
             )
 
     def data_config(self) -> dict:

@@ -20,7 +20,7 @@ from ptd_jax.config import PIPELINE_SCHEDULES, SCHEDULE_SPECS, ConfigError, Mode
 from ptd_jax.parallel.pipeline.schedule import ScheduleError
 from ptd_jax.parallel.pipeline.table import Table, build
 from ptd_jax.perf.flops import layer_executed_flops, layer_matmul_flops
-from ptd_jax.perf.memory import check_fits, memory_per_gpu
+from ptd_jax.perf.memory import check_fits, run_memory_bytes
 
 CANDIDATES = PIPELINE_SCHEDULES
 MARGIN = 0.03
@@ -109,8 +109,14 @@ def format_choice(name: str, rows: list[dict], times: tuple[float, float, float]
         lines.append(
             f" {mark} {r['schedule']:<13} v={r['v']}  bubble {r['bubble_fraction']:.3f}  makespan "
             f"{r['makespan']:.2f}  in flight {r['in_flight']:g} stages"
-            + (f"  {r['memory_gib']:.2f} GiB" if "memory_gib" in r else "")
-            + ("" if r["fits"] else "  (does not fit in memory)")
+            + (f"  {r['memory_gib']:.2f} GiB" if r.get("memory_gib", 0) < float("inf") else "")
+            + (
+                ""
+                if r["fits"]
+                else "  (not valid for this layout)"
+                if r.get("memory_gib") == float("inf")
+                else "  (does not fit in memory)"
+            )
         )
     return "\n".join(lines)
 
@@ -138,6 +144,9 @@ class Request:
     device: object | None = field(default=None, compare=False)
     """A JAX device: schedules whose run does not fit its memory are refused (None: no check)."""
     num_local_devices: int = 1
+    memory_budget: float | None = None
+    """Bytes per device when there is no device to ask (`--compile-only`, `ptd-plan predict`: the target's
+    `usable_memory_bytes`): schedules whose predicted run exceeds it are refused."""
 
 
 @dataclass(frozen=True)
@@ -208,8 +217,11 @@ def choose_for_run(cfg: ModelConfig, request: Request) -> Choice:
 
     def fits(name: str, v: int, table: Table) -> bool:
         parallel = run_config(name, v)
-        if parallel is None or request.device is None:
-            return parallel is not None
+        if parallel is None:
+            return False
+        if request.device is None:
+            budget = request.memory_budget
+            return budget is None or run_memory_bytes(cfg, parallel, request.recompute)["total"] <= budget
         try:
             check_fits(cfg, parallel, request.recompute, request.device, request.num_local_devices)
         except ConfigError:
@@ -218,7 +230,7 @@ def choose_for_run(cfg: ModelConfig, request: Request) -> Choice:
 
     def memory(name: str, v: int, table: Table) -> float:
         parallel = run_config(name, v)
-        return float("inf") if parallel is None else memory_per_gpu(cfg, parallel, request.recompute)["total"]
+        return float("inf") if parallel is None else run_memory_bytes(cfg, parallel, request.recompute)["total"]
 
     v_options, names = options(cfg, request)
     p = request.fields.get("pipeline_model_parallel_size", 1)

@@ -36,11 +36,30 @@ Efficiencies (from measurements, not from the paper):
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
+from ptd_jax.config import ConfigError
+
 GIB = 2**30
 MIB = 2**20
+
+DEFAULT_ALLOCATOR_FRACTION = 0.75
+"""JAX's GPU allocator preallocates this fraction of the device's memory and allocates within it
+(`XLA_PYTHON_CLIENT_MEM_FRACTION` sets another): the one budget of `ptd-plan`, `ptd-train` and `--compile-only`."""
+
+
+def allocator_fraction() -> float:
+    """The fraction of a GPU's memory a JAX program may use: `XLA_PYTHON_CLIENT_MEM_FRACTION`, else JAX's 0.75."""
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        fraction = float(value) if value else DEFAULT_ALLOCATOR_FRACTION
+    except ValueError:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} is not a number") from None
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} must be in (0, 1]")
+    return fraction
 
 
 @dataclass(frozen=True)
@@ -100,9 +119,6 @@ class Hardware:
     """Per ring step on the network (NCCL 2.7.5's hwLat, Ring/Simple)."""
     collective_base_latency_s: float = 8.4e-6
     """Once per collective or send/recv (NCCL 2.7.5's baseLat, Ring/Simple)."""
-    usable_memory_fraction: float = 0.90
-    """What a run may count on: the rest goes to the CUDA context, NCCL buffers, cuBLAS workspaces and the
-    allocator's fragmentation."""
 
     def gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0, bytes_per_element: int = 2) -> float:
         """Roofline time of `count` (M×K)·(K×N) GEMMs: the larger of compute at the efficient rate and the operands'
@@ -138,7 +154,8 @@ class Hardware:
 
     @property
     def usable_memory_bytes(self) -> float:
-        return self.memory_bytes * self.usable_memory_fraction
+        """What a JAX run may allocate on this GPU (`allocator_fraction`), the budget every tool checks against."""
+        return self.memory_bytes * allocator_fraction()
 
     @property
     def description(self) -> str:

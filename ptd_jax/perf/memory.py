@@ -173,22 +173,34 @@ def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
 
 
 def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = "full") -> dict[str, float]:
-    """Bytes per GPU on the fuller of the first and the last stage: {"params", "state", "activations", "total"}
-    ("state" = weights + gradients + optimizer state of the stage's parameters)."""
+    """Bytes per GPU on the fuller of the first and the last stage, in Megatron's 16-bit terms: {"stage",
+    "params", "state" (weights + gradients + optimizer state of the stage's parameters), "stash" (the pipeline's
+    record buffers), "recompute" (the layer rebuilt under full recomputation), "logits" (the last stage's fp32
+    logits), "activations" (their sum), "total"}."""
     t, b, s = parallel.tensor_model_parallel_size, parallel.micro_batch_size, cfg.seq_length
     params = params_per_gpu(cfg, parallel)
     per_param = state_bytes_per_param(parallel, cfg)
     stash = record_bytes(cfg, parallel, recompute)
     # the layer being recomputed under "full" holds its full activations meanwhile
-    stash += activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
+    rebuilt = activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
     logits = 4 * s * b * cfg.padded_vocab_size(t) / t
-    stages = {"first": (params["first"], stash), "last": (params["last"], stash + logits)}
+    stages = {"first": (params["first"], 0.0), "last": (params["last"], logits)}
     if parallel.pipeline_model_parallel_size == 1:
-        stages = {"first": (params["first"], stash + logits)}
+        stages = {"first": (params["first"], logits)}
     elif SCHEDULE_SPECS[parallel.pipeline_schedule].stage_map == "v":  # rank 0 holds the first and the last stage
-        stages = {"first": (params["first"] + 2 * cfg.hidden_size, stash + logits)}
-    name, (n, a) = max(stages.items(), key=lambda kv: kv[1][0] * per_param + kv[1][1])
-    return {"stage": name, "params": n, "state": n * per_param, "activations": a, "total": n * per_param + a}
+        stages = {"first": (params["first"] + 2 * cfg.hidden_size, logits)}
+    name, (n, head) = max(stages.items(), key=lambda kv: kv[1][0] * per_param + kv[1][1])
+    activations = stash + rebuilt + head
+    return {
+        "stage": name,
+        "params": n,
+        "state": n * per_param,
+        "stash": stash,
+        "recompute": rebuilt,
+        "logits": head,
+        "activations": activations,
+        "total": n * per_param + activations,
+    }
 
 
 def device_memory_bytes(device, num_local_devices: int) -> tuple[float | None, str]:
@@ -210,19 +222,23 @@ def device_memory_bytes(device, num_local_devices: int) -> tuple[float | None, s
 
 def run_memory_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> dict[str, float]:
     """`memory_per_gpu` for the widths a run actually has (c compute, w master weights, g = max(4, w) the gradient
-    accumulators): activations scaled from 16 bits to c, and the state per parameter w + (c where c ≠ w: the
-    per-step compute copy) + g + 2w (Adam), or with the distributed optimizer c (the gathered copy) + g + 3w/d.
-    bf16 or fp16 compute on float32 weights gives Megatron's 18 and 6 + 12/d (ptd-train keeps float32 gradients
-    under --fp16 too)."""
+    accumulators), term by term: "weights" w per parameter (+ "compute_copy" c where c ≠ w), "gradients" g,
+    "optimizer" 2w (Adam's moments); with the distributed optimizer the weights, moments and master copy are 1/d
+    ("weights" c, the gathered copy, "optimizer" 3w/d); activations scaled from 16 bits to c. bf16 or fp16 compute
+    on float32 weights gives Megatron's 18 and 6 + 12/d (ptd-train keeps float32 gradients under --fp16 too)."""
     need = dict(memory_per_gpu(cfg, parallel, recompute))
     c, w = _BYTES.get(cfg.dtype, 4), _BYTES.get(cfg.param_dtype, 4)
     g = max(4, w)
+    n = need["params"]
     if parallel.use_distributed_optimizer:
-        per_param = c + g + 3 * w / parallel.data_parallel_size
+        terms = {"weights": c, "compute_copy": 0, "gradients": g, "optimizer": 3 * w / parallel.data_parallel_size}
     else:
-        per_param = w + (c if c != w else 0) + g + 2 * w
-    need["activations"] *= c / 2
-    need["state"] = need["params"] * per_param
+        terms = {"weights": w, "compute_copy": c if c != w else 0, "gradients": g, "optimizer": 2 * w}
+    need.update({k: n * v for k, v in terms.items()})
+    for name in ("stash", "recompute", "logits"):
+        need[name] *= c / 2 if name != "logits" else 1
+    need["activations"] = need["stash"] + need["recompute"] + need["logits"]
+    need["state"] = n * sum(terms.values())
     need["total"] = need["state"] + need["activations"]
     return need
 

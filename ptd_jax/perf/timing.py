@@ -42,7 +42,7 @@ from functools import lru_cache
 
 from ptd_jax.config import SCHEDULE_SPECS, ModelConfig, ParallelConfig
 from ptd_jax.perf.hardware import Hardware
-from ptd_jax.perf.memory import grad_bytes_per_param, memory_per_gpu, state_bytes_per_param
+from ptd_jax.perf.memory import grad_bytes_per_param, run_memory_bytes, state_bytes_per_param
 from ptd_jax.perf.flops import flops_per_iteration, hardware_flops_per_iteration, model_flops_per_iteration
 
 HALF = 2  # bytes per 16-bit value
@@ -175,7 +175,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
         },
         "selective": {"gemm": gemm["attention"], "elementwise": hw.memory_seconds(elem["softmax"]), "tensor_comm": 0.0},
     }[recompute]
-    memory = memory_per_gpu(cfg, parallel, recompute)
+    memory = run_memory_bytes(cfg, parallel, recompute)  # the program's bytes (what ptd-train compiles)
     params_last = memory["params"]  # the bottleneck stage's (the fuller of the first and the last)
     grad_bytes = grad_bytes_per_param(cfg)
     vocab = cfg.padded_vocab_size(t)

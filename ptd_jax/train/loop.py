@@ -38,6 +38,7 @@ from ptd_jax.parallel.step import (
 )
 from ptd_jax.train import bubble, checkpoint
 from ptd_jax.perf.hardware import device_peak_tflops
+from ptd_jax.perf.memory import check_fits
 from ptd_jax.perf.flops import (
     flops_per_iteration,
     hardware_flops_per_iteration,
@@ -92,6 +93,9 @@ class RunOptions:
     measure_bubble: bool | None = None
     """After the first step, time the run's train step at m and the same step at 2m and log the measured bubble
     (`train/bubble.py`); None: when p > 1 and at least `bubble.AUTO_MIN_ITERATIONS` iterations remain."""
+    check_memory: bool = True
+    """Refuse a run whose predicted memory (`perf.memory.run_memory_bytes`) exceeds a device's, before anything is
+    read or written (False: try it anyway)."""
     on_record: object = None
     """Called with each logged training record (Python API only: e.g. a notebook's live loss plot)."""
 
@@ -133,14 +137,19 @@ def train(
 ) -> dict:
     """Train on the mesh of `parallel` (the shard_map step) and return a summary dict (the CLI's last line).
 
-    1. Refuse what cannot run, before data or devices are touched (the layout, the resume point; ptd-train has
-       checked the memory estimate, `perf.memory.check_fits`, before calling this).
+    1. Refuse what cannot run, before data or devices are touched: the layout, the memory estimate
+       (`perf.memory.check_fits`, the message ptd-train gives; `RunOptions.check_memory=False` skips it), the
+       resume point.
     2. Open the data, build or restore the state, make the train and eval steps (`_prepare`).
     3. Say what runs: the layout, the pipeline table, the FLOPs per iteration (`_announce`).
     4. Loop: fetch a batch, run the step, call the hooks (`_loop`, `_hooks`).
     5. Summarise: medians over the timed records (`_summary`)."""
     options = options or RunOptions()
     parallel.check_model(model_cfg)
+    if options.check_memory:
+        check_fits(
+            model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count()
+        )
     run, progress = _prepare(model_cfg, parallel, train_cfg, options)
     _announce(run)
     timer = StepTimer(jax.block_until_ready)
@@ -418,6 +427,8 @@ def _hooks(run: _Run, progress: _Progress, timer: StepTimer) -> Hooks:
     hooks.add_hook(lambda info: _log(run, progress, timer, info), every=cfg.log_interval, final=True)
     if run.data.valid is not None:
         hooks.add_hook(lambda info: _evaluate(run, info), every=cfg.eval_interval, final=True)
+    if run.data.test is not None:  # Megatron's test evaluation, once, when training ends
+        hooks.add_hook(lambda info: _evaluate(run, info, "test"), final=True)
     if run.saver is not None:
         hooks.add_hook(
             lambda info: run.save(info.state, info.iteration), every=cfg.save_interval, final=True, exiting=True
@@ -462,11 +473,19 @@ def _log(run: _Run, progress: _Progress, timer: StepTimer, info: StepInfo) -> No
         run.options.on_record(record)
 
 
-def _evaluate(run: _Run, info: StepInfo) -> None:
-    losses = [float(run.eval_step(info.state["params"], *run.to_devices(b))) for b in run.data.valid_batches(run.rows)]
-    valid = float(np.mean(losses)) if losses else None
+def _evaluate(run: _Run, info: StepInfo, kind: str = "valid") -> None:
+    """The mean lm loss of `eval_iters` batches: of the validation stream, evaluation k = (iteration − 1) //
+    eval_interval taking its k-th group of batches (the stream moves on, as Megatron's valid iterator does, and a
+    resumed run picks up where it was), or of the test stream's first batches."""
+    if kind == "valid":
+        interval = run.train_cfg.eval_interval
+        batches = run.data.valid_batches(run.rows, (info.iteration - 1) // interval if interval else 0)
+    else:
+        batches = run.data.test_batches(run.rows)
+    losses = [float(run.eval_step(info.state["params"], *run.to_devices(b))) for b in batches]
+    loss = float(np.mean(losses)) if losses else None
     run.logger.log_eval(
-        {"kind": "valid", "iteration": info.iteration, "valid_lm_loss": valid, "valid_ppl": math.exp(min(valid, 50))}
+        {"kind": kind, "iteration": info.iteration, f"{kind}_lm_loss": loss, f"{kind}_ppl": math.exp(min(loss, 50))}
     )
 
 
@@ -554,6 +573,7 @@ def _summary(run: _Run, progress: _Progress, timer: StepTimer) -> dict:
         "first_lm_loss": progress.first_loss,
         "final_lm_loss": progress.records[-1]["lm_loss"] if progress.records else None,
         "final_valid_lm_loss": logger.eval_records[-1]["valid_lm_loss"] if logger.eval_records else None,
+        "test_lm_loss": logger.test_record["test_lm_loss"] if logger.test_record else None,
         **medians(progress.records),
         "hardware_over_model_flops": flops["hardware"] / flops["model"],
         "peak_tflops": run.peak,

@@ -89,6 +89,7 @@ class MetricsLogger:
         self.records: list[dict] = []
         self._quiet = quiet
         self.eval_records: list[dict] = []
+        self.test_record: dict | None = None
         self._file = None
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -136,11 +137,16 @@ class MetricsLogger:
         )
 
     def log_eval(self, record: dict) -> None:
-        self.eval_records.append(record)
+        """A validation ("kind": "valid") or test ("kind": "test") record: {kind}_lm_loss, {kind}_ppl."""
+        kind = record["kind"]
+        if kind == "valid":
+            self.eval_records.append(record)
+        else:
+            self.test_record = record
         self._write(record)
         self.message(
-            f"iteration {record['iteration']}: validation lm loss {record['valid_lm_loss']:.4f} "
-            f"(ppl {record['valid_ppl']:.2f})"
+            f"iteration {record['iteration']}: {'validation' if kind == 'valid' else kind} lm loss "
+            f"{record[f'{kind}_lm_loss']:.4f} (ppl {record[f'{kind}_ppl']:.2f})"
         )
 
     def message(self, text: str) -> None:

@@ -175,3 +175,18 @@ def test_bad_arguments_name_the_values(small_corpus):
         GPTDataset(indexed, np.arange(10), 32, seed=-1)
     with pytest.raises(DataError, match=r"samples \[-1, 1\)"):
         GPTDataset(indexed, np.arange(10), 32, seed=0).batch(-1, 2)
+
+
+def test_validation_moves_on_and_the_test_split_has_its_own_stream(small_corpus):
+    """Evaluation k reads validation batches [k·eval_iters, (k+1)·eval_iters), as Megatron's valid iterator moves
+    on; the test split's batches come from its own documents (split's third share)."""
+    data = make_data(small_corpus, split="80,10,10")
+    first, second = list(data.valid_batches(evaluation=0)), list(data.valid_batches(evaluation=1))
+    assert len(first) == len(second) == 2
+    both = data.valid.batch(0, 4 * 8)[:, :-1]
+    np.testing.assert_array_equal(np.concatenate([b.tokens for b in first + second]), both)
+    test = list(data.test_batches())
+    assert len(test) == 2
+    valid_docs, test_docs = set(data.valid.epoch(0).order.tolist()), set(data.test.epoch(0).order.tolist())
+    assert test_docs and not valid_docs & test_docs
+    assert make_data(small_corpus, split="80,20,0").test is None

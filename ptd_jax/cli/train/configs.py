@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import sys
 
-from ptd_jax.cli.train.parser import DEFAULT_SPLIT, PER_SPLIT
+from ptd_jax.cli.train.parser import DEFAULT_SPLIT, DEFAULT_TARGET, PER_SPLIT
 from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset
 from ptd_jax.data.tokenizer import ByteTokenizer
 from ptd_jax.perf import auto_schedule
+from ptd_jax.perf.hardware import TARGETS
 from ptd_jax.runtime import multiprocess, platform
 
 LLAMA_SWITCHES = (
@@ -61,7 +62,7 @@ def apply_demo_layout(args) -> bool:
     ):
         return False
     for name, value in DEMO_LAYOUT.items():
-        if name == "pipeline_schedule" and args.pipeline_schedule != ParallelConfig.pipeline_schedule:
+        if name == "pipeline_schedule" and args.pipeline_schedule is not None:
             continue  # an explicit --pipeline-schedule wins
         if getattr(args, name) is None or name == "pipeline_schedule":
             setattr(args, name, value)
@@ -78,7 +79,10 @@ def fill_defaults(args) -> None:
             setattr(args, name, value)
 
 
-def model_config_from_args(args, tokenizer=None) -> ModelConfig:
+def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> ModelConfig:
+    """The ModelConfig of the flags; the kernels' defaults as on a GPU when `gpu` (None: whether this machine has
+    one)."""
+    gpu = platform.gpu_present() if gpu is None else gpu
     base = model_preset(args.model_preset)
     overrides = {
         name: getattr(args, name)
@@ -127,13 +131,30 @@ def model_config_from_args(args, tokenizer=None) -> ModelConfig:
         attention_backend=args.attention_backend
         or (
             "pallas"
-            if platform.gpu_present()
-            and overrides.get("window_size", base.window_size) is None
-            and args.context_parallel_size == 1
+            if gpu and overrides.get("window_size", base.window_size) is None and args.context_parallel_size == 1
             else "xla"  # context parallelism attends by XLA blocks (`parallel/context.py`)
         ),
-        fused_kernels=args.fused_kernels if args.fused_kernels is not None else platform.gpu_present(),
+        fused_kernels=args.fused_kernels if args.fused_kernels is not None else gpu,
     )
+
+
+def configs_for_target(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
+    """The configs `ptd-train --compile-only` compiles and `ptd-plan predict` predicts: the flags as on --num-gpus
+    GPUs (default t * p) of --target, the kernels' defaults as a GPU resolves them, V the preset's when no tokenizer
+    decides it. No JAX."""
+    from ptd_jax.cli.train.compile_only import gpu_defaults
+    from ptd_jax.data.tokenizer import training_tokenizer
+
+    if args.tokenizer_type is None and args.vocab_size is None:  # no data to decide V: the preset's
+        args.vocab_size = model_preset(args.model_preset).vocab_size
+    tokenizer = training_tokenizer(
+        args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size, tokenizer_model=args.tokenizer_model
+    )
+    model_cfg = model_config_from_args(args, tokenizer, gpu=True).replace(**gpu_defaults(args))
+    num_gpus = args.num_gpus or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    budget = TARGETS[args.target or DEFAULT_TARGET].usable_memory_bytes
+    parallel = parallel_config_from_args(args, model_cfg, num_gpus, budget=budget)
+    return model_cfg, parallel, train_config_from_args(args)
 
 
 def parallel_fields(args, model_cfg: ModelConfig) -> dict:
@@ -153,13 +174,18 @@ def parallel_fields(args, model_cfg: ModelConfig) -> dict:
     )
 
 
-def resolve_schedule(args, model_cfg: ModelConfig, num_devices: int, device=None, num_local_devices: int = 1):
+def resolve_schedule(
+    args, model_cfg: ModelConfig, num_devices: int, device=None, num_local_devices: int = 1, budget=None
+):
     """Replace "auto" in `args.pipeline_schedule` by `auto_schedule.choose_for_run`'s choice (and set the layers
     per chunk for a chunked one), printing the choice and the alternatives (process 0 only); give a chunked
     schedule with a fixed chunk count (ZB-V) its chunks when --num-layers-per-virtual-pipeline-stage is not set.
-    `device`: a JAX device whose memory each alternative must fit (None: not checked). Returns the choice, or None
-    when nothing was chosen."""
+    `device`: a JAX device whose memory each alternative must fit; else `budget`, bytes per device (None: not
+    checked). Returns the choice, or None when nothing was chosen."""
     p, num_layers, choice = args.pipeline_model_parallel_size, model_cfg.num_layers, None
+    if args.pipeline_schedule is None:  # Megatron: the layers per virtual stage alone ask for interleaving
+        interleave = args.num_layers_per_virtual_pipeline_stage is not None
+        args.pipeline_schedule = "interleaved" if interleave else ParallelConfig.pipeline_schedule
     if args.pipeline_schedule == "auto":
         request = auto_schedule.Request(
             num_devices,
@@ -169,6 +195,7 @@ def resolve_schedule(args, model_cfg: ModelConfig, num_devices: int, device=None
             times=tuple(args.schedule_times) if args.schedule_times else None,
             device=device,
             num_local_devices=num_local_devices,
+            memory_budget=budget,
         )
         choice = auto_schedule.choose_for_run(model_cfg, request)
         args.pipeline_schedule = choice.name
@@ -184,12 +211,12 @@ def resolve_schedule(args, model_cfg: ModelConfig, num_devices: int, device=None
 
 
 def parallel_config_from_args(
-    args, model_cfg: ModelConfig, num_devices: int, device=None, num_local_devices: int = 1
+    args, model_cfg: ModelConfig, num_devices: int, device=None, num_local_devices: int = 1, budget=None
 ) -> ParallelConfig:
     """The ParallelConfig of the layout flags on `num_devices` (`auto` resolved by `resolve_schedule`, whose
-    memory check uses `device`)."""
+    memory check uses `device`, else `budget` bytes per device)."""
     p = args.pipeline_model_parallel_size
-    resolve_schedule(args, model_cfg, num_devices, device, num_local_devices)
+    resolve_schedule(args, model_cfg, num_devices, device, num_local_devices, budget)
     virtual = 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
         k = args.num_layers_per_virtual_pipeline_stage

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from ptd_jax.cli.args import OneLineParser, add_tokenizer_args, finite_float, positive_float
+from ptd_jax.cli.args import OneLineParser, add_tokenizer_args, finite_float, positive_float, positive_int
 from ptd_jax.config import (
     CP_COMM_TYPES,
     LR_DECAY_STYLES,
@@ -23,15 +23,19 @@ from ptd_jax.perf.hardware import TARGETS
 from ptd_jax.runtime.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 DEMO_PRESET = "tiny"
+DEFAULT_TARGET = "h100-sxm"
+"""The GPU `--compile-only` compiles for and `ptd-plan predict` predicts, when --target is not given."""
 DEFAULT_SPLIT = "969,30,1"
 PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """ptd-train's parser (`ptd-plan predict` takes it whole as a parent, without its -h)."""
     p = OneLineParser(
         prog="ptd-train",
         description="Train a GPT with PTD-P parallelism on JAX.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        add_help=add_help,
     )
     add_model_args(p.add_argument_group("model (unset flags come from --model-preset)"))
     add_parallel_args(p.add_argument_group("parallelism"))
@@ -94,8 +98,8 @@ def add_parallel_args(g) -> None:
     g.add_argument(
         "--pipeline-schedule",
         choices=PIPELINE_SCHEDULES + ("auto",),
-        default="1f1b",
-        help="auto: the shortest simulated step at --schedule-times, printed with the alternatives",
+        help="default: interleaved with --num-layers-per-virtual-pipeline-stage (as in Megatron), else 1f1b; auto: "
+        "the shortest simulated step at --schedule-times, printed with the alternatives",
     )
     g.add_argument(
         "--schedule-times",
@@ -308,6 +312,8 @@ def add_compile_only_args(parser) -> None:
         help="compile the train and eval steps with XLA:GPU for --num-gpus of --target and report memory, "
         "collectives and kernels; trains nothing",
     )
-    g.add_argument("--target", choices=sorted(TARGETS), help="the GPU to compile for (default h100-sxm)")
-    g.add_argument("--num-gpus", type=int, help="GPUs to compile for (hosts of 8; default: t * p)")
+    g.add_argument(
+        "--target", "--hardware", choices=sorted(TARGETS), help=f"the GPU to compile for (default {DEFAULT_TARGET})"
+    )
+    g.add_argument("--num-gpus", type=positive_int, help="GPUs to compile for (hosts of 8; default: t * p)")
     g.add_argument("--json", action="store_true", help="--compile-only: one JSON object on stdout")
