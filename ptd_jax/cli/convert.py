@@ -17,12 +17,19 @@ from pathlib import Path
 
 from ptd_jax.cli.args import OneLineParser
 from ptd_jax.config import ConfigError
+from ptd_jax.runtime.atomic import atomic_folder
 
 ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """What to-hf writes (`interop.to_hf`)."""
 
 
 def main(argv=None) -> int:
+    from ptd_jax.cli.errors import run_tool
+
+    return run_tool("ptd-convert", run, argv)
+
+
+def run(argv) -> int:
     parser = OneLineParser(prog="ptd-convert", description=__doc__.splitlines()[0])
     parser.add_argument("direction", choices=["from-hf", "to-hf"])
     parser.add_argument("--input", required=True)
@@ -31,31 +38,29 @@ def main(argv=None) -> int:
         "--architecture", choices=ARCHITECTURES, help="to-hf: the HF architecture to write (default: the one that fits)"
     )
     args = parser.parse_args(argv)
-    try:
-        if args.architecture and args.direction != "to-hf":
-            raise ConfigError(f"--architecture {args.architecture} applies to to-hf only (from-hf reads config.json)")
-        out = Path(args.output)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ConfigError(f"output={args.output!r} exists and is not an empty folder")
-        if args.direction == "from-hf":
-            from ptd_jax.interop import from_hf
-            from ptd_jax.train import checkpoint
+    if args.architecture and args.direction != "to-hf":
+        raise ConfigError(f"--architecture {args.architecture} applies to to-hf only (from-hf reads config.json)")
+    out = Path(args.output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output={args.output!r} exists and is not an empty folder")
+    from ptd_jax.train import checkpoint
 
-            cfg, params = from_hf(args.input)
-            checkpoint.save_params(out, cfg, params)
-            architecture = json.loads((Path(args.input) / "config.json").read_text()).get("architectures")
-        else:
-            from ptd_jax.interop import to_hf
-            from ptd_jax.train import checkpoint
+    if args.direction == "from-hf":
+        from ptd_jax.interop import from_hf
 
-            if not Path(args.input).is_dir():
-                raise ConfigError(f"input={args.input!r} is not a checkpoint folder")
-            cfg, params = checkpoint.read_params(args.input)
-            to_hf(params, cfg, out, architecture=args.architecture)
-            architecture = json.loads((out / "config.json").read_text())["architectures"]
-    except (ConfigError, OSError) as err:
-        print(f"ptd-convert: error: {err}", file=sys.stderr)
-        return 2
+        cfg, params = from_hf(args.input)
+        with atomic_folder(out) as tmp:
+            checkpoint.save_params(tmp, cfg, params)
+        architecture = json.loads((Path(args.input) / "config.json").read_text()).get("architectures")
+    else:
+        from ptd_jax.interop import to_hf
+
+        if not Path(args.input).is_dir():
+            raise ConfigError(f"input={args.input!r} is not a checkpoint folder")
+        cfg, params = checkpoint.read_params(args.input, flag="--input")
+        with atomic_folder(out) as tmp:
+            to_hf(params, cfg, tmp, architecture=args.architecture)
+        architecture = json.loads((out / "config.json").read_text())["architectures"]
     print(
         json.dumps(
             {

@@ -64,9 +64,28 @@ def tensor_parallel_size(args, cfg: ModelConfig, meta: dict) -> int:
     return saved
 
 
+def prompt_ids(text: str, vocab_size: int) -> np.ndarray:
+    """--prompt-ids "1,2,3" as int32 ids in [0, vocab_size); an empty field ("1,,2") is refused."""
+    fields = text.split(",")
+    try:
+        if not all(x.strip() for x in fields):
+            raise ValueError
+        ids = np.asarray([int(x) for x in fields], np.int32)
+    except (ValueError, OverflowError):
+        raise ConfigError(f"prompt_ids={text!r} is not a comma-separated list of ids") from None
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ConfigError(f"prompt_ids hold ids outside [0, {vocab_size})")
+    return ids
+
+
 def main(argv=None) -> int:
+    from ptd_jax.cli.errors import run_tool
+
+    return run_tool("ptd-generate", run, argv)
+
+
+def run(argv) -> int:
     from ptd_jax.cli.args import OneLineParser, finite_float
-    from ptd_jax.data.indexed_dataset import DataError
     from ptd_jax.cli.args import add_tokenizer_args
     from ptd_jax.parallel.mesh import set_fake_devices
     from ptd_jax.train import checkpoint
@@ -91,32 +110,25 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--fake-devices", type=int, help="simulate N CPU devices (before JAX starts)")
     args = parser.parse_args(argv)
-    try:
-        if args.fake_devices is not None:
-            set_fake_devices(args.fake_devices)
-        cfg, params = checkpoint.read_params(args.load)
-        meta = checkpoint.read_meta(args.load, checkpoint.latest_step(args.load))
-        tokenizer = pick_tokenizer(args, cfg, meta) if args.prompt is not None else None
-        if tokenizer is not None:
-            ids = tokenizer.encode(args.prompt)
-        else:
-            try:
-                ids = np.asarray([int(x) for x in args.prompt_ids.split(",") if x.strip()], np.int32)
-            except ValueError:
-                raise ConfigError(f"prompt_ids={args.prompt_ids!r} is not a comma-separated list of ids") from None
-            if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
-                raise ConfigError(f"prompt_ids hold ids outside [0, {cfg.vocab_size})")
-        out = generate(
-            params,
-            ids[None],
-            cfg,
-            args.max_new_tokens,
-            Sampling(args.temperature, args.top_k, args.top_p, args.seed),
-            tensor_parallel_size=tensor_parallel_size(args, cfg, meta),
-        )[0]
-    except (ConfigError, DataError) as err:
-        print(f"ptd-generate: error: {err}", file=sys.stderr)
-        return 2
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.check()  # before the checkpoint is read
+    if args.fake_devices is not None:
+        set_fake_devices(args.fake_devices)
+    cfg, params = checkpoint.read_params(args.load)
+    meta = checkpoint.read_meta(args.load, checkpoint.latest_step(args.load))
+    tokenizer = pick_tokenizer(args, cfg, meta) if args.prompt is not None else None
+    if tokenizer is not None:
+        ids = tokenizer.encode(args.prompt)
+    else:
+        ids = prompt_ids(args.prompt_ids, cfg.vocab_size)
+    out = generate(
+        params,
+        ids[None],
+        cfg,
+        args.max_new_tokens,
+        sampling,
+        tensor_parallel_size=tensor_parallel_size(args, cfg, meta),
+    )[0]
     new = out[len(ids) :]
     if tokenizer is not None:
         print(tokenizer.decode(out))

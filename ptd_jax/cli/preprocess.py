@@ -12,12 +12,17 @@ import json
 import sys
 
 from ptd_jax.cli.args import OneLineParser, add_tokenizer_args
+from ptd_jax.cli.errors import run_tool
 from ptd_jax.data.indexed_dataset import DataError, IndexedDatasetError
 from ptd_jax.data.preprocess import DEFAULT_EXTENSIONS, build_indexed_dataset, check_output_prefix
 from ptd_jax.data.tokenizer import build_tokenizer
 
 
 def main(argv=None) -> int:
+    return run_tool("ptd-preprocess", run, argv, interrupted="interrupted; nothing was written")
+
+
+def run(argv) -> int:
     parser = OneLineParser(prog="ptd-preprocess", description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="text/JSONL files or folders")
     parser.add_argument("--output-prefix", required=True)
@@ -50,9 +55,6 @@ def main(argv=None) -> int:
     except (DataError, IndexedDatasetError, OSError) as err:
         print(f"ptd-preprocess: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("ptd-preprocess: interrupted; nothing was written", file=sys.stderr)
-        return 130
     if "replaced_bytes" in stats:
         print(
             f"ptd-preprocess: warning: {stats['replaced_bytes']} invalid UTF-8 byte(s) replaced by U+FFFD, "

@@ -157,6 +157,11 @@ def build_indexed_dataset(
     files = collect_files(inputs, extensions)
     if not files:
         raise DataError(f"no input files found in {inputs} (extensions {list(extensions)})")
+    if tuple(json_keys) != ("text",) and not any(path.suffix in JSON_SUFFIXES for path in files):
+        raise DataError(
+            f"--json-keys {' '.join(json_keys)} applies to JSON inputs ({'/'.join(sorted(JSON_SUFFIXES))}), and "
+            f"{inputs} hold none (it would only rename the output)"
+        )
     for path in files:
         sniff(path)
     docs = tokens = 0

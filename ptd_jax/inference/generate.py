@@ -50,9 +50,16 @@ class Sampling:
     seed: int = 0
 
     def check(self) -> None:
+        """One line naming the first value out of range."""
         t, k, p = self.temperature, self.top_k, self.top_p
-        if not 0 <= t < math.inf or (p is not None and not 0 < p <= 1) or (k is not None and k < 1):
-            raise ConfigError(f"temperature={t} must be >= 0, top_k={k} >= 1 and top_p={p} in (0, 1]")
+        if not 0 <= t < math.inf:
+            raise ConfigError(f"temperature={t} must be a finite number >= 0 (0: greedy)")
+        if k is not None and k < 1:
+            raise ConfigError(f"top_k={k} must be >= 1")
+        if p is not None and not 0 < p <= 1:
+            raise ConfigError(f"top_p={p} must be in (0, 1]")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed={self.seed} must be in [0, 2**32)")
 
 
 def generate(

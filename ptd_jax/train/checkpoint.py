@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import zlib
 from functools import partial
 from pathlib import Path
 
@@ -65,6 +67,67 @@ ARCHITECTURE_FIELDS = (
 )
 """Fields that fix the canonical shapes or the function the weights compute; everything else (padding, dtype,
 dropout, layout, kernels) may change on load. A checkpoint written before a field existed has its default."""
+
+
+FILES_RECORD = "ptd_files.json"
+"""Written into a step's folder once orbax has committed it: every file's size, and the CRC-32 of the small ones
+(metadata, manifests), checked before a restore reads anything (`check_intact`)."""
+CHECKSUM_MAX_BYTES = 1 << 20
+"""Files up to this size get a CRC-32 besides their size (the data files, often GBs, their size only)."""
+
+
+def record_files(step_dir) -> None:
+    """Write `FILES_RECORD` for the committed step folder `step_dir` (through a temporary name: a crash leaves
+    no half-written record, and a step without one is restored unverified)."""
+    step_dir = Path(step_dir)
+    files = {}
+    for path in sorted(step_dir.rglob("*")):
+        if path.is_file() and path.name != FILES_RECORD and not path.name.startswith(f"{FILES_RECORD}."):
+            size = path.stat().st_size
+            crc = zlib.crc32(path.read_bytes()) if size <= CHECKSUM_MAX_BYTES else None
+            files[path.relative_to(step_dir).as_posix()] = [size, crc]
+    tmp = step_dir / f"{FILES_RECORD}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"version": 1, "files": files}))
+    os.replace(tmp, step_dir / FILES_RECORD)
+
+
+def damage(directory, step: int) -> str | None:
+    """What is wrong with step `step` of `directory` against its `FILES_RECORD` (None: intact, or saved without a
+    record)."""
+    step_dir = Path(directory) / str(step)
+    record_file = step_dir / FILES_RECORD
+    if not record_file.exists():
+        return None
+    try:
+        files = json.loads(record_file.read_text())["files"]
+        entries = [(name, int(size), crc) for name, (size, crc) in files.items()]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its file list {FILES_RECORD} is unreadable"
+    for name, size, crc in entries:
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} when saved"
+        if crc is not None and zlib.crc32(path.read_bytes()) != crc:
+            return f"{name} changed since it was saved"
+    return None
+
+
+def check_intact(directory, step: int, flag: str = "--load") -> None:
+    """Refuse a damaged step (a file truncated, missing or changed since the save) in one line naming it and the
+    newest intact step before it."""
+    problem = damage(directory, step)
+    if problem is None:
+        return
+    earlier = next((s for s in reversed(all_steps(directory)) if s < step and damage(directory, s) is None), None)
+    hint = (
+        f"; step {earlier} is intact: move {Path(directory) / str(step)} aside to use it"
+        if earlier is not None
+        else "; no earlier step is intact"
+    )
+    raise ConfigError(f"{flag} {directory} step {step} is damaged: {problem}{hint}")
 
 
 def _manager(directory, *, create: bool, keep: int | None = None, async_save: bool = False):
@@ -123,6 +186,7 @@ class Checkpointer:
         self._optimizer, self._model_cfg, self._parallel, self._mesh = optimizer, model_cfg, parallel, mesh
         self._on_devices = jax.process_count() > 1 if on_devices is None else on_devices
         self._convert = None  # the jitted conversion, built at the first save on the devices
+        self._unrecorded: list[int] = []  # steps written whose file list (`record_files`) is still to write
 
     def save(self, iteration: int, state, meta: dict) -> None:
         """Write `state` as step `iteration` (returns once the arrays are copied to the host)."""
@@ -147,6 +211,7 @@ class Checkpointer:
             "schedule_step": int(schedule_count(state["opt_state"])),
             **meta,
         }
+        self._record_finished()  # orbax's save would wait for the previous one anyway
         self._manager.save(
             iteration,
             args=ocp.args.Composite(
@@ -156,6 +221,16 @@ class Checkpointer:
             ),
             force=True,
         )
+        self._unrecorded.append(iteration)
+
+    def _record_finished(self) -> None:
+        """Wait for the asynchronous write, then record the files of the steps it committed (process 0 only)."""
+        self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            for step in self._unrecorded:
+                if (self.directory / str(step)).is_dir():  # not deleted by --keep-checkpoints meanwhile
+                    record_files(self.directory / str(step))
+        self._unrecorded = []
 
     def _canonical_on_devices(self, to_canonical, body):
         """The canonical form as global arrays in the restore's shardings (one jit; a second copy of the state on
@@ -167,10 +242,10 @@ class Checkpointer:
         return self._convert(body)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        self._record_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self._record_finished()
         self._manager.close()
 
     def __enter__(self):
@@ -203,12 +278,14 @@ def run_meta(
     }
 
 
-def read_meta(directory, step: int) -> dict:
+def read_meta(directory, step: int, flag: str = "--load") -> dict:
+    """Step `step`'s "meta" item, once the step is checked intact (`check_intact`)."""
+    check_intact(directory, step, flag)
     path = Path(directory).absolute()
     try:
         with _manager(path, create=False) as manager:
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+    except Exception as err:  # orbax and tensorstore raise many kinds; a damaged step gets one line
         raise ConfigError(
             f"--load {directory} step {step} has no readable metadata ({type(err).__name__}: {err})".splitlines()[0]
         ) from None
@@ -313,7 +390,7 @@ def restore(
     try:
         with _manager(directory, create=False) as manager:
             restored = manager.restore(step, args=ocp.args.Composite(**items))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except Exception as err:  # orbax and tensorstore raise many kinds; a damaged step gets one line
         raise ConfigError(
             f"--load {directory} step {step} cannot be restored into this model "
             f"({type(err).__name__}: {err})".splitlines()[0]
@@ -369,29 +446,31 @@ def save_params(directory, model_cfg: ModelConfig, params, step: int = 0, tokeni
             force=True,
         )
         manager.wait_until_finished()
+    record_files(Path(directory) / str(step))
 
 
-def read_params(directory, step: int | None = None):
-    """(ModelConfig, canonical params as numpy) of `step` (default: the newest) — on the host, no mesh needed."""
+def read_params(directory, step: int | None = None, flag: str = "--load"):
+    """(ModelConfig, canonical params as numpy) of `step` (default: the newest) — on the host, no mesh needed.
+    `flag`: the flag that named `directory`, for messages."""
     import numpy as np
 
     step = latest_step(directory) if step is None else step
     if step is None:
-        raise ConfigError(f"{directory} holds no checkpoint")
-    meta = read_meta(directory, step)
+        raise ConfigError(f"{flag} {directory} holds no checkpoint")
+    meta = read_meta(directory, step, flag)
     try:  # numpy targets: the saved shardings name devices (another process's, say) that need not exist here
         saved = ocp.StandardCheckpointer().metadata(Path(directory).absolute() / str(step) / "params").item_metadata
         target = jax.tree.map(lambda leaf: np.empty(leaf.shape, leaf.dtype), saved)
         with _manager(directory, create=False) as manager:
             params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except Exception as err:  # orbax and tensorstore raise many kinds; a damaged step gets one line
         raise ConfigError(
-            f"{directory} step {step} has no readable parameters ({type(err).__name__}: {err})".splitlines()[0]
+            f"{flag} {directory} step {step} has no readable parameters ({type(err).__name__}: {err})".splitlines()[0]
         ) from None
     try:
         cfg = ModelConfig(**meta["model"])
     except (TypeError, ValueError) as err:
         raise ConfigError(
-            f"{directory} step {step} has a model configuration this ptd_jax cannot read ({err})".splitlines()[0]
+            f"{flag} {directory} step {step} has a model configuration this ptd_jax cannot read ({err})".splitlines()[0]
         ) from None
     return cfg, jax.tree.map(np.asarray, params)

@@ -36,7 +36,7 @@ def check_data_flags(args) -> None:
     if args.split is not None and (args.train_data_path or args.mock_data):
         flag = "--train-data-path" if args.train_data_path else "--mock-data"
         raise ConfigError(f"split={args.split!r} is not used with {flag}: drop --split")
-    parse_split(args.split or DEFAULT_SPLIT)
+    parse_split(DEFAULT_SPLIT if args.split is None else args.split)
     for name in ("data_path", *PER_SPLIT):
         if getattr(args, name):
             for _, prefix in parse_blend(name, getattr(args, name)):

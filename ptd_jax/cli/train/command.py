@@ -11,6 +11,7 @@ import math
 import os
 import sys
 
+from ptd_jax.cli import errors
 from ptd_jax.cli.train import checks, compile_only
 from ptd_jax.cli.train.configs import (
     apply_demo_layout,
@@ -27,6 +28,7 @@ from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import training_tokenizer
 from ptd_jax.perf.memory import check_fits
 from ptd_jax.runtime import multiprocess
+from ptd_jax.runtime.failures import RunError
 
 MAX_FAKE_DEVICES = 256
 """Simulated devices share this machine's cores; at 1024 XLA:CPU's all-reduce stalls (measured)."""
@@ -120,6 +122,7 @@ def start_backend(args) -> None:
 
 
 def main(argv=None) -> int:
+    errors.quiet_libraries()
     return multiprocess.end(_main(argv))
 
 
@@ -130,16 +133,19 @@ def _main(argv) -> int:
         summary = run(argv)
         if isinstance(summary, int):  # --compile-only: its exit code; it printed its own summary
             return summary
+    except BrokenPipeError:  # `ptd-train ... | head -1`: the reader has what it wanted
+        errors.close_stdout_quietly()
+        return 0
     except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
-        print(f"ptd-train: error: {err}", file=sys.stderr)
-        return 2
-    except DivergedError as err:  # --max-skipped-iters: not bad input, a run that failed
-        print(f"ptd-train: error: {err}", file=sys.stderr)
-        return 1
+        return errors.report("ptd-train", err)
+    except (DivergedError, RunError) as err:  # --max-skipped-iters, a failed write: not bad input, a failed run
+        return errors.report("ptd-train", RunError(str(err)))
     except RuntimeError as err:  # XLA's out-of-memory, past the estimate of perf/memory.py
         multiprocess.exit_if_peer_failed(err, "ptd-train")
         if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
+            if errors.debug():
+                raise
+            return errors.report("ptd-train", err)
         print(
             f"ptd-train: error: out of device memory ({str(err).splitlines()[0][:300]}); use more devices, a "
             f"larger t or p, a smaller micro batch, or --recompute-granularity full",
@@ -149,8 +155,16 @@ def _main(argv) -> int:
     except KeyboardInterrupt as stop:  # the loop re-raises it saying where it stopped
         print(f"ptd-train: interrupted (Ctrl-C) {str(stop) or 'before training started'}", file=sys.stderr)
         return 130
+    except Exception as err:  # anything else: one line, the traceback under PTD_DEBUG=1
+        multiprocess.exit_if_peer_failed(err, "ptd-train")
+        if errors.debug():
+            raise
+        return errors.report("ptd-train", err)
     if multiprocess.is_primary():  # only process 0 prints
-        print(json.dumps(_strict(summary)))
+        try:
+            print(json.dumps(_strict(summary)), flush=True)
+        except BrokenPipeError:
+            errors.close_stdout_quietly()
     return 0
 
 
