@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
+from ptd_jax.runtime.energy import Window
+
 
 @dataclass(frozen=True)
 class StepInfo:
@@ -76,13 +78,22 @@ class StepTimer:
     """Seconds per step over a window of steps, the first step (compilation) apart, hooks' time excluded.
 
     `step_done` after each step; `lap` when logging (the mean step time since the last lap); `exclude_hooks` after
-    the hooks: an empty window restarts there, so evaluation and saving never count as training time."""
+    the hooks: an empty window restarts there, so evaluation and saving never count as training time. `meter`
+    (`runtime/energy.py`: `read()` cumulative joules or None, `source`) is read at the same instants, so
+    `window` holds the last lap's joules over the same steps."""
 
-    def __init__(self, block_until_ready: Callable[[Any], Any]):
+    def __init__(self, block_until_ready: Callable[[Any], Any], meter=None):
         self._block = block_until_ready
+        self.meter = meter
         self.wall_start = self._start = time.perf_counter()
+        self._joules = self._read()
         self._steps = 0
         self.compile_time: float | None = None
+        self.window: Window | None = None
+        """The last lap's energy (`lap`)."""
+
+    def _read(self) -> float | None:
+        return self.meter.read() if self.meter is not None else None
 
     def step_done(self, metrics) -> bool:
         """Count a step; True for the first one, whose time (compilation included) is `compile_time`."""
@@ -99,12 +110,16 @@ class StepTimer:
         now = time.perf_counter()
         step_time = (now - self._start) / self._steps if self._steps else self.compile_time
         includes_compile = not self._steps
-        self._start, self._steps = now, 0
+        joules = self._read()
+        used = None if joules is None or self._joules is None else joules - self._joules
+        self.window = Window(used, now - self._start, max(self._steps, 1))
+        self._start, self._steps, self._joules = now, 0, joules
         return step_time, includes_compile
 
     def exclude_hooks(self) -> None:
         if self._steps == 0:
             self._start = time.perf_counter()
+            self._joules = self._read()
 
     def wall_time(self) -> float:
         return time.perf_counter() - self.wall_start

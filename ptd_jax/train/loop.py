@@ -13,6 +13,7 @@ consumed samples and the dropout key it saved; `--save D --load D` on an empty D
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from ptd_jax.data.corpus import default_corpus
 from ptd_jax.data.loader import prefetch
 from ptd_jax.loss_scale import to_meta as loss_scale_meta
 from ptd_jax.optimizer import make_optimizer
-from ptd_jax.runtime import multiprocess
+from ptd_jax.runtime import clocks, energy, multiprocess
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import BATCH_SPEC, param_specs
 from ptd_jax.parallel.step import (
@@ -37,7 +38,7 @@ from ptd_jax.parallel.step import (
     pipeline_schedule,
 )
 from ptd_jax.train import bubble, checkpoint
-from ptd_jax.perf.hardware import device_peak_tflops
+from ptd_jax.perf.hardware import device_peak_tflops, for_device_kind
 from ptd_jax.perf.memory import check_fits
 from ptd_jax.perf.flops import (
     flops_per_iteration,
@@ -47,7 +48,7 @@ from ptd_jax.perf.flops import (
 from ptd_jax.train.guards import SkipCounter, state_is_finite, with_loss_scale
 from ptd_jax.train.hooks import Hooks, StepInfo, StepTimer
 from ptd_jax.train.interrupt import StopSignals, Terminated
-from ptd_jax.train.metrics import MetricsLogger, medians
+from ptd_jax.train.metrics import MetricsLogger, energy_fields, energy_summary, medians
 from ptd_jax.train.reference import init_state, make_eval_step, make_train_step
 from ptd_jax.train.resume import check_data_config, resume_point
 
@@ -96,6 +97,10 @@ class RunOptions:
     check_memory: bool = True
     """Refuse a run whose predicted memory (`perf.memory.run_memory_bytes`) exceeds a device's, before anything is
     read or written (False: try it anyway)."""
+    gpu_clock_plan: str | None = None
+    """A plan of `ptd-plan energy --output`: each local GPU's SM clock locked to its pipeline rank's through NVML
+    while training, reset on every way out, raised when the step runs slower than (1 + ε) × full clock's
+    (`runtime/clocks.py`)."""
     on_record: object = None
     """Called with each logged training record (Python API only: e.g. a notebook's live loss plot)."""
 
@@ -146,15 +151,23 @@ def train(
     5. Summarise: medians over the timed records (`_summary`)."""
     options = options or RunOptions()
     parallel.check_model(model_cfg)
+    plan = _read_clock_plan(options.gpu_clock_plan, parallel)
     if options.check_memory:
         check_fits(
             model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count()
         )
     run, progress = _prepare(model_cfg, parallel, train_cfg, options)
     _announce(run)
-    timer = StepTimer(jax.block_until_ready)
-    _loop(run, progress, _hooks(run, progress, timer), timer)
-    return _summary(run, progress, timer)
+    timer = StepTimer(jax.block_until_ready, meter=_JobMeter.open())
+    with _gpu_clocks(run, plan) as governor:  # locked before the first step, reset on every way out
+        hooks = _hooks(run, progress, timer)
+        if governor is not None:
+            hooks.add_hook(lambda info: _govern(governor, progress), every=run.train_cfg.log_interval, final=True)
+        _loop(run, progress, hooks, timer)
+    summary = _summary(run, progress, timer)
+    if governor is not None:
+        summary["gpu_clock_events"] = governor.events
+    return summary
 
 
 @dataclass(frozen=True)
@@ -464,6 +477,8 @@ def _log(run: _Run, progress: _Progress, timer: StepTimer, info: StepInfo) -> No
         run.flops,
     )
     record["includes_compile"] = includes_compile
+    tokens = run.parallel.global_batch_size * run.model_cfg.seq_length
+    record.update(energy_fields(timer.window, tokens, timer.meter.source if timer.meter else "unavailable"))
     record["skipped_iters"], record["loss_scale"] = progress.skips.take_window(), float(info.metrics["loss_scale"])
     progress.records.append(record)
     run.logger.log_train(
@@ -547,6 +562,82 @@ def _stop_if_asked(run: _Run, progress: _Progress, stop: StopSignals, iteration:
         raise KeyboardInterrupt
 
 
+class _JobMeter:
+    """The energy meter of this process's devices (`runtime/energy.py`), summed over the job's processes."""
+
+    def __init__(self, meter):
+        self._meter = meter
+        n = jax.process_count()
+        self.source = meter.source + (f", summed over {n} processes" if n > 1 else "")
+
+    @classmethod
+    def open(cls) -> _JobMeter:
+        devices = jax.local_devices()
+        platform = devices[0].platform
+        indices = [clocks.nvml_index(d.local_hardware_id or 0) for d in devices] if platform == "gpu" else None
+        return cls(energy.open_meter(platform, indices))
+
+    def read(self) -> float | None:
+        local = self._meter.read()
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        values = np.asarray(multihost_utils.process_allgather(np.array(np.nan if local is None else local)))
+        return None if np.isnan(values).any() else float(values.sum())
+
+
+def _read_clock_plan(path: str | None, parallel: ParallelConfig) -> clocks.ClockPlan | None:
+    """--gpu-clock-plan, refused before anything is read when it is for another p or another GPU."""
+    if path is None:
+        return None
+    try:
+        plan = clocks.read_plan(path)
+    except clocks.ClockError as err:
+        raise ConfigError(str(err)) from None
+    p = parallel.pipeline_model_parallel_size
+    if plan.p != p:
+        raise ConfigError(
+            f"--gpu-clock-plan {path!r} holds {plan.p} clocks (p={plan.p}) but the run has "
+            f"pipeline_model_parallel_size={p}"
+        )
+    device = jax.local_devices()[0]
+    hw = for_device_kind(device.device_kind) if device.platform == "gpu" else None
+    if hw is None or hw.name != plan.hardware:
+        raise ConfigError(
+            f"--gpu-clock-plan {path!r} is for hardware={plan.hardware!r} but this run's devices are "
+            f"{device.device_kind!r} ({hw.name if hw else 'not a GPU of perf/hardware.py'})"
+        )
+    return plan
+
+
+@contextlib.contextmanager
+def _gpu_clocks(run: _Run, plan: clocks.ClockPlan | None):
+    """Each local GPU locked at full clock, then (the governor) at its pipeline rank's clock; reset on exit."""
+    if plan is None:
+        yield None
+        return
+    nvml = energy.load_nvml()
+    if nvml is None:
+        raise ConfigError("--gpu-clock-plan needs NVML: pip install 'ptd_jax[energy]' (nvidia-ml-py) and a driver")
+    pipe = run.mesh.axis_names.index("pipe")
+    planned = {}
+    for device in jax.local_devices():
+        rank = int(np.argwhere(run.mesh.devices == device)[0][pipe])
+        planned[clocks.nvml_index(device.local_hardware_id or 0)] = plan.clocks_mhz[rank]
+    try:
+        locks = clocks.ClockLocks(nvml, dict.fromkeys(planned, plan.max_clock_mhz), run.logger.message)
+        with locks:
+            yield clocks.Governor(locks, planned, plan, run.logger.message)
+    except clocks.ClockError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _govern(governor: clocks.Governor, progress: _Progress) -> None:
+    record = progress.records[-1]
+    governor.observe(record["step_time_s"], record["includes_compile"], record["iteration"])
+
+
 def _close(batches, saver, logger) -> None:
     try:
         batches.close()
@@ -575,6 +666,7 @@ def _summary(run: _Run, progress: _Progress, timer: StepTimer) -> dict:
         "final_valid_lm_loss": logger.eval_records[-1]["valid_lm_loss"] if logger.eval_records else None,
         "test_lm_loss": logger.test_record["test_lm_loss"] if logger.test_record else None,
         **medians(progress.records),
+        **energy_summary(progress.records),
         "hardware_over_model_flops": flops["hardware"] / flops["model"],
         "peak_tflops": run.peak,
         "peak_source": run.peak_source,

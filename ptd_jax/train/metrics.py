@@ -28,6 +28,29 @@ def medians(records: list[dict]) -> dict[str, float | None]:
     return {k: float(np.median([r[k] for r in timed])) if timed else None for k in MEDIANS}
 
 
+def energy_fields(window, tokens_per_step: int, source: str) -> dict:
+    """A log record's energy (`runtime/energy.py`): joules per iteration, per token, and the mean power over the
+    timing window; None where the source is unavailable (`energy_source` says why), never an estimate."""
+    joules = None if window is None or window.joules is None else window.joules / window.steps
+    return {
+        "energy_source": source,
+        "energy_j": joules,
+        "joules_per_token": None if joules is None else joules / tokens_per_step,
+        "avg_power_w": None if joules is None or window.seconds <= 0 else window.joules / window.seconds,
+    }
+
+
+def energy_summary(records: list[dict]) -> dict:
+    """The run's energy: medians over the timed records that measured it, and the source."""
+    timed = [r for r in records if not r["includes_compile"] and r.get("energy_j") is not None]
+    out = {k: float(np.median([r[k] for r in timed])) if timed else None for k in ENERGY_MEDIANS}
+    out["energy_source"] = records[-1].get("energy_source") if records else None
+    return out
+
+
+ENERGY_MEDIANS = ("energy_j", "joules_per_token", "avg_power_w")
+
+
 def _records_up_to(path, iteration: int) -> list[str]:
     """The JSONL lines of `path` whose iteration is at most `iteration` (unparsable lines are dropped)."""
     if not Path(path).is_file():
@@ -72,6 +95,8 @@ def log_line(record: dict, total_iters: int, consumed_samples: int | None = None
         f"{record['hardware_tflops_per_device']:.3g} eq3 {record['eq3_tflops_per_device']:.3g}",
         f"MFU: {record['mfu']:.1%}",
     ]
+    if record.get("energy_j") is not None:
+        fields.append(f"energy: {record['energy_j']:.4g} J/iteration, {record['avg_power_w']:.4g} W")
     return " | ".join(fields) + " |"
 
 

@@ -327,4 +327,5 @@ def run_options(args, tokenizer):
         override_data_config=args.override_data_config,
         async_save=args.async_save,
         tokenizer=tokenizer.describe() if tokenizer else None,
+        gpu_clock_plan=args.gpu_clock_plan,
     )

@@ -222,6 +222,12 @@ def add_data_args(g) -> None:
     g.add_argument("--plot-dir", help="write loss_curve.png here")
     g.add_argument("--peak-tflops", type=finite_float, help="device peak for MFU (default: datasheet or measured)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--gpu-clock-plan",
+        metavar="PLAN.json",
+        help="lock each GPU's SM clock to its pipeline rank's (`ptd-plan energy --output`) through NVML; needs the "
+        "permission; reset on exit; raised when the step runs slower than (1 + eps) x full clock's",
+    )
 
 
 def add_llama_args(g) -> None:
