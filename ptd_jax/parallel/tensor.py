@@ -73,8 +73,12 @@ def leave_tensor_region(x, sequence_parallel: bool):
 # ---------------------------------------------------------------------------------------------------------------
 
 # A layer's four matmuls, by name: the einsum of each (input, kernel). `dot` runs one; with a tap in the parameters
-# (`<name>_tap`, a split backward's) its backward gives the input gradient only, and hands the tap the matmul's
-# input and output gradient, from which `tap_weight_grad` makes the kernel's gradient later (a zero-bubble W).
+# (`<name>_tap`, a split backward's) its backward gives the input gradient only, and hands the tap what the kernel's
+# gradient needs (`tap_weight_grads` makes it later: a zero-bubble W): "x", the matmul's input, and "g", its output
+# gradient. Without sequence parallelism both are taken where they are replicated over tensor, as the residual
+# stream is: a column-parallel matmul's input before `f`, a row-parallel one's output gradient after `g` (the same
+# values, typed like the layer's saved activations, so that the pipeline keeps them in the same buffers). A tap
+# without "x" on fc2 makes W recompute fc2's input from fc1's (`fc2_input`).
 DOTS = {"qkv": "bsd,dgrk->bsgrk", "out": "bshk,hkd->bsd", "fc1": "bsd,df->bsf", "fc2": "bsf,fd->bsd"}
 SWIGLU_FC1 = "bsd,dtf->bstf"
 """fc1 of a SwiGLU MLP: the kernel [D, 2, F] gives [gate, up] at once."""
@@ -86,63 +90,128 @@ def dot_spec(name: str, kernel) -> str:
 
 
 TAP_SHAPES: dict | None = None
-"""Set to {} by `pipeline.stash.Taps.trace` while it traces a layer: each `dot` records its operands' types."""
+"""Set to {} by `pipeline.stash.Taps.trace` while it traces a layer: name -> {"x", "g"} -> the type each tap takes."""
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tapped_dot(spec, x, w, tap):
+def _record_tap(name: str, key: str, a) -> None:
+    if TAP_SHAPES is not None:  # types only: `a` may belong to an inner trace (a checkpointed layer's)
+        struct = jax.ShapeDtypeStruct(a.shape, a.dtype)
+        TAP_SHAPES.setdefault(name, {})[key] = (struct, tuple(sorted(varying_axes(a))))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tapped_dot(spec, keys, x, w, kept, tap):
     return jnp.einsum(spec, x, w)
 
 
-def _tapped_dot_fwd(spec, x, w, tap):
-    return jnp.einsum(spec, x, w), (x, w)
+def _tapped_dot_fwd(spec, keys, x, w, kept, tap):
+    return jnp.einsum(spec, x, w), (w, kept if "x" in keys else None)  # fc2 without "x" keeps only its kernel
 
 
-def _tapped_dot_bwd(spec, res, g):
-    x, w = res
-    (dx,) = jax.linear_transpose(lambda x: jnp.einsum(spec, x, w), x)(g)
-    return dx, jnp.zeros_like(w), {"x": x, "g": g}
+def _tapped_dot_bwd(spec, keys, res, g):
+    w, kept = res
+    inputs, out = spec.split("->")
+    x_dims, w_dims = inputs.split(",")
+    dx = jnp.einsum(f"{out},{w_dims}->{x_dims}", g, w)  # the input gradient alone; the kernel's waits for W
+    taken = {"x": kept, "g": g}
+    return dx, jnp.zeros_like(w), None if kept is None else jnp.zeros_like(kept), {k: taken[k] for k in keys}
 
 
 _tapped_dot.defvjp(_tapped_dot_fwd, _tapped_dot_bwd)
 
 
-def dot(p, name: str, x):
-    """Matmul `name` of the layer (`DOTS`) on x with `p[name + "_kernel"]`, tapped where `p` holds a tap."""
-    tap, kernel = p.get(f"{name}_tap"), p[f"{name}_kernel"]
-    spec = dot_spec(name, kernel)
-    y = jnp.einsum(spec, x, kernel) if tap is None else _tapped_dot(spec, x, kernel, tap)
-    if TAP_SHAPES is not None:  # types only: x and y may belong to an inner trace (a checkpointed layer's)
-        TAP_SHAPES[name] = tuple(
-            (jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(sorted(varying_axes(a)))) for a in (x, y)
-        )
+@jax.custom_vjp
+def _gradient_tap(y, tap):
     return y
+
+
+def _gradient_tap_fwd(y, tap):
+    return y, None
+
+
+def _gradient_tap_bwd(_, g):
+    return g, g
+
+
+_gradient_tap.defvjp(_gradient_tap_fwd, _gradient_tap_bwd)
+
+
+def dot(p, name: str, x, tap_x=None, tap_g: bool = True):
+    """Matmul `name` of the layer (`DOTS`) on x with `p[name + "_kernel"]`, tapped where `p` holds a tap. `tap_x`:
+    the value the tap keeps as the input (default x itself); `tap_g`: the tap takes the output gradient here (else
+    the caller takes it, with `gradient_tap`)."""
+    tap, kernel = p.get(f"{name}_tap"), p[f"{name}_kernel"]
+    kept = x if tap_x is None else tap_x
+    _record_tap(name, "x", kept)
+    if tap is None:
+        y = jnp.einsum(dot_spec(name, kernel), x, kernel)
+    else:
+        keys = tuple(k for k in ("x", "g") if k in tap and (k == "x" or tap_g))
+        y = _tapped_dot(dot_spec(name, kernel), keys, x, kernel, kept, {k: tap[k] for k in keys})
+    if tap_g:
+        _record_tap(name, "g", y)
+    return y
+
+
+def gradient_tap(p, name: str, y, here: bool = True):
+    """y; where `here` and `p` holds matmul `name`'s tap, the tap takes y's cotangent as the output gradient."""
+    if not here:
+        return y
+    _record_tap(name, "g", y)
+    tap = p.get(f"{name}_tap")
+    return y if tap is None else _gradient_tap(y, tap["g"])
 
 
 def tap_weight_grad(name: str, tap, kernel):
     """The kernel gradient of matmul `name` from its tap's (input, output gradient): what its backward skipped."""
     spec = dot_spec(name, kernel)
-    return jax.linear_transpose(lambda w: jnp.einsum(spec, tap["x"], w), kernel)(tap["g"])[0]
+    # a gradient taken after `g` is replicated; the matmul's own output gradient is the same value, typed varying
+    g = mark_varying(tap["g"], tuple(sorted(varying_axes(tap["x"]) | varying_axes(kernel))))
+    return jax.linear_transpose(lambda w: jnp.einsum(spec, tap["x"], w), kernel)(g)[0]
+
+
+def mlp_hidden(p, fc1_out, cfg: ModelConfig):
+    """fc2's input from fc1's output: its bias and the activation."""
+    return gpt.activation(gpt.bias(p, "fc1_bias", fc1_out), cfg)
+
+
+def fc2_input(p, fc1_x, cfg: ModelConfig):
+    """fc2's input recomputed from fc1's (a W whose fc2 tap keeps no input: one matmul instead of F/t per token)."""
+    kernel = p["fc1_kernel"]
+    return mlp_hidden(p, jnp.einsum(dot_spec("fc1", kernel), fc1_x, kernel), cfg)
+
+
+def tap_weight_grads(p, taps: dict, cfg: ModelConfig, groups: dict) -> dict:
+    """Every tapped kernel's gradient, {group: {"<name>_kernel": ...}}, from a layer's taps (`groups`: matmul name ->
+    its parameter group)."""
+    out = {g: {} for g in groups.values()}
+    for name, group in groups.items():
+        tap = taps[name]
+        x = tap["x"] if "x" in tap else fc2_input(p["mlp"], taps["fc1"]["x"], cfg)
+        out[group][f"{name}_kernel"] = tap_weight_grad(name, {"x": x, "g": tap["g"]}, p[group][f"{name}_kernel"])
+    return out
 
 
 def attention(p, x, cfg: ModelConfig, sequence_parallel: bool, key=None, recompute: str = "none"):
     """Column-parallel QKV (local query groups), causal attention on local heads, row-parallel output projection."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
-    qkv_BxSxGlxR2xK = gpt.bias(p, "qkv_bias", dot(p, "qkv", x_BxSxD))
+    qkv_BxSxGlxR2xK = gpt.bias(p, "qkv_bias", dot(p, "qkv", x_BxSxD, None if sequence_parallel else x))
     q, k, v = gpt.split_qkv(qkv_BxSxGlxR2xK, context.local_positions(x_BxSxD.shape[SEQ_DIM]), cfg)
     key = _per_tensor_rank(key)  # each rank holds other heads: its own dropout stream, as Megatron's RNG tracker
     ctx_BxSxGlxRxK = gpt.core_attention(q, k, v, cfg, key, recompute)
     B, S, Gl, R, K = ctx_BxSxGlxRxK.shape
-    partial_BxSxD = dot(p, "out", ctx_BxSxGlxRxK.reshape(B, S, Gl * R, K))
-    return gpt.bias(p, "out_bias", leave_tensor_region(partial_BxSxD, sequence_parallel))
+    partial_BxSxD = dot(p, "out", ctx_BxSxGlxRxK.reshape(B, S, Gl * R, K), tap_g=sequence_parallel)
+    y_BxSxD = gradient_tap(p, "out", leave_tensor_region(partial_BxSxD, sequence_parallel), not sequence_parallel)
+    return gpt.bias(p, "out_bias", y_BxSxD)
 
 
 def mlp(p, x, cfg: ModelConfig, sequence_parallel: bool):
     """Column-parallel fc1 (F/t local columns; SwiGLU: F/t of the gate and of the up projection) + the activation,
     row-parallel fc2."""
     x_BxSxD = enter_tensor_region(x, sequence_parallel)
-    h_BxSxFl = gpt.activation(gpt.bias(p, "fc1_bias", dot(p, "fc1", x_BxSxD)), cfg)
-    return gpt.bias(p, "fc2_bias", leave_tensor_region(dot(p, "fc2", h_BxSxFl), sequence_parallel))
+    h_BxSxFl = mlp_hidden(p, dot(p, "fc1", x_BxSxD, None if sequence_parallel else x), cfg)
+    y_BxSxD = leave_tensor_region(dot(p, "fc2", h_BxSxFl, tap_g=sequence_parallel), sequence_parallel)
+    return gpt.bias(p, "fc2_bias", gradient_tap(p, "fc2", y_BxSxD, not sequence_parallel))
 
 
 def _per_tensor_rank(key):

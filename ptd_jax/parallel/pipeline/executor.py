@@ -310,9 +310,7 @@ class LayerStep:
 
     def weight_backward(self, params_j, h, bufs, slots, j):
         taps = self.ctx.taps.unflatten(self.record.tap_values(self._rows(bufs, slots, j)))
-        d = {g: {} for g in TAP_GROUPS.values()}
-        for n, g in TAP_GROUPS.items():
-            d[g][f"{n}_kernel"] = tp.tap_weight_grad(n, taps[n], params_j[g][f"{n}_kernel"])
+        d = tp.tap_weight_grads(params_j, taps, self.ctx.cfg, TAP_GROUPS)
         return h, self._blank(bufs), self._grads(d, _is_kernel)
 
     def branches(self, kinds: str):
@@ -543,7 +541,10 @@ def _trace_record(ctx: Context) -> Context:
     layer = layer_function(ctx, example)
     params_0 = jax.tree.map(lambda x: x[0, 0], ctx.chunks)
     j = jnp.zeros((), jnp.int32)
-    taps = Taps.trace(layer, params_0, ctx.act_like, j) if ctx.table.split else None
+    # where a microbatch can wait between its I and its W (zero-bubble tables: up to p of them), W recomputes fc2's
+    # input from fc1's rather than keep it: a W then holds no more than an F (docs/architecture.md, "Pipeline")
+    waits = max(ctx.table.peak_w_stash, default=0) > 1
+    taps = Taps.trace(layer, params_0, ctx.act_like, j, fc2_input=not waits) if ctx.table.split else None
     residuals = Residuals.trace(layer, with_taps(params_0, taps.zeros() if taps else None), ctx.act_like, j)
     record = Record.layout(residuals, taps)
     return dataclasses.replace(ctx, residuals=residuals, taps=taps, record=record)

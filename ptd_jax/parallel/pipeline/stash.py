@@ -9,17 +9,22 @@ leaf (`Residuals`):
   tick puts its own copy of the same parameters back in their place, so no slot holds a weight;
 - PRNG keys (selective recomputation re-draws attention dropout from its key) are stored as their raw key data.
 
-A split backward (zero-bubble I and W) gives each matmul a *tap* (`tensor.dot`): a zero input whose cotangent is the
-matmul's input and output gradient, so I computes the input gradient only and W turns the taps into the kernel's
-gradient later (`Taps`); no matmul runs twice.
+A split backward (zero-bubble I and W) gives each matmul a *tap* (`tensor.dot`): a zero input whose cotangent is what
+the kernel's gradient needs, the matmul's input and output gradient, so I computes the input gradient only and W
+turns the taps into the kernel's gradient later (`Taps`); no matmul runs twice, but the one below.
 
 `Record` lays both out in flat buffers. A tap leaf of a residual leaf's size, dtype and axes takes that residual's
 buffer (dead once I has read it), in the "hold" slots (F to W); residuals no tap takes stay in "rec" (F to I), taps
 without a partner go to "w" (I to W): `table.py` places the three pools. Sharing never costs more than separate
-buffers (a microbatch held F to W is one held F to I plus one held I to W). What it cannot remove: with
-recomputation none a layer's taps (its four matmuls' inputs and output gradients, 16 h per token at t = 1) outweigh
-its residuals (10 h with flash attention), so a microbatch waiting for its W costs more than one waiting for its I
-(docs/architecture.md, "Pipeline").
+buffers (a microbatch held F to W is one held F to I plus one held I to W). Two choices make the taps fit the
+residuals (recomputation none, fused LayerNorm; measured in experiments/README.md, "Zero-bubble memory"):
+- the taps of values that are the same on every tensor rank (QKV's and fc1's inputs, the projection's and fc2's
+  output gradients) are taken where they are typed so, outside Megatron's f and g, like the layer input, the
+  LayerNorm outputs and the projection's output they replace;
+- where a microbatch can wait between its I and its W (the zero-bubble tables), fc2 keeps no input tap: W
+  recomputes it from fc1's (`tensor.fc2_input`: fc1's forward again, 2hF/t FLOPs and F/t values fewer per token). Its
+  taps then hold 4h + 8h/t values per token, as its residuals do, so a microbatch waiting for its W costs what one
+  waiting for its I costs (docs/architecture.md, "Pipeline"). Where W follows I at once (1F1B) fc2 keeps its input.
 
 The structures are learned once per step with `jax.eval_shape` (nothing is computed), including each leaf's varying
 mesh axes, so that the buffers carry the types the branches return.
@@ -121,12 +126,15 @@ def with_taps(params_j, taps):
 
 @dataclass(frozen=True)
 class Taps:
-    """The types of a layer's matmul taps: per matmul its input x and output gradient g (`tensor.dot`)."""
+    """The types of a layer's matmul taps: per matmul its input "x" and output gradient "g" (`tensor.dot`); fc2 without
+    "x" where W recomputes its input from fc1's (`tensor.fc2_input`)."""
 
-    structs: dict  # name -> {"x": (ShapeDtypeStruct, axes), "g": (ShapeDtypeStruct, axes)}
+    structs: dict  # name -> {"g": (ShapeDtypeStruct, axes), "x": ...}
 
     @classmethod
-    def trace(cls, layer: Callable, params_j, h, j) -> Taps:
+    def trace(cls, layer: Callable, params_j, h, j, fc2_input: bool = True) -> Taps:
+        """The taps of `layer`; `fc2_input`: W keeps fc2's input (else it recomputes it, one matmul, to keep
+        F/t fewer values per token while it waits)."""
         found = {}
 
         def probe(params_j, h):
@@ -143,7 +151,8 @@ class Taps:
                 f"tracing the layer recorded the matmuls {sorted(found)}, not {sorted(TAP_GROUPS)}: "
                 f"trace the taps of a layer function before anything else traces it"
             )
-        return cls({name: {"x": found[name][0], "g": found[name][1]} for name in TAP_GROUPS})
+        keep = {name: ("g", "x") if fc2_input or name != "fc2" else ("g",) for name in TAP_GROUPS}
+        return cls({name: {k: found[name][k] for k in keep[name]} for name in TAP_GROUPS})
 
     def zeros(self) -> dict:
         """Zero taps {name: {"g", "x"}}, typed like the values they stand for."""
@@ -154,15 +163,15 @@ class Taps:
 
     def entries(self) -> list[tuple[jax.ShapeDtypeStruct, tuple]]:
         """(struct, axes) per tap leaf in `leaves`' order."""
-        return [self.structs[name][k] for name in TAP_GROUPS for k in ("g", "x")]
+        return [pair[k] for pair in self.structs.values() for k in sorted(pair)]
 
     def leaves(self, taps: dict) -> list:
         """A taps tree's leaves: by matmul (`TAP_GROUPS`), then g, x."""
-        return [taps[name][k] for name in TAP_GROUPS for k in ("g", "x")]
+        return [taps[name][k] for name, pair in self.structs.items() for k in sorted(pair)]
 
     def unflatten(self, leaves: list) -> dict:
         it = iter(leaves)
-        return {name: {k: next(it) for k in ("g", "x")} for name in TAP_GROUPS}
+        return {name: {k: next(it) for k in sorted(pair)} for name, pair in self.structs.items()}
 
 
 @dataclass(frozen=True)

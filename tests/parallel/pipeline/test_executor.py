@@ -697,3 +697,34 @@ def test_the_tolerance_catches_a_dropped_weight_gradient(monkeypatch):
     monkeypatch.setattr(executor.LayerStep, "weight_backward", lossy)
     with jax.enable_x64(True), pytest.raises(AssertionError, match="relative error"):
         compare(layout(1, 2, 1, "zb-h1", 1, branching="per-rank"), model_cfg(2), rtol=1e-12)
+
+
+def _split_record(monkeypatch, schedule, v, t):
+    """(the record layout `stash.Record`, the matmuls of one layer's W) of a split table at p = 4, traced."""
+    from ptd_jax.parallel.pipeline import stash
+
+    seen, original = [], stash.Record.layout
+    monkeypatch.setattr(
+        stash.Record, "layout", staticmethod(lambda res, taps: seen.append(original(res, taps)) or seen[-1])
+    )
+    cfg = model_cfg(4, x64=False).replace(fused_kernels=True)  # fused LayerNorm (as a GPU runs it), traced only
+    parallel = layout(1, 4, t, schedule, v, branching="per-rank")
+    params, specs = abstract_params(cfg, parallel)
+    step = make_parallel_grad_step(make_mesh(parallel), cfg, parallel, specs)
+    jaxpr = jax.make_jaxpr(step)(params, *batch(parallel.num_microbatches))
+    (w,) = {len(_dot_output_dims(body)) for body in named_calls(jaxpr.jaxpr, "layer_weight_backward")}
+    return seen[-1], w
+
+
+@pytest.mark.parametrize("schedule, v, t", [("zb-h1", 1, 1), ("zb-v", 2, 2), ("1f1b", 1, 2)])
+def test_a_waiting_w_keeps_no_more_than_an_f(monkeypatch, schedule, v, t):
+    """With the fused LayerNorm (its outputs are residuals, as on a GPU): where a microbatch waits between its I and
+    its W (ZB-H1, ZB-V), each of its 7 taps takes the place of a residual (no "w" buffer: a W-waiting microbatch
+    holds no more than an F-waiting one) and W recomputes fc2's input from fc1's (5 matmuls: 4 kernel gradients and
+    fc1). Where W follows I at once (1F1B), W keeps fc2's input as an 8th tap and runs the 4 kernel gradients alone."""
+    record, w_matmuls = _split_record(monkeypatch, schedule, v, t)
+    waits = schedule != "1f1b"
+    assert len(record.tap_entries) == (7 if waits else 8)
+    assert w_matmuls == (5 if waits else 4)
+    if waits:
+        assert "w" not in record.pools
