@@ -35,6 +35,7 @@ from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.data import DataError, parse_split
 from ptd_jax.optimizer import at_schedule_step, schedule_count
 from ptd_jax.parallel import sharding
+from ptd_jax.runtime.failures import RunError
 
 FORMAT_VERSION = 2
 """2: the fused QKV stored per query group, [L, D, G, R+2, K] (1 stored [L, D, 3, H, K] and is refused: read it with
@@ -212,25 +213,37 @@ class Checkpointer:
             **meta,
         }
         self._record_finished()  # orbax's save would wait for the previous one anyway
-        self._manager.save(
-            iteration,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(canonical["params"]),
-                opt_state=ocp.args.StandardSave(canonical["opt_state"]),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        try:
+            self._manager.save(
+                iteration,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(canonical["params"]),
+                    opt_state=ocp.args.StandardSave(canonical["opt_state"]),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+        except (OSError, ValueError) as err:  # orbax's synchronous part; the earlier steps stay as they were
+            raise self._failed(iteration, err) from None
         self._unrecorded.append(iteration)
+
+    def _failed(self, iteration, err: Exception) -> RunError:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return RunError(
+            f"--save {self.directory}: cannot write step {iteration} ({why[:200]}); the earlier steps are kept"
+        )
 
     def _record_finished(self) -> None:
         """Wait for the asynchronous write, then record the files of the steps it committed (process 0 only)."""
-        self._manager.wait_until_finished()
-        if jax.process_index() == 0:
-            for step in self._unrecorded:
-                if (self.directory / str(step)).is_dir():  # not deleted by --keep-checkpoints meanwhile
-                    record_files(self.directory / str(step))
-        self._unrecorded = []
+        steps, self._unrecorded = self._unrecorded, []
+        try:
+            self._manager.wait_until_finished()
+            if jax.process_index() == 0:
+                for step in steps:
+                    if (self.directory / str(step)).is_dir():  # not deleted by --keep-checkpoints meanwhile
+                        record_files(self.directory / str(step))
+        except OSError as err:  # a full disk: the step is not committed, or has no file list (restored unverified)
+            raise self._failed(steps[-1] if steps else "?", err) from None
 
     def _canonical_on_devices(self, to_canonical, body):
         """The canonical form as global arrays in the restore's shardings (one jit; a second copy of the state on

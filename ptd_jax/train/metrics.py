@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ptd_jax.runtime.failures import write_failed
+
 MEDIANS = ("tokens_per_s", "tflops_per_device", "mfu", "hardware_tflops_per_device", "eq3_tflops_per_device")
 """The throughput figures a run's summary gives as medians over its logged windows."""
 
@@ -100,6 +102,19 @@ def log_line(record: dict, total_iters: int, consumed_samples: int | None = None
     return " | ".join(fields) + " |"
 
 
+def _open_metrics(metrics_file, start_iter: int):
+    """The metrics file, open for appending; a resumed run's file cut back to its resume step first."""
+    Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+    if start_iter:  # a resumed run cuts the file back to its resume step: no iteration twice
+        tmp = Path(f"{metrics_file}.tmp{os.getpid()}")
+        try:
+            tmp.write_text("".join(_records_up_to(metrics_file, start_iter)))
+            os.replace(tmp, metrics_file)  # atomically: a crash now keeps the history
+        finally:
+            tmp.unlink(missing_ok=True)
+    return open(metrics_file, "a" if start_iter else "w")  # noqa: SIM115 - closed by MetricsLogger.close()
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -117,12 +132,10 @@ class MetricsLogger:
         self.test_record: dict | None = None
         self._file = None
         if metrics_file:
-            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            if start_iter:  # a resumed run cuts the file back to its resume step: no iteration twice
-                tmp = Path(f"{metrics_file}.tmp{os.getpid()}")
-                tmp.write_text("".join(_records_up_to(metrics_file, start_iter)))
-                os.replace(tmp, metrics_file)  # atomically: a crash now keeps the history
-            self._file = open(metrics_file, "a" if start_iter else "w")  # noqa: SIM115 - closed by close()
+            try:
+                self._file = _open_metrics(metrics_file, start_iter)
+            except OSError as err:
+                raise write_failed("--metrics-file", metrics_file, err) from None
         self._total = total_iters
         # a terminal gets the bar; a file or a pipe gets one line per log interval (a bar there is a stream of
         # carriage-return updates)
@@ -139,8 +152,11 @@ class MetricsLogger:
 
     def _write(self, record: dict) -> None:
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as err:  # a full disk, a lost mount: one line naming the flag and the file
+                raise write_failed("--metrics-file", self._file.name, err) from None
 
     def advance(self, n: int = 1) -> None:
         self._bar.update(n)
@@ -181,7 +197,11 @@ class MetricsLogger:
     def close(self) -> None:
         self._bar.close()
         if self._file:
-            self._file.close()
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as err:
+                raise write_failed("--metrics-file", file.name, err) from None
 
     def plot(self, plot_dir: str) -> str:
         """Write loss_curve.png (train and validation loss against iteration); returns its path."""
@@ -190,7 +210,10 @@ class MetricsLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise write_failed("--plot-dir", plot_dir, err) from None
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot([r["iteration"] for r in self.records], [r["lm_loss"] for r in self.records], label="train")
         if self.eval_records:
@@ -206,7 +229,12 @@ class MetricsLogger:
         ax.legend()
         path = os.path.join(plot_dir, "loss_curve.png")
         tmp = path + ".tmp.png"
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        plt.close(fig)
-        os.replace(tmp, path)
+        try:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight")
+            os.replace(tmp, path)
+        except OSError as err:
+            Path(tmp).unlink(missing_ok=True)
+            raise write_failed("--plot-dir", plot_dir, err) from None
+        finally:
+            plt.close(fig)
         return path

@@ -3,26 +3,18 @@ each get one stderr line (`<tool>: error: ...`), the expected exit status, and l
 in this process (their `main`), on the 8 simulated devices; a few cases need a process of their own (signals, a
 closed pipe, a coordinator that never answers: loopback addresses only)."""
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from ptd_jax.cli import convert, generate, launch, preprocess
-from ptd_jax.cli import schedule as schedule_cli
+from ptd_jax.cli import convert, generate
 from ptd_jax.cli.train import main as train_main
 from ptd_jax.train import checkpoint
 from tests.helpers.cli import exit_code
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
 QUIET = ["--no-progress", "--eval-iters", "0"]
-ONE = ["--fake-devices", "1", "--micro-batch-size", "2", "--global-batch-size", "2"]
 D8 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1"]
 D8 += ["--global-batch-size", "8"]
 
@@ -116,3 +108,82 @@ def test_a_step_saved_without_a_file_list_still_gets_one_line(two_steps, tmp_pat
     for tool in TOOLS:
         main, argv = TOOLS[tool]("ckpt")
         assert "step 4" in one_line(main, argv, capsys, 2, tool)
+
+
+# ptd-train: inputs that were accepted silently, or failed late, refused up front (exit 2, one line, nothing written)
+
+P2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+TRAIN_CASES = [
+    # the data splits, checked before the model is built
+    ([*D8, "--split", "0,100,0", "--save", "ck", "--metrics-file", "m.jsonl"], "split='0,100,0' leaves the training"),
+    ([*D8, "--split", "1,2000,0"], "split='1,2000,0' leaves the training split empty: 0 of"),
+    (["--split", ""], "split='' has an empty weight"),
+    (["--split", "1,,1"], "split='1,,1' has an empty weight"),
+    # sizes nothing checked up front
+    (["--train-iters", "100000000000000000000"], "train_iters=100000000000000000000 is more than 2147483647"),
+    (["--global-batch-size", "1000000000000", "--micro-batch-size", "1"], "GiB of token ids a batch"),
+    (["--global-batch-size", "200000000", "--micro-batch-size", "2"], "GiB of token ids a batch"),
+    (
+        [*P2, "--global-batch-size", "8000000", "--micro-batch-size", "1"],
+        "2000000 microbatches a step (global_batch_size=8000000 / (micro_batch_size=1 x data_parallel_size=4)) at "
+        "pipeline_model_parallel_size=2 make 8000000 forward and backward actions, more than ptd-train schedules",
+    ),
+    (
+        ["--pipeline-schedule", "auto", "--schedule-times", "1e308", "1e308", "1e308"],
+        "--schedule-times 1e+308 1e+308 1e+308 are too large",
+    ),
+    # flags that meant nothing in the run
+    ([*D8, "--schedule-times", "1", "2", "1"], "--schedule-times applies to --pipeline-schedule auto only, got None"),
+    (["--lr-decay-iters", "0"], "lr_decay_iters=0 must be positive"),
+    (["--keep-checkpoints", "2"], "--keep-checkpoints need --save"),
+    (["--save-interval", "5", "--keep-checkpoints", "2"], "--save-interval and --keep-checkpoints need --save"),
+    (
+        [*P2, "--pipeline-schedule", "interleaved"],
+        "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage",
+    ),
+    (
+        [*P2, "--pipeline-schedule", "zb-v"],
+        "--pipeline-schedule zb-v runs 2 model chunks per rank: num_layers=2 is not divisible by 2 x "
+        "pipeline_model_parallel_size=2",
+    ),
+    (["--compile-only", "--save", "ck"], "--compile-only trains nothing and writes no --save: drop it"),
+    (["--compile-only", "--metrics-file", "m", "--load", "x"], "writes no --load, --metrics-file"),
+    (["--compile-only", "--num-gpus", "0"], "argument --num-gpus: 0 is not a positive integer"),
+    (["--compile-only", "--num-gpus", "-4"], "argument --num-gpus: -4 is not a positive integer"),
+    (["--compile-only", "--data-path", "nothing"], "missing file"),
+    # output paths that cannot be written, though os.access says yes (to root)
+    (["--plot-dir", "/proc/ptd-plots"], "plot_dir='/proc/ptd-plots' cannot be written: /proc: "),
+    (["--save", "/proc/ptd/ckpt"], "save='/proc/ptd/ckpt' cannot be written: /proc: "),
+    (["--metrics-file", "/proc/m.jsonl"], "metrics_file='/proc/m.jsonl' cannot be written: /proc: "),
+]
+
+
+@pytest.mark.parametrize("args, message", TRAIN_CASES, ids=[" ".join(a)[:50] for a, _ in TRAIN_CASES])
+def test_ptd_train_refuses_up_front(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    err = one_line(train_main, [*TINY, *QUIET, *args], capsys, 2, "ptd-train")
+    assert message in err, err
+    assert files_under(tmp_path) == set()
+
+
+def test_a_schedule_at_p1_warns_that_it_has_no_effect(monkeypatch, capsys):
+    import ptd_jax.train
+
+    monkeypatch.setattr(ptd_jax.train, "train", lambda *args: {"iterations": 0})
+    assert train_main([*TINY, *QUIET, *D8, "--pipeline-schedule", "zb-h1"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --pipeline-schedule zb-h1 has no effect at pipeline_model_parallel_size=1" in err
+
+
+@pytest.mark.slow  # about 40 s: a compiled step
+def test_a_full_disk_for_the_metrics_names_the_flag_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """/dev/full: every write fails with ENOSPC. The run stops at its first record with exit 1, one line naming
+    --metrics-file and the path; the checkpoint written before it is whole."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*TINY, *QUIET, *D8, "--train-iters", "2", "--log-interval", "2", "--save", "ck", "--save-interval", "1"]
+    assert train_main([*argv, "--metrics-file", "/dev/full"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "ptd-train: error: --metrics-file /dev/full: cannot write: No space left on device"
+    assert "Traceback" not in err
+    steps = checkpoint.all_steps(tmp_path / "ck")
+    assert steps and all(checkpoint.damage(tmp_path / "ck", s) is None for s in steps)

@@ -5,12 +5,15 @@ starts, with one line naming the values.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-from ptd_jax.cli.train.parser import DEFAULT_SPLIT, PER_SPLIT
-from ptd_jax.config import ConfigError, ModelConfig
+from ptd_jax.cli.schedule import MAX_ACTIONS
+from ptd_jax.cli.train.parser import DEFAULT_SPLIT, DEFAULT_TARGET, PER_SPLIT
+from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig
 from ptd_jax.data import IndexedDataset, parse_split
 from ptd_jax.data.blend import parse_blend
 
@@ -21,7 +24,83 @@ def check_compile_only_flags(args) -> None:
     if given and not args.compile_only:
         raise ConfigError(f"{', '.join(given)} need --compile-only")
     if args.compile_only and args.target is None:
-        args.target = "h100-sxm"
+        args.target = DEFAULT_TARGET
+
+
+MAX_TRAIN_ITERS = 2**31 - 1
+"""The iteration counter is an int32 on the devices."""
+HOST_BATCH_SHARE = 0.25
+"""A global batch's token ids (inputs and labels) may take at most this share of the host's memory."""
+
+
+def check_flag_combinations(args) -> None:
+    """Flags that cannot mean what they say in this run, refused before anything starts (as Megatron would):
+    a schedule's times without `auto`, --compile-only with outputs of a training run, counts out of range."""
+    if args.train_iters is not None and args.train_iters > MAX_TRAIN_ITERS:
+        raise ConfigError(f"train_iters={args.train_iters} is more than {MAX_TRAIN_ITERS} (an int32 counter)")
+    if args.lr_decay_iters is not None and args.lr_decay_iters < 1:
+        raise ConfigError(
+            f"lr_decay_iters={args.lr_decay_iters} must be positive (the learning rate would be --min-lr from "
+            f"iteration 1); leave it out to decay over --train-iters"
+        )
+    if args.schedule_times is not None:
+        if args.pipeline_schedule != "auto":
+            raise ConfigError(
+                f"--schedule-times applies to --pipeline-schedule auto only, got {args.pipeline_schedule!r}"
+            )
+        if not math.isfinite(sum(args.schedule_times) * MAX_ACTIONS):
+            raise ConfigError(
+                f"--schedule-times {' '.join(f'{t:g}' for t in args.schedule_times)} are too large: a step's "
+                f"simulated time overflows; give them in seconds or as ratios"
+            )
+    spec = SCHEDULE_SPECS.get(args.pipeline_schedule)
+    if spec is not None and spec.chunks is None and args.num_layers_per_virtual_pipeline_stage is None:
+        raise ConfigError(
+            f"--pipeline-schedule {args.pipeline_schedule} needs --num-layers-per-virtual-pipeline-stage (without "
+            f"it every rank holds one chunk, v=1: plain 1F1B)"
+        )
+    default = args.pipeline_schedule == ParallelConfig.pipeline_schedule
+    if spec is not None and args.pipeline_model_parallel_size == 1 and spec.min_p == 1 and not default:
+        print(
+            f"ptd-train: warning: --pipeline-schedule {args.pipeline_schedule} has no effect at "
+            f"pipeline_model_parallel_size=1 (one stage: no pipeline to schedule)",
+            file=sys.stderr,
+        )
+    if args.compile_only:
+        given = [f"--{n.replace('_', '-')}" for n in ("save", "load", "metrics_file", "plot_dir") if getattr(args, n)]
+        if given:
+            raise ConfigError(f"--compile-only trains nothing and writes no {', '.join(given)}: drop it")
+        if args.num_gpus is not None and args.num_gpus < 1:
+            raise ConfigError(f"num_gpus={args.num_gpus} must be positive")
+
+
+def check_sizes(args, seq_length: int, num_devices: int) -> None:
+    """Sizes that would fill the host's memory or the schedule's table before anything is printed: a global
+    batch of token ids past `HOST_BATCH_SHARE` of the memory, more pipeline actions than `ptd-schedule` builds."""
+    t, p, b, B = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.micro_batch_size,
+        args.global_batch_size,
+    )
+    c = getattr(args, "context_parallel_size", None) or 1
+    if min(t, p, b, B, c, num_devices) < 1:
+        return  # the configs name the value
+    batch_bytes = 2 * 4 * B * (seq_length + 1)  # int32 inputs and labels
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if batch_bytes > HOST_BATCH_SHARE * memory:
+        raise ConfigError(
+            f"global_batch_size={B} at seq_length={seq_length} is {batch_bytes / 2**30:.1f} GiB of token ids a "
+            f"batch, more than {HOST_BATCH_SHARE:.0%} of this host's {memory / 2**30:.0f} GiB"
+        )
+    d = max(num_devices // (t * p * c), 1)
+    m = B // (b * d)
+    if 2 * p * m > MAX_ACTIONS:
+        raise ConfigError(
+            f"{m} microbatches a step (global_batch_size={B} / (micro_batch_size={b} x data_parallel_size={d})) "
+            f"at pipeline_model_parallel_size={p} make {2 * p * m} forward and backward actions, more than "
+            f"ptd-train schedules ({MAX_ACTIONS}): use a larger micro batch or a smaller global batch"
+        )
 
 
 def check_data_flags(args) -> None:
@@ -96,7 +175,19 @@ def _check_path(flag: str, value: str, kind: str) -> None:
                 raise ConfigError(f"{flag}={value!r} cannot be created: {parent} is a file, not a folder")
             if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
                 raise ConfigError(f"{flag}={value!r} cannot be created: {parent} is not writable")
+            _probe(flag, value, path if path.is_dir() else parent)
             return
+
+
+def _probe(flag: str, value: str, folder: Path) -> None:
+    """Create and remove a file in `folder`: os.access says yes to root everywhere, and knows nothing of a
+    read-only or full file system, or of /proc."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=".ptd-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as err:
+        raise ConfigError(f"{flag}={value!r} cannot be written: {folder}: {err.strerror}") from None
 
 
 def check_outputs(args) -> None:
@@ -105,6 +196,11 @@ def check_outputs(args) -> None:
         raise ConfigError(f"peak_tflops={args.peak_tflops} must be positive")
     if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
         raise ConfigError(f"keep_checkpoints={args.keep_checkpoints} must be at least 1")
+    unsaved = [
+        f"--{n.replace('_', '-')}" for n in ("save_interval", "keep_checkpoints") if getattr(args, n) is not None
+    ]
+    if unsaved and not args.save:
+        raise ConfigError(f"{' and '.join(unsaved)} need --save (nothing would be saved)")
     if (args.finetune or args.no_load_optim or args.override_data_config) and not args.load:
         flag = "finetune" if args.finetune else "no_load_optim" if args.no_load_optim else "override_data_config"
         raise ConfigError(f"{flag}=True needs --load")

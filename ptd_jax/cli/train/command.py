@@ -15,6 +15,7 @@ from ptd_jax.cli import errors
 from ptd_jax.cli.train import checks, compile_only
 from ptd_jax.cli.train.configs import (
     apply_demo_layout,
+    configs_for_target,
     fill_defaults,
     model_config_from_args,
     parallel_config_from_args,
@@ -22,7 +23,7 @@ from ptd_jax.cli.train.configs import (
     train_config_from_args,
 )
 from ptd_jax.cli.train.parser import build_parser
-from ptd_jax.config import ConfigError, model_preset
+from ptd_jax.config import ConfigError
 from ptd_jax.data import DataError
 from ptd_jax.data.indexed_dataset import IndexedDatasetError
 from ptd_jax.data.tokenizer import training_tokenizer
@@ -41,6 +42,7 @@ def run(argv=None) -> dict | int:
     checks.check_compile_only_flags(args)
     demo = apply_demo_layout(args)
     fill_defaults(args)
+    checks.check_flag_combinations(args)
     if args.compile_only:
         return compile_for_target(args)
     start_backend(args)
@@ -58,6 +60,7 @@ def run(argv=None) -> dict | int:
     model_cfg = checks.check_default_kernels(model_config_from_args(args, tokenizer), args)
     train_cfg = train_config_from_args(args)
     device, local = jax.local_devices()[0], jax.local_device_count()
+    checks.check_sizes(args, model_cfg.seq_length, len(jax.devices()))
     parallel = parallel_config_from_args(args, model_cfg, len(jax.devices()), device, local)
     checks.check_backend(model_cfg)
     checks.check_outputs(args)
@@ -82,16 +85,8 @@ def compile_for_target(args) -> int:
     """--compile-only: the configs as on --num-gpus GPUs of --target, the kernels' defaults as a GPU resolves them."""
     if args.fake_devices is not None:
         raise ConfigError(f"--compile-only compiles for --target GPUs: drop fake_devices={args.fake_devices}")
-    if args.tokenizer_type is None and args.vocab_size is None:  # no data to decide V: the preset's
-        args.vocab_size = model_preset(args.model_preset).vocab_size
-    tokenizer = training_tokenizer(
-        args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size, tokenizer_model=args.tokenizer_model
-    )
-    model_cfg = model_config_from_args(args, tokenizer).replace(**compile_only.gpu_defaults(args))
-    num_gpus = args.num_gpus or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    return compile_only.run(
-        args, model_cfg, parallel_config_from_args(args, model_cfg, num_gpus), train_config_from_args(args)
-    )
+    checks.check_data_flags(args)  # the data is not read, but a path that names nothing is a mistake
+    return compile_only.run(args, *configs_for_target(args))
 
 
 def start_backend(args) -> None:
@@ -139,6 +134,7 @@ def _main(argv) -> int:
     except (ConfigError, DataError, IndexedDatasetError, OSError) as err:
         return errors.report("ptd-train", err)
     except (DivergedError, RunError) as err:  # --max-skipped-iters, a failed write: not bad input, a failed run
+        multiprocess.exit_if_peer_failed(err, "ptd-train")
         return errors.report("ptd-train", RunError(str(err)))
     except RuntimeError as err:  # XLA's out-of-memory, past the estimate of perf/memory.py
         multiprocess.exit_if_peer_failed(err, "ptd-train")

@@ -205,7 +205,12 @@ def resolve_schedule(
             print(choice.text(), file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
     chunks = SCHEDULE_SPECS[args.pipeline_schedule].chunks if args.pipeline_schedule in SCHEDULE_SPECS else None
     unset = args.num_layers_per_virtual_pipeline_stage is None
-    if chunks and chunks > 1 and unset and p >= 1 and num_layers % (chunks * p) == 0:
+    if chunks and chunks > 1 and unset and p >= 1 and num_layers % (chunks * p):
+        raise ConfigError(
+            f"--pipeline-schedule {args.pipeline_schedule} runs {chunks} model chunks per rank: num_layers="
+            f"{num_layers} is not divisible by {chunks} x pipeline_model_parallel_size={p}"
+        )
+    if chunks and chunks > 1 and unset and p >= 1:
         args.num_layers_per_virtual_pipeline_stage = num_layers // (chunks * p)
     return choice
 
