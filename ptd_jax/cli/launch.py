@@ -16,6 +16,7 @@ with a dead peer cannot hang the launcher. Pure Python: JAX runs in the children
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ import sys
 import time
 
 from ptd_jax.cli.args import OneLineParser, positive_float, positive_int
+from ptd_jax.runtime.multiprocess import DEFAULT_COORDINATOR_TIMEOUT_S, ENV_COORDINATOR_TIMEOUT
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PROG = "ptd-launch"
@@ -40,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-host", default="127.0.0.1", help="where process 0's coordination service listens")
     p.add_argument("--coordinator-port", type=int, default=0, help="its port (0: a free one)")
     p.add_argument(
+        "--coordinator-timeout",
+        type=positive_float,
+        default=DEFAULT_COORDINATOR_TIMEOUT_S,
+        help="seconds each process waits for the coordinator and the others to join (PTD_COORDINATOR_TIMEOUT)",
+    )
+    p.add_argument(
         "--grace-period",
         type=positive_float,
         default=10.0,
@@ -52,6 +60,30 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_coordinator(host: str, port: int) -> int:
+    """The port process 0's coordination service will listen on (a free one for 0), once `host` is known to
+    resolve to an address of this machine (every process runs here) and the port to be free: one line otherwise."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise LaunchError(f"argument --coordinator-host: {host!r} does not resolve ({err.strerror})") from None
+    with socket.socket(family, kind) as s:
+        try:
+            s.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise LaunchError(f"argument --coordinator-port: {host}:{port} is in use by another program") from None
+            raise LaunchError(
+                f"argument --coordinator-host: {host!r} ({address[0]}) is not an address of this machine, where "
+                f"ptd-launch starts every process ({err.strerror})"
+            ) from None
+        return s.getsockname()[1]
+
+
+class LaunchError(Exception):
+    """Bad input found before any process starts: one line, exit 2."""
 
 
 def _describe(code: int) -> str:
@@ -79,7 +111,10 @@ def run(argv=None) -> int:
         build_parser().error("no command given after --")
     if not 0 <= args.coordinator_port < 65536:
         build_parser().error(f"--coordinator-port {args.coordinator_port} is not in [0, 65536)")
-    port = args.coordinator_port or free_port(args.coordinator_host)
+    try:
+        port = check_coordinator(args.coordinator_host, args.coordinator_port)
+    except LaunchError as err:
+        build_parser().error(str(err))
     address = f"{args.coordinator_host}:{port}"
     children: list[subprocess.Popen] = []
 
@@ -99,6 +134,7 @@ def run(argv=None) -> int:
                 "PTD_COORDINATOR_ADDRESS": address,
                 "PTD_NUM_PROCESSES": str(args.nproc),
                 "PTD_PROCESS_ID": str(rank),
+                ENV_COORDINATOR_TIMEOUT: str(args.coordinator_timeout),
             }
             try:
                 children.append(subprocess.Popen(command, env=env, start_new_session=True))
@@ -148,16 +184,27 @@ def _wait_or_stop(children: list[subprocess.Popen], grace: float) -> None:
 
 
 def _stop(children: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to each child's process group (what the child started goes too), SIGKILL to the groups of those
+    still running after `grace` seconds; a group whose child has exited but whose members live is killed too."""
     for child in children:
-        if child.poll() is None:
-            child.terminate()
+        _signal_group(child, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for child in children:
         try:
             child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            child.kill()
+            _signal_group(child, signal.SIGKILL)
             child.wait()
+    for child in children:  # the members that outlived their child (a rank's own helpers)
+        _signal_group(child, signal.SIGKILL)
+
+
+def _signal_group(child: subprocess.Popen, signum) -> None:
+    """`signum` to the process group the child leads (its own session: `start_new_session`)."""
+    try:
+        os.killpg(child.pid, signum)
+    except (ProcessLookupError, PermissionError):  # the group is gone
+        pass
 
 
 def main(argv=None) -> int:

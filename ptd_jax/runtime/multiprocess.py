@@ -27,18 +27,25 @@ Batches: data rank r reads only its own rows of every microbatch (`local_data_ra
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ptd_jax.config import ConfigError
+from ptd_jax.runtime.failures import RunError
 
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "PTD_COORDINATOR_ADDRESS", "PTD_NUM_PROCESSES", "PTD_PROCESS_ID"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 """JAX's default: a process that sends no heartbeat for this long is declared dead."""
+ENV_COORDINATOR_TIMEOUT = "PTD_COORDINATOR_TIMEOUT"
+DEFAULT_COORDINATOR_TIMEOUT_S = 120
+"""How long a process waits for the coordinator (process 0) to answer, and process 0 for the others to join."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +108,56 @@ def resolve(
     return None
 
 
+def coordinator_timeout(flag: float | None, environ=None) -> float:
+    """--coordinator-timeout, else `PTD_COORDINATOR_TIMEOUT` (what ptd-launch passes on), else the default."""
+    environ = os.environ if environ is None else environ
+    if flag is None and ENV_COORDINATOR_TIMEOUT in environ:
+        try:
+            flag = float(environ[ENV_COORDINATOR_TIMEOUT])
+        except ValueError:
+            raise ConfigError(
+                f"{ENV_COORDINATOR_TIMEOUT}={environ[ENV_COORDINATOR_TIMEOUT]!r} is not a number"
+            ) from None
+    value = DEFAULT_COORDINATOR_TIMEOUT_S if flag is None else flag
+    if not 0 < value < math.inf:
+        raise ConfigError(f"coordinator_timeout={value} must be a positive number of seconds")
+    return value
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Return once something accepts connections at `address` (host:port); RunError after `timeout_s`. JAX's own
+    wait ends the process with a C++ abort and a stack dump, so the processes other than 0 knock first."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except socket.gaierror as err:
+            raise ConfigError(
+                f"the coordinator's host {host!r} (of {address}) does not resolve: {err.strerror}"
+            ) from None
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise RunError(
+                    f"the coordinator at {host}:{port} did not answer within {timeout_s:g} s (--coordinator-timeout): "
+                    f"is process 0 running, and is the port reachable from here?"
+                ) from None
+            time.sleep(0.2)
+
+
 def initialize(
-    group: ProcessGroup, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S, init_timeout_s: int = 300
+    group: ProcessGroup,
+    heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    init_timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S,
 ) -> None:
     """`jax.distributed.initialize` for `group`, with CPU collectives over gloo. Must run before JAX starts its
-    backend (before any JAX operation); raises ConfigError with one line if the processes cannot connect."""
+    backend (before any JAX operation); raises ConfigError with one line if the processes cannot connect, RunError
+    if the coordinator does not answer within `init_timeout_s`."""
     import jax
 
+    if group.coordinator_address is not None and group.process_id not in (None, 0):
+        wait_for_coordinator(group.coordinator_address, init_timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _quiet_native_stdout()
     try:
@@ -115,7 +165,7 @@ def initialize(
             coordinator_address=group.coordinator_address,
             num_processes=group.num_processes,
             process_id=group.process_id,
-            initialization_timeout=init_timeout_s,
+            initialization_timeout=math.ceil(init_timeout_s),
             heartbeat_timeout_seconds=heartbeat_timeout_s,
             # a process that ends waits this long at the exit barrier for the others
             shutdown_timeout_seconds=heartbeat_timeout_s,

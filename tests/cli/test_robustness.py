@@ -3,15 +3,19 @@ each get one stderr line (`<tool>: error: ...`), the expected exit status, and l
 in this process (their `main`), on the 8 simulated devices; a few cases need a process of their own (signals, a
 closed pipe, a coordinator that never answers: loopback addresses only)."""
 
+import os
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import pytest
 
-from ptd_jax.cli import convert, generate
+from ptd_jax.cli import convert, generate, launch
 from ptd_jax.cli.train import main as train_main
 from ptd_jax.train import checkpoint
-from tests.helpers.cli import exit_code
+from ptd_jax.runtime import multiprocess
+from tests.helpers.cli import exit_code, run_train
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
 QUIET = ["--no-progress", "--eval-iters", "0"]
@@ -187,3 +191,101 @@ def test_a_full_disk_for_the_metrics_names_the_flag_and_keeps_the_checkpoint(tmp
     assert "Traceback" not in err
     steps = checkpoint.all_steps(tmp_path / "ck")
     assert steps and all(checkpoint.damage(tmp_path / "ck", s) is None for s in steps)
+
+
+# ptd-launch: the coordinator checked before any process starts; a failed rank's whole process group stopped
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_refuses_a_host_that_does_not_resolve(monkeypatch, capsys):
+    def no_such_name(*args, **kwargs):  # no name lookup leaves this machine in a test
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
+    err = one_line(launch.main, ["--nproc", "2", "--coordinator-host", "nohost", "--", "true"], capsys, 2, "ptd-launch")
+    assert "argument --coordinator-host: 'nohost' does not resolve (Name or service not known)" in err
+
+
+def test_launch_refuses_a_host_that_is_not_this_machine(capsys):
+    """192.0.2.1 (TEST-NET-1, RFC 5737) is no address of this machine: binding to it fails; nothing is sent."""
+    err = one_line(
+        launch.main, ["--nproc", "2", "--coordinator-host", "192.0.2.1", "--", "true"], capsys, 2, "ptd-launch"
+    )
+    assert "'192.0.2.1' (192.0.2.1) is not an address of this machine, where ptd-launch starts every process" in err
+
+
+def test_launch_refuses_a_port_in_use(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["--nproc", "2", "--coordinator-host", "127.0.0.1", "--coordinator-port", str(port), "--", "true"]
+        err = one_line(launch.main, argv, capsys, 2, "ptd-launch")
+    assert f"argument --coordinator-port: 127.0.0.1:{port} is in use by another program" in err
+
+
+def test_launch_passes_the_coordinator_timeout_on(tmp_path, capsys):
+    argv = [
+        "--nproc",
+        "2",
+        "--coordinator-timeout",
+        "7",
+        "--",
+        "sh",
+        "-c",
+        f"echo $PTD_COORDINATOR_TIMEOUT > {tmp_path}/t",
+    ]
+    assert launch.main(argv) == 0
+    assert (tmp_path / "t").read_text().strip() == "7.0"
+    assert multiprocess.coordinator_timeout(None, {"PTD_COORDINATOR_TIMEOUT": "7.0"}) == 7.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_launch_stops_what_the_ranks_started(tmp_path, capsys):
+    """Each rank starts a `sleep` of its own; rank 1 then fails. Both sleeps end with the ranks."""
+    script = (
+        f"sleep 300 & echo $! > {tmp_path}/$PTD_PROCESS_ID; if [ $PTD_PROCESS_ID = 1 ]; then sleep 1; exit 3; fi; wait"
+    )
+    assert launch.main(["--nproc", "2", "--grace-period", "2", "--", "sh", "-c", script]) == 3
+    assert "process 1" in capsys.readouterr().err
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in (0, 1)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_ptd_train_gives_up_on_a_coordinator_that_never_answers():
+    """Process 1 of 2, and nothing listens at the coordinator's port (loopback): one line naming host and port after
+    --coordinator-timeout, exit 1 (JAX's own wait would end in a C++ abort)."""
+    port = free_port()
+    proc = run_train(
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+        "--coordinator-timeout",
+        "2",
+        "--fake-devices",
+        "1",
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"ptd-train: error: the coordinator at 127.0.0.1:{port} did not answer within 2 s (--coordinator-timeout): "
+        f"is process 0 running, and is the port reachable from here?"
+    ]

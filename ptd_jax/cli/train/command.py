@@ -94,6 +94,7 @@ def start_backend(args) -> None:
     group = multiprocess.resolve(args.coordinator_address, args.num_processes, args.process_id)
     if args.heartbeat_timeout < 1:
         raise ConfigError(f"heartbeat_timeout={args.heartbeat_timeout} must be at least 1 (seconds)")
+    coordinator_timeout = multiprocess.coordinator_timeout(args.coordinator_timeout)
 
     def join_processes():  # before JAX starts its backend
         if os.environ.get("PTD_JAX_KEEP_HOST_MEMORY") == "1":  # opt-in (runtime/host_memory.py)
@@ -101,7 +102,7 @@ def start_backend(args) -> None:
 
             keep_freed_host_memory()
         if group is not None:
-            multiprocess.initialize(group, args.heartbeat_timeout)
+            multiprocess.initialize(group, args.heartbeat_timeout, coordinator_timeout)
 
     if args.fake_devices is not None:
         if not 1 <= args.fake_devices <= MAX_FAKE_DEVICES:

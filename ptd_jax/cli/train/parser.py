@@ -159,6 +159,12 @@ def add_process_args(g) -> None:
         default=DEFAULT_HEARTBEAT_TIMEOUT_S,
         help="seconds without a heartbeat after which a process is declared dead and the others stop",
     )
+    g.add_argument(
+        "--coordinator-timeout",
+        type=positive_float,
+        help="seconds to wait for the coordinator (process 0) and the other processes to join (default: "
+        "PTD_COORDINATOR_TIMEOUT from ptd-launch, else 120)",
+    )
 
 
 def add_training_args(g) -> None:
