@@ -242,9 +242,11 @@ class Plan:
         return self.time_s / self.full_time_s - 1
 
 
-def plan(problem: Problem, epsilon: float, max_nodes: int = MAX_NODES) -> Plan:
+def plan(problem: Problem, epsilon: float, max_nodes: int = MAX_NODES, start: tuple[float, ...] = ()) -> Plan:
     """The clocks (one per rank) of least step energy with step time ≤ (1 + ε) × full clock's (module
-    docstring). Ties go to the higher clocks."""
+    docstring). Ties go to the higher clocks. The search starts from the best of full clock, every single clock
+    for all ranks, and `start` (e.g. the plan at a smaller ε), improved one rank at a time: where it stops at
+    `max_nodes` (`Plan.exact` False) the plan is still no worse than these."""
     if not epsilon >= 0:
         raise ConfigError(f"epsilon={epsilon} must be >= 0 (a slowdown budget)")
     levels = problem.power.clocks()
@@ -270,7 +272,7 @@ def plan(problem: Problem, epsilon: float, max_nodes: int = MAX_NODES) -> Plan:
                 ok.append(j)
         feasible.append(ok)
     order = sorted(range(p), key=lambda r: len(feasible[r]))  # the most constrained ranks first
-    best = {"levels": [0] * p, "energy": energy([0] * p, full_time), "time": full_time}
+    best = _incumbent(c, terms, limit, [[j] * p for j in range(nlev)] + [[levels.index(f) for f in start]])
     nodes = 0
     exact = True
     level_of = [0] * p
@@ -330,6 +332,39 @@ def plan(problem: Problem, epsilon: float, max_nodes: int = MAX_NODES) -> Plan:
     full = problem.step([levels[0]] * p)
     chosen = problem.step(list(clocks))
     return Plan(clocks, epsilon, chosen["time_s"], chosen["energy_j"], full["time_s"], full["energy_j"], exact, nodes)
+
+
+def _incumbent(c: _Compiled, terms: np.ndarray, limit: float, seeds: list[list[int]]) -> dict:
+    """The best feasible seed (levels per rank; full clock is the first), then improved by moving one rank at a
+    time to its best level given the others, until no move helps."""
+    p, nlev = terms.shape
+    idle_all = p * c.idle
+
+    def evaluate(level_of: list[int]) -> tuple[float, float]:
+        time = c.time(c.cells(c.slow[level_of]))
+        return time, float(terms[np.arange(p), level_of].sum() + idle_all * time)
+
+    scored = []
+    for seed in seeds:
+        if len(seed) == p:
+            time, e = evaluate(seed)
+            if time <= limit:
+                scored.append((e, seed, time))
+    e, level_of, time = min(scored, key=lambda x: (x[0], x[1]))
+    level_of = list(level_of)
+    for _ in range(4 * nlev):
+        moved = False
+        for r in range(p):
+            for j in range(nlev):
+                if j == level_of[r]:
+                    continue
+                trial = level_of[:r] + [j] + level_of[r + 1 :]
+                t, te = evaluate(trial)
+                if t <= limit and te < e * (1 - 1e-12):
+                    e, level_of, time, moved = te, trial, t, True
+        if not moved:
+            break
+    return {"levels": level_of, "energy": e, "time": time}
 
 
 def brute_force(problem: Problem, epsilon: float) -> tuple[tuple[float, ...], float]:
@@ -421,11 +456,12 @@ class Frontier:
 
 
 def frontier(problem: Problem, epsilons=FRONTIER_EPSILONS, max_nodes: int = MAX_NODES) -> Frontier:
-    return Frontier(
-        [plan(problem, e, max_nodes) for e in epsilons],
-        uniform_clocks(problem),
-        [(e, per_action_bound(problem, e)) for e in epsilons],
-    )
+    """The plans at each ε (ascending; each search starts from the previous plan, which stays feasible), every
+    single clock for all ranks, and the per-action bounds."""
+    plans: list[Plan] = []
+    for e in sorted(epsilons):
+        plans.append(plan(problem, e, max_nodes, plans[-1].clocks if plans else ()))
+    return Frontier(plans, uniform_clocks(problem), [(e, per_action_bound(problem, e)) for e in sorted(epsilons)])
 
 
 def load_profile(path: str | Path, base: ClockPower | None = None) -> ClockPower:
