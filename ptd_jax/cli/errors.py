@@ -89,7 +89,9 @@ def run_tool(prog: str, body, argv=None, interrupted: str = "interrupted") -> in
     quiet_libraries()
     try:
         with terminate_as_interrupt():  # SIGTERM runs Ctrl-C's clean-up: no temporary file is left
-            return body(argv)
+            code = body(argv)
+            sys.stdout.flush()  # a closed stdout fails here, not in the interpreter's exit
+            return code
     except SystemExit:  # argparse's one line, or a tool's own exit
         raise
     except Terminated:

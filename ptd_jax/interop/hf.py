@@ -128,8 +128,10 @@ class _Stored:
     def __init__(self, data, name: str, info: dict, begin: int, source: str):
         self.data, self.name, self.code, self.begin, self.source = data, name, info["dtype"], begin, source
         self.shape = tuple(info["shape"])
+        self.used = False  # read by the conversion: `from_hf` refuses weights that no config field accounts for
 
     def __array__(self, dtype=None, copy=None):
+        self.used = True
         stored = _dtype(self.code)
         if stored is None:
             raise ConfigError(f"{self.source}: tensor {self.name!r} has dtype {self.code}, which does not convert")
@@ -195,8 +197,20 @@ def from_hf(path) -> tuple[ModelConfig, dict]:
     cfg = model_config_from_hf(config, path / "config.json")
     raw, source = _read_tensors(path)
     if config["model_type"] != "gpt2":
-        return cfg, hf_llama.params_from_hf({k.removeprefix("model."): v for k, v in raw.items()}, cfg, source)
-    return cfg, _gpt2_params(raw, cfg, source)
+        params = hf_llama.params_from_hf({k.removeprefix("model."): v for k, v in raw.items()}, cfg, source)
+    else:
+        params = _gpt2_params(raw, cfg, source)
+    unused = sorted(name for name, tensor in raw.items() if not tensor.used and not name.endswith(BUFFERS))
+    if unused:
+        raise ConfigError(
+            f"{source} holds {len(unused)} tensor(s) that {path / 'config.json'} does not account for, e.g. "
+            f"{unused[0]!r}: the config and the weights disagree (num_layers={cfg.num_layers})"
+        )
+    return cfg, params
+
+
+BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+"""Tensors some HF checkpoints store that are not weights (GPT-2's causal mask, RoPE's frequencies)."""
 
 
 def _gpt2_params(raw: dict, cfg: ModelConfig, weights_path: str) -> dict:

@@ -3,9 +3,13 @@ each get one stderr line (`<tool>: error: ...`), the expected exit status, and l
 in this process (their `main`), on the 8 simulated devices; a few cases need a process of their own (signals, a
 closed pipe, a coordinator that never answers: loopback addresses only)."""
 
+import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -289,3 +293,91 @@ def test_ptd_train_gives_up_on_a_coordinator_that_never_answers():
         f"ptd-train: error: the coordinator at 127.0.0.1:{port} did not answer within 2 s (--coordinator-timeout): "
         f"is process 0 running, and is the port reachable from here?"
     ]
+
+
+# ptd-convert: every tensor used, a config that disagrees with the weights refused
+
+
+def test_from_hf_refuses_a_config_with_fewer_layers_than_the_weights(two_steps, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    step2 = tmp_path / "step2"
+    shutil.copytree(two_steps, step2)
+    shutil.rmtree(step2 / "4")
+    assert convert.main(["to-hf", "--input", "step2", "--output", "hf"]) == 0
+    config = json.loads(Path("hf/config.json").read_text())
+    Path("hf/config.json").write_text(json.dumps({**config, "n_layer": 1}))
+    before = files_under(tmp_path)
+    err = one_line(convert.main, ["from-hf", "--input", "hf", "--output", "new/ck"], capsys, 2, "ptd-convert")
+    assert "hf/model.safetensors holds 12 tensor(s) that hf/config.json does not account for, e.g. 'transformer.h.1." in err
+    assert "the config and the weights disagree (num_layers=1)" in err
+    assert files_under(tmp_path) == before
+
+
+# Signals and a closed stdout, in processes of their own
+
+TOOL_MODULES = {
+    "ptd-preprocess": "ptd_jax.cli.preprocess",
+    "ptd-generate": "ptd_jax.cli.generate",
+    "ptd-convert": "ptd_jax.cli.convert",
+    "ptd-train": "ptd_jax.cli.train",
+}
+
+
+def run_into_a_closed_pipe(module: str, *args, cwd) -> subprocess.CompletedProcess:
+    """`python -m module ARGS` whose stdout is a pipe nobody reads (closed before the tool starts)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", module, *args], stdout=write, stderr=subprocess.PIPE, text=True, cwd=cwd, timeout=300
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        "ptd-preprocess",
+        "ptd-generate",
+        "ptd-convert",
+        pytest.param("ptd-train", marks=pytest.mark.slow),  # about 30 s: a compiled step
+    ],
+)
+def test_a_closed_stdout_ends_quietly(tool, two_steps, tmp_path):
+    Path(tmp_path / "a.txt").write_text("some text\n")
+    args = {
+        "ptd-preprocess": ["--input", "a.txt", "--output-prefix", "out", "--no-progress"],
+        "ptd-generate": ["--load", str(two_steps), "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+        "ptd-convert": ["to-hf", "--input", str(two_steps), "--output", "hf"],
+        "ptd-train": [*TINY, *QUIET, "--fake-devices", "1", "--micro-batch-size", "1", "--global-batch-size", "1"]
+        + ["--train-iters", "1"],
+    }[tool]
+    proc = run_into_a_closed_pipe(TOOL_MODULES[tool], *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_sigterm_in_preprocess_leaves_nothing(tmp_path):
+    """A scheduler's `timeout` sends SIGTERM: the temporaries and the new folder go, exit 143, one line."""
+    (tmp_path / "big.txt").write_text("plain text line, repeated to take a while\n" * 400_000)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ptd_jax.cli.preprocess", "--input", "big.txt", "--output-prefix", "new/out"]
+        + ["--no-progress"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not list(tmp_path.glob("new/*.tmp*")):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert err.splitlines() == ["ptd-preprocess: terminated (SIGTERM); nothing was written"]
+    assert files_under(tmp_path) == {"big.txt"}
