@@ -84,11 +84,9 @@ def summary(sched, times: tuple[float, float, float]) -> str:
 
 
 def main(argv=None) -> int:
-    try:
-        return run(argv)
-    except KeyboardInterrupt:
-        print("ptd-schedule: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    from ptd_jax.cli.errors import run_tool
+
+    return run_tool("ptd-schedule", run, argv, interrupted="interrupted; nothing was written")
 
 
 def run(argv) -> int:

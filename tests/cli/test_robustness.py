@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ptd_jax.cli import convert, generate, launch
+from ptd_jax.cli import convert, generate, launch, preprocess
+from ptd_jax.cli import schedule as schedule_cli
 from ptd_jax.cli.train import main as train_main
 from ptd_jax.train import checkpoint
 from ptd_jax.runtime import multiprocess
@@ -308,7 +309,10 @@ def test_from_hf_refuses_a_config_with_fewer_layers_than_the_weights(two_steps, 
     Path("hf/config.json").write_text(json.dumps({**config, "n_layer": 1}))
     before = files_under(tmp_path)
     err = one_line(convert.main, ["from-hf", "--input", "hf", "--output", "new/ck"], capsys, 2, "ptd-convert")
-    assert "hf/model.safetensors holds 12 tensor(s) that hf/config.json does not account for, e.g. 'transformer.h.1." in err
+    assert (
+        "hf/model.safetensors holds 12 tensor(s) that hf/config.json does not account for, e.g. 'transformer.h.1."
+        in err
+    )
     assert "the config and the weights disagree (num_layers=1)" in err
     assert files_under(tmp_path) == before
 
@@ -356,6 +360,7 @@ def test_a_closed_stdout_ends_quietly(tool, two_steps, tmp_path):
     proc = run_into_a_closed_pipe(TOOL_MODULES[tool], *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert "WARNING:absl" not in proc.stderr, proc.stderr  # orbax's "Metadata file does not exist"
 
 
 def test_sigterm_in_preprocess_leaves_nothing(tmp_path):
@@ -381,3 +386,47 @@ def test_sigterm_in_preprocess_leaves_nothing(tmp_path):
     assert proc.returncode == 143, err
     assert err.splitlines() == ["ptd-preprocess: terminated (SIGTERM); nothing was written"]
     assert files_under(tmp_path) == {"big.txt"}
+
+
+# ptd-generate and ptd-preprocess: inputs accepted silently, messages that named every condition at once
+
+GENERATE_CASES = [
+    (["--seed", "-1"], "seed=-1 must be in [0, 2**32)"),
+    (["--temperature", "1.0", "--top-k", "0"], "ptd-generate: error: top_k=0 must be >= 1\n"),
+    (["--temperature=-1"], "ptd-generate: error: temperature=-1.0 must be a finite number >= 0 (0: greedy)\n"),
+    (["--top-p", "1.5"], "ptd-generate: error: top_p=1.5 must be in (0, 1]\n"),
+]
+
+
+@pytest.mark.parametrize("args, message", GENERATE_CASES, ids=[" ".join(a) for a, _ in GENERATE_CASES])
+def test_ptd_generate_refuses(args, message, two_steps, capsys):
+    argv = ["--load", str(two_steps), "--prompt-ids", "1,2", "--max-new-tokens", "2", *args]
+    assert message in one_line(generate.main, argv, capsys, 2, "ptd-generate")
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ""])
+def test_ptd_generate_refuses_empty_prompt_ids(ids, two_steps, capsys):
+    argv = ["--load", str(two_steps), "--prompt-ids", ids, "--max-new-tokens", "2"]
+    err = one_line(generate.main, argv, capsys, 2, "ptd-generate")
+    assert f"prompt_ids={ids!r} is not a comma-separated list of ids" in err
+
+
+def test_preprocess_refuses_json_keys_without_json_input(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("a.txt").write_text("some text")
+    argv = ["--input", "a.txt", "--output-prefix", "out", "--json-keys", "body", "--no-progress"]
+    err = one_line(preprocess.main, argv, capsys, 2, "ptd-preprocess")
+    assert "--json-keys body applies to JSON inputs (.json/.jsonl), and ['a.txt'] hold none" in err
+    assert files_under(tmp_path) == {"a.txt"}
+
+
+def test_an_unexpected_failure_is_one_line_and_ptd_debug_shows_the_traceback(monkeypatch, capsys):
+    def broken(argv):
+        raise ZeroDivisionError("division by zero\nsecond line")
+
+    monkeypatch.setattr(schedule_cli, "run", broken)
+    err = one_line(schedule_cli.main, [], capsys, 1, "ptd-schedule")
+    assert err == "ptd-schedule: error: ZeroDivisionError: division by zero (PTD_DEBUG=1 shows the traceback)\n"
+    monkeypatch.setenv("PTD_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        schedule_cli.main([])
