@@ -48,3 +48,22 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, argv, words):
     assert exit_code(main, argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "clocks_mhz, words",
+    [([1980, 1900], "holds 2 clocks (p=2) but the run has pipeline_model_parallel_size=1"), ([1980], "'cpu'")],
+)
+def test_ptd_train_refuses_a_plan_for_another_run(tmp_path, capsys, clocks_mhz, words):
+    """ptd-train --gpu-clock-plan: a plan for another p or GPU stops before training with one line, exit 2."""
+    from ptd_jax.cli.train import main as train_main
+
+    plan = tmp_path / "plan.json"
+    fields = {"format": PLAN_FORMAT, "hardware": "h200", "epsilon": 0.01, "max_clock_mhz": 1980}
+    plan.write_text(json.dumps({**fields, "clocks_mhz": clocks_mhz}))
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
+    layout = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1"]
+    layout += ["--global-batch-size", "8", "--no-progress", "--mock-data"]
+    assert exit_code(train_main, [*model, *layout, "--gpu-clock-plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err
