@@ -35,12 +35,12 @@ NOTES = [
     "record = the executor's stash buffers (stash.Record: pools rec F->I, hold F->W, w I->W), each pool allocated at "
     "its peak slot count over ranks x bytes per layer x layers per chunk; concurrent_peak: the most any one rank holds "
     "at once in the table (an arena per rank would need that)",
-    "t=1, 1.3B, b=1 per layer (h*s*b bf16 = 8 MiB): rec 32.2 MiB, hold 64, w 64: residuals 12 h*s (F->I), taps "
-    "16 h*s (I->W: the four matmuls' inputs 7h and output gradients 9h); a microbatch waiting for W costs more than "
-    "one waiting for I (the zero-bubble paper's M_W <= M_B does not hold with flash attention and no dropout)",
-    "four h-sized taps (the LN outputs / attention output fed to matmuls) land in w although four h-sized bf16 "
-    "residuals of the same length sit in rec: Record.layout matches on varying axes too, and the taps vary over "
-    "'tensor' (even at t=1) while those residuals vary over ('data', 'pipe') only",
+    "t=1, 1.3B, b=1 per layer (h*s*b bf16 = 8 MiB): rec 0.16 MiB (statistics), hold 96 MiB (the residuals, 12 h*s, "
+    "every one taken by a tap: the taps of tensor-replicated values are taken outside f/g, typed like the residual "
+    "stream), w 32 MiB for 1f1b (fc2's input: its W follows its I at once) and none for zb-h1/zb-v (W recomputes "
+    "fc2's input from fc1's): a microbatch waiting for its W holds what one waiting for its I holds",
+    "before commit cc64a78 (2026-12-04): rec 32.2, hold 64, w 64 MiB per layer (taps 16 h*s, four of them "
+    "typed varying over 'tensor' beside invariant residuals of their size); zb-h1/zb-v were 1.08-1.31 x 1f1b",
     "temp_gib_record_at_peak: an estimate, not compiled",
 ]
 # layout name: (preset, num_gpus, t, p, b, global batch, model overrides)
