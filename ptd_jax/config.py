@@ -279,11 +279,6 @@ class ModelConfig:
             self.rope_original_max_position >= 1,
             f"rope_original_max_position={self.rope_original_max_position} must be >= 1",
         )
-        _check(
-            self.window_size is None or self.attention_backend == "xla",
-            f"window_size={self.window_size} needs attention_backend='xla', got {self.attention_backend!r} "
-            f"(the kernels have no sliding window yet)",
-        )
 
     @property
     def head_dim(self) -> int:

@@ -249,16 +249,21 @@ def causal_attention(
     attention; R = 1 is multi-head), scores and softmax in float32: context [B, S, G, R, K]. The XLA path reads each
     key/value head once for its R queries. backend 'pallas' runs the fused flash-attention kernel (interpreted on
     CPU), whose query head h reads key/value head h // R in place; 'cudnn' jax.nn.dot_product_attention's cuDNN
-    path (grouped natively)."""
+    path (grouped natively). Each backend keeps a query to the `window_size` keys ending at its own, if given."""
     B, S, G, R, K = q_BxSxGxRxK.shape
     if backend in ("pallas", "cudnn"):
         q_BxSxHxK = q_BxSxGxRxK.reshape(B, S, G * R, K)
         if backend == "pallas":
             from pallas_kernels import flash_attention
 
-            out = flash_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, causal=True, interpret=interpret_kernels())
-        else:
-            out = jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, is_causal=True, implementation="cudnn")
+            out = flash_attention(
+                q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, causal=True, window_size=window_size, interpret=interpret_kernels()
+            )
+        else:  # cuDNN's window counts the keys left of the query: w - 1 of them, as the query sees itself too
+            window = None if window_size is None else (window_size - 1, 0)
+            out = jax.nn.dot_product_attention(
+                q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, is_causal=True, local_window_size=window, implementation="cudnn"
+            )
         return out.reshape(B, S, G, R, K)
     acc = acc_dtype(q_BxSxGxRxK.dtype)
     scores_BxGxRxSxS = jnp.einsum("bqgrk,bsgk->bgrqs", q_BxSxGxRxK, k_BxSxGxK, preferred_element_type=acc) / math.sqrt(

@@ -32,15 +32,19 @@ def test_swiglu_without_a_width_takes_megatrons_two_thirds():
     assert ModelConfig(hidden_size=128).ffn_size == 512 and ModelConfig(ffn_hidden_size=7, swiglu=True).ffn_size == 7
 
 
-def test_a_sliding_window_defaults_to_xla_attention_on_a_gpu(monkeypatch):
-    """The kernels have no window: on a GPU (and with --compile-only) a windowed model's default backend is XLA."""
+def test_a_sliding_window_defaults_to_the_flash_kernel_on_a_gpu(monkeypatch):
+    """The flash kernel has the sliding window: on a GPU (and with --compile-only) a windowed model's default
+    backend is the kernel, as any other model's."""
     from ptd_jax.cli.train import build_parser, model_config_from_args
     from ptd_jax.cli.train.compile_only import gpu_defaults
     from ptd_jax.runtime import platform
 
     monkeypatch.setattr(platform, "gpu_present", lambda: True)
     args = build_parser().parse_args(["--model-preset", "mistral-7b"])
-    assert model_config_from_args(args).attention_backend == "xla" and gpu_defaults(args)["attention_backend"] == "xla"
+    assert (
+        model_config_from_args(args).attention_backend == "pallas"
+        and gpu_defaults(args)["attention_backend"] == "pallas"
+    )
     args = build_parser().parse_args(["--model-preset", "llama3-8b"])
     assert (
         model_config_from_args(args).attention_backend == "pallas"
@@ -97,7 +101,6 @@ def test_the_count_equals_transformers_on_the_same_config(name):
         ),
         (["--window-size", "0"], "window_size=0 must be >= 1"),
         (["--rotary-base", "5"], "rotary_base=5.0 needs --position-embedding-type rope"),
-        (["--window-size", "4", "--attention-backend", "pallas"], "window_size=4 needs attention_backend='xla'"),
     ],
 )
 def test_bad_llama_switches_get_one_line_and_exit_2(argv, message, capsys):

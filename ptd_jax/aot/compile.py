@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.target import GpuTarget, compile_target
 from ptd_jax import model as gpt
 from ptd_jax.perf.hardware import Hardware, allocator_fraction
 from ptd_jax.analysis.hlo import collective_summary, collectives_by_axes, hlo_kernels
@@ -42,6 +43,13 @@ def topology_name(num_gpus: int) -> str:
         )
     per_host = min(num_gpus, GPUS_PER_HOST)
     return f"1x{num_gpus // per_host}x{per_host}"
+
+
+def kernel_target(target: Hardware) -> GpuTarget:
+    """The GPU the Pallas kernels choose their blocks for (compute capability, shared memory per block)."""
+    if target.chip is None:
+        raise ConfigError(f"target={target.name!r} has no chip description to compile for")
+    return GpuTarget(target.chip.compute_capability, target.chip.shared_memory_per_block_optin)
 
 
 def virtual_devices(target: Hardware, num_gpus: int) -> list:
@@ -105,7 +113,7 @@ def compile_steps(
     mesh = make_mesh(parallel, virtual_devices(target, num_gpus))
     parallel = on_mesh(parallel, mesh)
     optimizer = make_optimizer(train_cfg)
-    with gpt.kernels_for("gpu"):
+    with gpt.kernels_for("gpu"), compile_target(kernel_target(target)):  # the kernels' blocks fit the target's SMs
         state = init_sharded_state(
             jax.random.key(0), model_cfg, optimizer, mesh, parallel, shapes_only=True, train_cfg=train_cfg
         )

@@ -128,14 +128,68 @@ def check_default_kernels(model_cfg: ModelConfig, args) -> ModelConfig:
     by flag are used as asked, failures included."""
     import jax
 
+    if jax.default_backend() != "gpu":
+        return model_cfg
+    from pallas_kernels import current_target
+    from pallas_kernels.self_check import self_check_model
+
+    model_cfg = check_attention_kernels(model_cfg, args, current_target())
     attention = args.attention_backend is None and model_cfg.attention_backend == "pallas"
     fused = args.fused_kernels is None and model_cfg.fused_kernels
-    if jax.default_backend() != "gpu" or not (attention or fused):
+    if not (attention or fused):
         return model_cfg
-    from pallas_kernels.self_check import self_check_model
 
     failures = self_check_model(model_cfg, args.tensor_model_parallel_size)
     return apply_self_check(model_cfg, failures, attention=attention, fused=fused)
+
+
+def local_gpu_is_hopper() -> bool:
+    """Whether the GPU this process runs on is sm_90 or later (what jax's cuDNN attention asks; False without one)."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return False
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+    return tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)
+
+
+def cudnn_attention_problem(model_cfg: ModelConfig, hopper: bool) -> str | None:
+    """Why jax's cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`, jax 0.10) refuses
+    this model, or None. It takes float16 or bfloat16 and a head dim that is a multiple of 8, at most 128, or 256
+    when the GPU it runs on is Hopper or later: jax asks the local GPU, so a compile without one gets 128."""
+    if model_cfg.dtype not in ("bfloat16", "float16"):
+        return f"takes float16 or bfloat16 (--bf16, --fp16), got dtype={model_cfg.dtype!r}"
+    limit = 256 if hopper else 128
+    if model_cfg.head_dim > limit or model_cfg.head_dim % 8:
+        where = "" if hopper else " (256 on a Hopper GPU that jax runs on; without one jax applies 128)"
+        return f"takes head dims that are multiples of 8 up to {limit}{where}, got head_dim={model_cfg.head_dim}"
+    return None
+
+
+def check_attention_kernels(model_cfg: ModelConfig, args, target) -> ModelConfig:
+    """Attention that cannot compile for `target` (a `pallas_kernels.GpuTarget`), caught before anything is traced.
+    Flash attention whose smallest blocks exceed the target's shared memory per block falls back, when picked by
+    default, to cuDNN (within its limits) or XLA with one warning, and is refused in one line when asked for by
+    flag; cuDNN attention outside its limits is refused in one line."""
+    from pallas_kernels import NoBlockFits, choose_blocks
+
+    hopper = local_gpu_is_hopper()
+    if model_cfg.attention_backend == "pallas":
+        try:
+            choose_blocks(model_cfg.seq_length, model_cfg.head_dim, model_cfg.dtype, target)
+        except NoBlockFits as err:
+            if args.attention_backend is not None:
+                raise ConfigError(f"attention_backend='pallas': {err}; use --attention-backend xla or cudnn") from None
+            instead = "cudnn" if cudnn_attention_problem(model_cfg, hopper) is None else "xla"
+            print(f"ptd-train: warning: {err}; using attention by {instead} instead", file=sys.stderr)
+            return model_cfg.replace(attention_backend=instead)
+    if model_cfg.attention_backend == "cudnn":
+        problem = cudnn_attention_problem(model_cfg, hopper)
+        if problem is not None:
+            raise ConfigError(
+                f"attention_backend='cudnn': jax's cuDNN attention {problem}; use --attention-backend pallas or xla"
+            )
+    return model_cfg
 
 
 def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool, fused: bool) -> ModelConfig:

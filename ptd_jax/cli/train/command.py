@@ -139,6 +139,10 @@ def _main(argv) -> int:
         return errors.report("ptd-train", RunError(str(err)))
     except RuntimeError as err:  # XLA's out-of-memory, past the estimate of perf/memory.py
         multiprocess.exit_if_peer_failed(err, "ptd-train")
+        if SHARED_MEMORY_LIMIT in str(err):  # a kernel's tiles too large for one SM: a compile error, not memory
+            if errors.debug():
+                raise
+            return errors.report("ptd-train", RunError(kernel_limit_message(err)))
         if "RESOURCE_EXHAUSTED" not in str(err):
             if errors.debug():
                 raise
@@ -163,6 +167,20 @@ def _main(argv) -> int:
         except BrokenPipeError:
             errors.close_stdout_quietly()
     return 0
+
+
+SHARED_MEMORY_LIMIT = "Shared memory size limit exceeded"
+"""XLA:GPU's words when a Triton kernel's tiles need more shared memory than one block may have (a RESOURCE_EXHAUSTED
+status, like an allocation that does not fit the device)."""
+
+
+def kernel_limit_message(err: BaseException) -> str:
+    """A kernel that does not fit the GPU's shared memory, said as the compile error it is."""
+    line = next((x.strip() for x in str(err).splitlines() if SHARED_MEMORY_LIMIT in x), str(err).splitlines()[0])
+    return (
+        f"a kernel does not compile for this GPU, its blocks exceed the shared memory of one SM ({line[:300]}); not "
+        f"device memory: use --attention-backend xla or cudnn, or --no-fused-kernels"
+    )
 
 
 def _strict(value):

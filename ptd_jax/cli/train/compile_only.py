@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 
-from ptd_jax.config import model_preset
 from ptd_jax.perf.hardware import TARGETS
 
 GIB = 2**30
@@ -20,10 +19,8 @@ GIB = 2**30
 def gpu_defaults(args) -> dict:
     """ModelConfig fields the `auto` kernel defaults resolve to on a GPU: Pallas attention, fused kernels."""
     fields = {}
-    if args.attention_backend is None:  # the kernels have no sliding window yet: XLA's attention has
-        window = args.window_size if args.window_size is not None else model_preset(args.model_preset).window_size
-        # context parallelism attends by XLA blocks too (`parallel/context.py`)
-        fields["attention_backend"] = "xla" if window is not None or args.context_parallel_size > 1 else "pallas"
+    if args.attention_backend is None:  # context parallelism attends by XLA blocks (`parallel/context.py`)
+        fields["attention_backend"] = "xla" if args.context_parallel_size > 1 else "pallas"
     if args.fused_kernels is None:
         fields["fused_kernels"] = True
     return fields
@@ -59,9 +56,11 @@ def describe(s: dict) -> str:
 
 
 def run(args, model_cfg, parallel, train_cfg) -> int:
-    from ptd_jax.aot.compile import compile_steps, summary
+    from ptd_jax.aot.compile import compile_steps, kernel_target, summary
+    from ptd_jax.cli.train.checks import check_attention_kernels
 
     target = TARGETS[args.target]
+    model_cfg = check_attention_kernels(model_cfg, args, kernel_target(target))
     parallel, programs = compile_steps(model_cfg, parallel, train_cfg, target, parallel.num_devices)
     result = summary(model_cfg, parallel, target, parallel.num_devices, programs)
     print(json.dumps(result) if args.json else describe(result))

@@ -131,7 +131,7 @@ def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> Mod
         attention_backend=args.attention_backend
         or (
             "pallas"
-            if gpu and overrides.get("window_size", base.window_size) is None and args.context_parallel_size == 1
+            if gpu and args.context_parallel_size == 1
             else "xla"  # context parallelism attends by XLA blocks (`parallel/context.py`)
         ),
         fused_kernels=args.fused_kernels if args.fused_kernels is not None else gpu,
