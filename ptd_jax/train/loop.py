@@ -602,7 +602,7 @@ def _read_clock_plan(path: str | None, parallel: ParallelConfig) -> clocks.Clock
             f"pipeline_model_parallel_size={p}"
         )
     device = jax.local_devices()[0]
-    hw = for_device_kind(device.device_kind) if device.platform == "gpu" else None
+    hw = for_device_kind(device.device_kind)  # None on CPUs and GPUs outside the catalogue
     if hw is None or hw.name != plan.hardware:
         raise ConfigError(
             f"--gpu-clock-plan {path!r} is for hardware={plan.hardware!r} but this run's devices are "
