@@ -158,7 +158,7 @@ def train(
         )
     run, progress = _prepare(model_cfg, parallel, train_cfg, options)
     _announce(run)
-    timer = StepTimer(jax.block_until_ready, meter=_JobMeter.open())
+    timer = StepTimer(jax.block_until_ready, meter=_JobMeter.open([d for _, d in _local_mesh_devices(run.mesh)]))
     with _gpu_clocks(run, plan) as governor:  # locked before the first step, reset on every way out
         hooks = _hooks(run, progress, timer)
         if governor is not None:
@@ -571,8 +571,8 @@ class _JobMeter:
         self.source = meter.source + (f", summed over {n} processes" if n > 1 else "")
 
     @classmethod
-    def open(cls) -> _JobMeter:
-        devices = jax.local_devices()
+    def open(cls, devices: list) -> _JobMeter:
+        """The meter of `devices` (this process's devices of the mesh)."""
         platform = devices[0].platform
         indices = [clocks.nvml_index(d.local_hardware_id or 0) for d in devices] if platform == "gpu" else None
         return cls(energy.open_meter(platform, indices))
@@ -621,16 +621,26 @@ def _gpu_clocks(run: _Run, plan: clocks.ClockPlan | None):
     if nvml is None:
         raise ConfigError("--gpu-clock-plan needs NVML: pip install 'ptd_jax[energy]' (nvidia-ml-py) and a driver")
     pipe = run.mesh.axis_names.index("pipe")
-    planned = {}
-    for device in jax.local_devices():
-        rank = int(np.argwhere(run.mesh.devices == device)[0][pipe])
-        planned[clocks.nvml_index(device.local_hardware_id or 0)] = plan.clocks_mhz[rank]
+    planned = {
+        clocks.nvml_index(device.local_hardware_id or 0): plan.clocks_mhz[where[pipe]]
+        for where, device in _local_mesh_devices(run.mesh)
+    }
     try:
         locks = clocks.ClockLocks(nvml, dict.fromkeys(planned, plan.max_clock_mhz), run.logger.message)
         with locks:
             yield clocks.Governor(locks, planned, plan, run.logger.message)
     except clocks.ClockError as err:
         raise ConfigError(str(err)) from None
+
+
+def _local_mesh_devices(mesh) -> list[tuple[tuple[int, ...], object]]:
+    """(mesh coordinates, device) of this process's devices in the mesh (a run may use fewer than are here)."""
+    here = jax.process_index()
+    return [
+        (where, mesh.devices[where])
+        for where in np.ndindex(mesh.devices.shape)
+        if mesh.devices[where].process_index == here
+    ]
 
 
 def _govern(governor: clocks.Governor, progress: _Progress) -> None:

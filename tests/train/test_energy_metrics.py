@@ -104,3 +104,34 @@ def test_a_clock_plan_for_another_run_is_refused_before_anything_runs(tmp_path):
     path.write_text("{")
     with pytest.raises(ConfigError, match="does not parse"):
         train(TINY, PARALLEL, cfg, RunOptions(gpu_clock_plan=str(path)))
+
+
+@pytest.mark.slow  # two training runs: ~20 s of one core each
+def test_a_clock_plan_is_locked_governed_and_reset_through_the_loop(small_corpus, tmp_path, monkeypatch):
+    """With a fake NVML standing in for the driver and the CPU taken for an H200: full clock for the first windows,
+    then the plan's clock, reset at the end and when the run fails."""
+    from ptd_jax.perf.hardware import HARDWARE
+    from ptd_jax.train import loop
+    from tests.helpers.nvml import FakeNvml
+
+    nvml = FakeNvml(gpus=8)
+    monkeypatch.setattr(energy, "load_nvml", lambda: nvml)
+    monkeypatch.setattr(loop, "for_device_kind", lambda kind: HARDWARE["h200"])
+    path = tmp_path / "plan.json"
+    plan = {"format": clocks.PLAN_FORMAT, "hardware": "h200", "epsilon": 0.5, "max_clock_mhz": 1980}
+    path.write_text(json.dumps({**plan, "clocks_mhz": [1500]}))
+    cfg = TrainConfig(train_iters=2 + clocks.WINDOW, lr=1e-3, lr_warmup_iters=0, log_interval=1, eval_iters=0)
+    options = dict(data_path=small_corpus, progress=False, reference_step=True, peak_tflops=1.0)
+    summary = train(TINY, PARALLEL, cfg, RunOptions(gpu_clock_plan=str(path), **options))
+    (gpu,) = {call[1] for call in nvml.calls}
+    assert nvml.calls == [("lock", gpu, 1980, 1980), ("lock", gpu, 1500, 1500), ("reset", gpu)]
+    assert [e["event"] for e in summary["gpu_clock_events"]] == ["plan locked"]
+
+    def fail(record):
+        if record["iteration"] == 3:
+            raise RuntimeError("a failed step")
+
+    nvml.calls.clear()
+    with pytest.raises(RuntimeError, match="a failed step"):
+        train(TINY, PARALLEL, cfg, RunOptions(gpu_clock_plan=str(path), on_record=fail, **options))
+    assert nvml.calls == [("lock", gpu, 1980, 1980), ("reset", gpu)] and nvml.locked == {}
