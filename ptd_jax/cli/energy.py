@@ -88,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--epsilon", type=_epsilon, default=0.0, help="slowdown budget: step time <= (1 + eps) x full")
     e.add_argument("--profile", help="a measured clock sweep (JSON, docs/architecture.md 'Energy') for --hardware")
     e.add_argument("--max-nodes", type=positive_int, default=energy.MAX_NODES, help="search nodes before stopping")
+    e.add_argument("--frontier", action="store_true", help="print the time-energy frontier (--plot draws it)")
     e.add_argument("--plot", help="write the time-energy frontier (PNG)")
     e.add_argument("--output", help="write the plan for ptd-train --gpu-clock-plan (JSON)")
     e.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -151,6 +152,7 @@ def plan_record(best: energy.Plan, request: dict, bound: float, power) -> dict:
         "epsilon": best.epsilon,
         "clocks_mhz": list(best.clocks),
         "max_clock_mhz": power.max_mhz,
+        "clock_step_mhz": power.step_mhz,
         "power_model": power.source,
         "predicted": {
             "time_s": best.time_s,
@@ -229,12 +231,13 @@ def run(args) -> dict:
     best = energy.plan(problem, args.epsilon, args.max_nodes)
     bound = energy.per_action_bound(problem, args.epsilon)
     record = plan_record(best, request, bound, problem.power)
-    if args.plot:
+    if args.plot or args.frontier:
         epsilons = sorted({*energy.FRONTIER_EPSILONS, args.epsilon})
         front = energy.frontier(problem, epsilons, args.max_nodes)
         record["frontier"] = [
             {"epsilon": q.epsilon, "saving": q.saving, "slowdown": q.slowdown, "exact": q.exact} for q in front.plans
         ]
+    if args.plot:
         title = f"{request['schedule']} p={request['p']} v={request['v']} m={request['m']} on {request['hardware']}"
         plot_frontier(front, args.plot, title)
         record["plot"] = args.plot

@@ -67,8 +67,14 @@ def read_plan(path: str | Path) -> ClockPlan:
     fields = (data.get("epsilon"), data.get("max_clock_mhz"), *(clocks if isinstance(clocks, list) else [None]))
     if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in fields) or not clocks:
         raise ClockError(f"--gpu-clock-plan {str(path)!r}: clocks_mhz, epsilon and max_clock_mhz must be numbers")
-    return ClockPlan(tuple(float(f) for f in clocks), str(data.get("hardware")), float(data["epsilon"]),
-                     float(data["max_clock_mhz"]), path=str(path))  # fmt: skip
+    return ClockPlan(
+        clocks_mhz=tuple(float(f) for f in clocks),
+        hardware=str(data.get("hardware")),
+        epsilon=float(data["epsilon"]),
+        max_clock_mhz=float(data["max_clock_mhz"]),
+        step_mhz=float(data.get("clock_step_mhz") or 15.0),
+        path=str(path),
+    )
 
 
 def nvml_index(local_hardware_id: int, visible: str | None = None) -> int:
