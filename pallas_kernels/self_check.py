@@ -31,8 +31,8 @@ def error_text(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
 
 
-def _cases(hidden: int, head_dim: int, seq: int, vocab_shard: int, vocab_real: int, dtype):
-    """One small case per kernel at the model's own widths (those decide tiles, masks and padding)."""
+def _cases(hidden: int, head_dim: int, seq: int, vocab_shard: int, vocab_real: int, dtype, window_size=None):
+    """One small case per kernel at the model's own widths (those decide tiles, masks and padding) and window."""
     k = jax.random.split(jax.random.key(0), 8)
     qkv = [jax.random.normal(kk, (1, seq, 1, head_dim), jnp.float32).astype(dtype) for kk in k[:3]]
     x = jax.random.normal(k[3], (8, hidden), jnp.float32).astype(dtype)
@@ -42,8 +42,8 @@ def _cases(hidden: int, head_dim: int, seq: int, vocab_shard: int, vocab_real: i
     labels = jax.random.randint(k[7], (8,), 0, vocab_real)
     return {
         "flash_attention": (
-            lambda interpret: lambda *a: flash_attention(*a, interpret=interpret),
-            flash_attention_reference,
+            lambda interpret: lambda *a: flash_attention(*a, window_size=window_size, interpret=interpret),
+            lambda *a: flash_attention_reference(*a, window_size=window_size),
             qkv,
         ),
         "layer_norm": (
@@ -67,11 +67,13 @@ def self_check(
     vocab_shard: int = 512,
     vocab_real: int = 500,
     dtype=jnp.bfloat16,
+    window_size: int | None = None,
     interpret: bool = False,
 ) -> dict[str, str | None]:
     """{kernel: None if its forward and all gradients match the reference, else why not (one line)}."""
     results = {}
-    for name, (make, reference, args) in _cases(hidden, head_dim, seq, vocab_shard, vocab_real, dtype).items():
+    cases = _cases(hidden, head_dim, seq, vocab_shard, vocab_real, dtype, window_size)
+    for name, (make, reference, args) in cases.items():
         fn = make(interpret)
         probe = jax.random.normal(jax.random.key(1), jax.eval_shape(reference, *args).shape, jnp.float32)
 
@@ -90,8 +92,8 @@ def self_check(
 
 
 def self_check_model(cfg, tensor_parallel_size: int = 1, interpret: bool = False) -> dict[str, str | None]:
-    """`self_check` at a `ptd_jax.config.ModelConfig`'s widths: hidden size, head dim, sequence length, and this
-    tensor-parallel size's vocabulary shard."""
+    """`self_check` at a `ptd_jax.config.ModelConfig`'s widths: hidden size, head dim, sequence length, sliding
+    window, and this tensor-parallel size's vocabulary shard."""
     shard = cfg.padded_vocab_size(tensor_parallel_size) // tensor_parallel_size
     return self_check(
         hidden=cfg.hidden_size,
@@ -100,5 +102,6 @@ def self_check_model(cfg, tensor_parallel_size: int = 1, interpret: bool = False
         vocab_shard=shard,
         vocab_real=min(cfg.vocab_size, shard),
         dtype=jnp.dtype(cfg.dtype),
+        window_size=cfg.window_size,
         interpret=interpret,
     )

@@ -304,3 +304,14 @@ def test_the_window_makes_the_work_linear_in_the_sequence():
 
     assert pairs(None) == (64 * 65 // 2, 64 * 65 // 2)
     assert pairs(256) == (310, 310)
+
+
+def test_the_gpu_self_check_runs_the_models_window():
+    """`ptd-train`'s self-check on a GPU tries the kernel at the model's window (here 7 of 40 tokens, padded)."""
+    from pallas_kernels.self_check import self_check
+
+    assert self_check(hidden=16, head_dim=8, seq=40, vocab_shard=32, vocab_real=30, window_size=7, interpret=True) == {
+        "flash_attention": None,
+        "layer_norm": None,
+        "cross_entropy": None,
+    }
