@@ -15,8 +15,12 @@
 from __future__ import annotations
 
 import re
+import socket
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 POWERCAP = "/sys/class/powercap"
 _PACKAGE = re.compile(r"^intel-rapl:\d+$")
@@ -34,6 +38,8 @@ class Window:
 class Unavailable:
     """No counter to read: `read()` is None and `source` says why."""
 
+    per_host = False
+
     def __init__(self, why: str):
         self.source = f"unavailable: {why}"
 
@@ -43,6 +49,9 @@ class Unavailable:
 
 class RaplMeter:
     """Cumulative joules of the CPU packages' RAPL counters under a powercap folder, wrap-around included."""
+
+    per_host = True
+    """Every process on a host reads the same packages: the job counts one per host (`job_total`)."""
 
     def __init__(self, root: str | Path = POWERCAP):
         zones = sorted(p for p in Path(root).glob("intel-rapl:*") if _PACKAGE.match(p.name))
@@ -74,6 +83,8 @@ class RaplMeter:
 class NvmlMeter:
     """Cumulative joules of NVML's total-energy counters of the devices at `indices` (NVML's numbering)."""
 
+    per_host = False
+
     def __init__(self, nvml, indices: list[int]):
         self._nvml = nvml
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
@@ -86,6 +97,23 @@ class NvmlMeter:
     def read(self) -> float:
         """Joules since this meter was opened (the counter is 64-bit millijoules: it does not wrap)."""
         return (self._total() - self._start) / 1e3
+
+
+def host_id() -> int:
+    """This host's number in `job_total`'s rows (a CRC of its name)."""
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def job_total(rows: np.ndarray, per_host: bool) -> float | None:
+    """The job's joules from every process's (host id, joules) row: None when any process has none (NaN); a counter
+    of the whole host (RAPL) counted once per host, one of the process's own devices (NVML) from every process."""
+    rows = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+    if np.isnan(rows[:, 1]).any():
+        return None
+    if per_host:
+        _, first = np.unique(rows[:, 0], return_index=True)
+        rows = rows[first]
+    return float(rows[:, 1].sum())
 
 
 def load_nvml():

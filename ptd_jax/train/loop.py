@@ -583,8 +583,8 @@ class _JobMeter:
             return local
         from jax.experimental import multihost_utils
 
-        values = np.asarray(multihost_utils.process_allgather(np.array(np.nan if local is None else local)))
-        return None if np.isnan(values).any() else float(values.sum())
+        row = np.array([energy.host_id(), np.nan if local is None else local], dtype=np.float64)
+        return energy.job_total(np.asarray(multihost_utils.process_allgather(row)), self._meter.per_host)
 
 
 def _read_clock_plan(path: str | None, parallel: ParallelConfig) -> clocks.ClockPlan | None:

@@ -83,3 +83,11 @@ def test_nvml_on_this_gpu():
     x.block_until_ready()
     assert meter.read() > 0
     del pynvml
+
+
+def test_the_job_counts_a_host_counter_once_per_host():
+    rows = [[7, 10.0], [7, 10.0], [9, 4.0]]  # two processes on host 7 read the same RAPL packages
+    assert energy.job_total(rows, per_host=True) == 14.0
+    assert energy.job_total(rows, per_host=False) == 24.0  # NVML: each process's own GPUs
+    assert energy.job_total([[7, 1.0], [9, float("nan")]], per_host=False) is None
+    assert energy.RaplMeter.per_host and not energy.NvmlMeter.per_host
