@@ -569,6 +569,11 @@ class _JobMeter:
         self._meter = meter
         n = jax.process_count()
         self.source = meter.source + (f", summed over {n} processes" if n > 1 else "")
+        # several processes: one gather now says whether every process has a counter; if one has none, the job's
+        # energy is unknown and no process gathers again
+        self._gather = n > 1 and self._gathered(meter.read()) is not None
+        if n > 1 and not self._gather:
+            self.source = "unavailable: a process of the job has no energy counter"
 
     @classmethod
     def open(cls, devices: list) -> _JobMeter:
@@ -578,9 +583,11 @@ class _JobMeter:
         return cls(energy.open_meter(platform, indices))
 
     def read(self) -> float | None:
-        local = self._meter.read()
         if jax.process_count() == 1:
-            return local
+            return self._meter.read()
+        return self._gathered(self._meter.read()) if self._gather else None
+
+    def _gathered(self, local: float | None) -> float | None:
         from jax.experimental import multihost_utils
 
         row = np.array([energy.host_id(), np.nan if local is None else local], dtype=np.float64)
