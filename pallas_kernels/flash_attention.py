@@ -124,7 +124,7 @@ def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float |
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class KernelConfig:
     """What every kernel is specialised on (hashable: the custom VJP's non-differentiable argument)."""
 
     causal: bool
@@ -139,7 +139,7 @@ class _Static:
     interpret: bool
 
 
-def key_blocks(i, c: _Static):
+def key_blocks(i, c: KernelConfig):
     """[first, end) of the key blocks that query block i sees: up to the diagonal if causal, from the window's
     start (the key q − w + 1 of its first row q) with a window."""
     end = pl.cdiv((i + 1) * c.block_q, c.block_k) if c.causal else c.seq_len // c.block_k
@@ -147,7 +147,7 @@ def key_blocks(i, c: _Static):
     return first, end
 
 
-def query_blocks(j, c: _Static):
+def query_blocks(j, c: KernelConfig):
     """[first, end) of the query blocks that see key block j: from the diagonal if causal, up to the last query
     whose window holds the block's last key (k + w − 1) with a window."""
     first = (j * c.block_k) // c.block_q if c.causal else 0
@@ -157,7 +157,7 @@ def query_blocks(j, c: _Static):
     return first, end
 
 
-def _visible(q_start, k_start, c: _Static):
+def _visible(q_start, k_start, c: KernelConfig):
     """Which (query, key) pairs of a block pair may attend: key <= query if causal, query − w < key with a window,
     key < kv_len if padded. None when every pair may."""
     rows = q_start + jax.lax.broadcasted_iota(jnp.int32, (c.block_q, c.block_k), 0)
@@ -172,7 +172,7 @@ def _visible(q_start, k_start, c: _Static):
     return mask
 
 
-def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):
+def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: KernelConfig):
     i = ids[2]
     q = q_ref[...]  # [bq, K]
     m0 = jnp.full((c.block_q,), -jnp.inf, jnp.float32)
@@ -204,7 +204,7 @@ def _fwd_kernel(ids, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l))
 
 
-def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, c: _Static):
+def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, c: KernelConfig):
     j = ids[2]
     k = k_ref[...]  # [bk, K]
     v = v_ref[...]
@@ -234,7 +234,7 @@ def _dkdv_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, d
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, c: _Static):
+def _dq_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, c: KernelConfig):
     i = ids[2]
     q = q_ref[...]
     do = do_ref[...]
@@ -258,7 +258,7 @@ def _dq_kernel(ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, 
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _specs(S, K, c: _Static, group: int = 1):
+def _specs(S, K, c: KernelConfig, group: int = 1):
     """BlockSpecs over the grid (batch, query head, block): a block of rows, the whole sequence, per-row vectors.
     `group` R query heads share one key/value head (grouped-query attention): the key/value specs (`rows_kv`,
     `whole_kv`) read head h // R, so no repeated copy of K and V exists."""
@@ -294,7 +294,7 @@ def _check(q, k, v, causal, window_size):
         raise ValueError(f"window_size={window_size} needs causal attention and must be at least 1, got {causal=}")
 
 
-def forward(q, k, v, c: _Static):
+def forward(q, k, v, c: KernelConfig):
     """(o, lse): the output [B, S, H, K] and the log-sum-exp per row [B, H, S]."""
     B, S, H, K = q.shape
     rows_q, _, _, _, whole_kv, vec_q, _ = _specs(S, K, c, H // k.shape[2])
@@ -310,7 +310,7 @@ def forward(q, k, v, c: _Static):
     )(q, k, v)
 
 
-def dkdv(q, k, v, do, lse, delta, c: _Static):
+def dkdv(q, k, v, do, lse, delta, c: KernelConfig):
     """(dk, dv) per query head [B, S, H, K]: float32 where a group of several query heads will sum them."""
     B, S, H, K = q.shape
     G = k.shape[2]
@@ -330,7 +330,7 @@ def dkdv(q, k, v, do, lse, delta, c: _Static):
     )(q, k, v, do, lse, delta)
 
 
-def dq(q, k, v, do, lse, delta, c: _Static):
+def dq(q, k, v, do, lse, delta, c: KernelConfig):
     B, S, H, K = q.shape
     rows_q, _, _, _, whole_kv, vec_q, _ = _specs(S, K, c, H // k.shape[2])
     return pallas_call(
@@ -345,7 +345,7 @@ def dq(q, k, v, do, lse, delta, c: _Static):
     )(q, k, v, do, lse, delta)
 
 
-def _backward(c: _Static, residuals, do):
+def _backward(c: KernelConfig, residuals, do):
     """(dq, dk, dv) from the forward's residuals (q, k, v, o, lse) and the output's cotangent `do`."""
     q, k, v, o, lse = residuals
     B, S, H, K = q.shape
@@ -358,11 +358,11 @@ def _backward(c: _Static, residuals, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, c: _Static):
+def _flash(q, k, v, c: KernelConfig):
     return forward(q, k, v, c)[0]
 
 
-def _flash_fwd(q, k, v, c: _Static):
+def _flash_fwd(q, k, v, c: KernelConfig):
     o, lse = forward(q, k, v, c)
     return o, (q, k, v, o, lse)
 
@@ -393,7 +393,7 @@ def flash_attention(
         block_sizes = choose_blocks(seq_len, head_dim, q.dtype)
     blocks, padded = block_sizes.for_seq(seq_len)
     window = None if window_size is None or window_size >= seq_len else int(window_size)
-    c = _Static(causal, scale, blocks.block_q, blocks.block_k, padded, seq_len, window, interpret)
+    c = KernelConfig(causal, scale, blocks.block_q, blocks.block_k, padded, seq_len, window, interpret)
     width = max(MIN_TILE, pl.next_power_of_2(head_dim))  # zero head-dim columns change no score, give zero output
     if (padded, width) == (seq_len, head_dim):
         return _flash(q, k, v, c)

@@ -97,12 +97,12 @@ def test_the_shared_memory_model_bounds_what_triton_asks_for(name, dtype, width,
     """Each kernel compiled alone for the target with a 1-byte limit, so that Triton's error names what it
     needs: `shared_memory_bytes` is never below it (exact where this test pins it). Default run: 8 cases, the
     largest and a small one; -m slow: 60 (every candidate block at widths 64, 128, 256)."""
-    from pallas_kernels.flash_attention import _Static, dkdv, dq, forward
+    from pallas_kernels.flash_attention import KernelConfig, dkdv, dq, forward
 
     chip = dataclasses.replace(TARGETS[name].chip, shared_memory_per_block_optin=1)
     gpu = one_gpu(name, chip)
     S = 256
-    c = _Static(True, 0.1, blocks.block_q, blocks.block_k, S, S, None, False)
+    c = KernelConfig(True, 0.1, blocks.block_q, blocks.block_k, S, S, None, False)
     x = jax.ShapeDtypeStruct((1, S, 2, width), jnp.dtype(dtype), sharding=gpu)
     rows = jax.ShapeDtypeStruct((1, 2, S), jnp.float32, sharding=gpu)
     target = kernel_target(TARGETS[name])

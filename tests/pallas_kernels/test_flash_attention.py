@@ -294,10 +294,10 @@ def test_the_window_makes_the_work_linear_in_the_sequence():
     """O(s·w), not O(s²): at s = 4096, w = 256 and blocks of 64 each query block visits w/64 + 1 = 5 key blocks (the
     first four fewer: 60·5 + 1 + 2 + 3 + 4 = 310 pairs, against causal attention's 64·65/2 = 2080), and the dK/dV
     kernel visits as many."""
-    from pallas_kernels.flash_attention import _Static, key_blocks, query_blocks
+    from pallas_kernels.flash_attention import KernelConfig, key_blocks, query_blocks
 
     def pairs(window):
-        c = _Static(True, 1.0, 64, 64, 4096, 4096, window, True)
+        c = KernelConfig(True, 1.0, 64, 64, 4096, 4096, window, True)
         forward = sum(int(end) - int(first) for first, end in (key_blocks(i, c) for i in range(64)))
         backward = sum(int(end) - int(first) for first, end in (query_blocks(j, c) for j in range(64)))
         return forward, backward
