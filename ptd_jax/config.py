@@ -391,6 +391,16 @@ class ParallelConfig:
         spec = schedule_spec(self.pipeline_schedule)
         _check(self.cp_comm_type in CP_COMM_TYPES, f"cp_comm_type={self.cp_comm_type!r} is not one of {CP_COMM_TYPES}")
         _check(
+            self.context_parallel_size == 1
+            or self.cp_comm_type != "p2p"
+            or self.pipeline_model_parallel_size == 1
+            or (spec.rows == "lockstep" and self.pipeline_branching != "per-rank"),
+            f"cp_comm_type='p2p' with pipeline_model_parallel_size={self.pipeline_model_parallel_size} needs a "
+            f"lockstep schedule under uniform branching (the ring's collective-permute over context gives wrong "
+            f"values in pipe-divergent branches on XLA:CPU), got pipeline_schedule={self.pipeline_schedule!r}, "
+            f"pipeline_branching={self.pipeline_branching!r}; cp_comm_type='all_gather' runs every schedule",
+        )
+        _check(
             self.pipeline_branching in PIPELINE_BRANCHINGS,
             f"pipeline_branching={self.pipeline_branching!r} is not one of {PIPELINE_BRANCHINGS}",
         )

@@ -371,6 +371,7 @@ RECOMPUTED_PRIMITIVES = frozenset(
         "min",
         "abs",
         "sign",
+        "rem",
         "exp",
         "log",
         "log1p",
@@ -419,11 +420,13 @@ RECOMPUTED_PRIMITIVES = frozenset(
         "stop_gradient",
         "pvary",
         "pcast",
+        "axis_index",
     }
 )
 """Elementwise, layout and reduction primitives: what a layer recomputes in its backward under none and selective
-(`remat_layer`). Everything else is kept: the outputs of matmuls, collectives (but the all-gather below) and random
-bits, and the values named below."""
+(`remat_layer`); and `axis_index`, free to recompute (kept, a context rank's index would be a residual that varies
+over "context" alone, which the pipeline's record, typed like the activations, cannot hold). Everything else is
+kept: the outputs of matmuls, collectives (but the all-gather below) and random bits, and the values named below."""
 REGATHERED_PRIMITIVES = frozenset({"all_gather"})
 """Sequence parallelism's all-gather (`parallel.tensor.gather_from_sequence_region`, the only all-gather inside a
 layer): its output, the whole sequence [B, S, D] of a LayerNorm's output, is not kept; the backward issues it again

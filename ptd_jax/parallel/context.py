@@ -171,7 +171,8 @@ def gathered_attention(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, cfg: ModelConfig, k
     n = q_BxSlxGxRxK.shape[SEQ_DIM]
     k_BxSxGxK = jax.lax.all_gather(k_BxSlxGxK, CONTEXT, axis=SEQ_DIM, tiled=True)
     v_BxSxGxK = jax.lax.all_gather(v_BxSlxGxK, CONTEXT, axis=SEQ_DIM, tiled=True)
-    k_pos = jnp.asarray(load_balanced_order(n * c, c))
+    # the gathered keys' positions, from iotas (an array constant would be stashed, and typed unlike activations)
+    k_pos = jnp.concatenate([chunk_positions(r, c, n) for r in range(c)])
     scores_BxGxRxSlxS = _scores(q_BxSlxGxRxK, k_BxSxGxK, local_positions(n), k_pos, cfg.window_size)
     probs = jax.nn.softmax(scores_BxGxRxSlxS, axis=-1)
     probs = gpt.dropout(probs, cfg.attention_dropout, per_rank_key(key)).astype(v_BxSxGxK.dtype)
@@ -191,17 +192,25 @@ def _send(tree, c: int):
     return jax.lax.ppermute(tree, CONTEXT, [(i, (i + 1) % c) for i in range(c)])
 
 
+def _source(rank, j: int, c: int):
+    """The rank whose K/V block this rank holds after j hops: (rank − j) mod c (`lax.rem`, which a layer's
+    recompute policy recomputes rather than stashes, `model.RECOMPUTED_PRIMITIVES`)."""
+    return jax.lax.rem(rank + (c - j), jnp.asarray(c, rank.dtype))
+
+
 def _halves(x, axis: int):
     n = x.shape[axis] // 2
     return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
 
 
-def _any_visible(q_pos, k_pos, window):
-    """Whether any key of a chunk is visible from any query of a chunk (chunks are contiguous, ascending)."""
+def _any_visible(q_pos, k_pos, window, like):
+    """Whether any key of a chunk is visible from any query of a chunk (chunks are contiguous, ascending), typed to
+    vary like `like`: a recompute policy may stash a `cond`'s index, and the pipeline's record holds what varies
+    over "pipe" as the activations do."""
     seen = k_pos[0] <= q_pos[-1]
     if window is not None:
         seen &= k_pos[-1] > q_pos[0] - window
-    return seen
+    return mark_varying(seen, tuple(sorted(varying_axes(like))))
 
 
 def _zeros(shape, dtype, *like):
@@ -239,12 +248,12 @@ def _ring_forward(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring: Ring):
     kv = (k_BxSlxGxK, v_BxSlxGxK)
     for j in range(c):
         arriving = _send(kv, c) if j < c - 1 else None  # issued before this block's compute: they can overlap
-        k_pos = _halves(chunk_positions((rank - j) % c, c, n), 0)
+        k_pos = _halves(chunk_positions(_source(rank, j, c), c, n), 0)
         ks, vs = _halves(kv[0], 1), _halves(kv[1], 1)
         for a in range(2):
             for b in range(2):
                 accs[a] = jax.lax.cond(
-                    _any_visible(q_pos[a], k_pos[b], window),
+                    _any_visible(q_pos[a], k_pos[b], window, like=kv[0]),
                     partial(_merge, window=window),
                     lambda acc, *_: acc,
                     accs[a],
@@ -303,12 +312,12 @@ def _ring_bwd(ring: Ring, residuals, d_out):
     kv = (k, v)
     for j in range(c):
         arriving = _send(kv, c) if j < c - 1 else None
-        k_pos = _halves(chunk_positions((rank - j) % c, c, n), 0)
+        k_pos = _halves(chunk_positions(_source(rank, j, c), c, n), 0)
         ks, vs = _halves(kv[0], 1), _halves(kv[1], 1)
         for b in range(2):
             for a in range(2):
                 dqs[a], dkv[b], dkv[2 + b] = jax.lax.cond(
-                    _any_visible(q_pos[a], k_pos[b], window),
+                    _any_visible(q_pos[a], k_pos[b], window, like=kv[0]),
                     partial(_grad_block, window=window),
                     lambda grads, *_: grads,
                     (dqs[a], dkv[b], dkv[2 + b]),

@@ -46,10 +46,10 @@ def on_mesh(parallel: ParallelConfig, mesh) -> ParallelConfig:
     """`parallel` with "auto" branching resolved for the platform of the mesh's devices (not the process's default
     backend, which need not be the one a step is built for)."""
     platform = mesh.devices.flat[0].platform
-    return dataclasses.replace(
-        parallel,
-        pipeline_branching=resolve_branching(parallel.pipeline_branching, platform, parallel.pipeline_schedule),
-    )
+    branching = resolve_branching(parallel.pipeline_branching, platform, parallel.pipeline_schedule)
+    if parallel.context_parallel_size > 1 and parallel.cp_comm_type == "p2p" and parallel.pipeline_branching == "auto":
+        branching = "uniform"  # the ring over context in no pipe-divergent branch (`ParallelConfig`'s rule)
+    return dataclasses.replace(parallel, pipeline_branching=branching)
 
 
 def init_sharded_state(

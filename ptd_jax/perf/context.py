@@ -1,0 +1,84 @@
+"""Context parallelism in the performance model: a layer's traffic over the "context" axis, its time (the ring
+overlapped with the blocks' attention, or not when the blocks are too small) and its stash per GPU
+(`parallel/context.py`). Pure Python; the planner (`perf/memory.py`, `perf/timing.py`) composes these.
+
+Per layer and microbatch, one device, b tokens-rows, S sequence, c context ranks, G key/value heads over t, K head
+dim:
+- p2p: forward c − 1 hops of K and V (2·b·(S/c)·(G/t)·K in the compute dtype); backward c − 1 hops again and c hops
+  of dK/dV in float32. Each hop overlaps the attention of the block in hand: what is exposed is max(0, hop − block)
+  per hop (backward: the K/V and dK/dV hops against twice the block), and the last dK/dV hop.
+- all_gather: forward and the backward's re-gather (c − 1)/c of 2·b·S·(G/t)·K each; the reduce-scatter of dK/dV the
+  same in float32. Nothing overlaps.
+Everything else in a layer is token-wise: its time and its stash are those of S/c tokens.
+"""
+
+from __future__ import annotations
+
+from ptd_jax.config import ModelConfig, ParallelConfig
+from ptd_jax.perf.hardware import Hardware
+
+HALF, FLOAT = 2, 4
+
+
+def kv_block_bytes(cfg: ModelConfig, parallel: ParallelConfig, bytes_per_element: int = HALF) -> float:
+    """One rank's K and V: 2·b·(S/c)·(G/t)·K elements, the unit the ring moves per hop."""
+    c, t = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    b, S = parallel.micro_batch_size, cfg.seq_length
+    return bytes_per_element * 2 * b * (S / c) * (cfg.num_groups / t) * cfg.head_dim
+
+
+def context_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> dict[str, float]:
+    """Bytes one device receives over "context" in one layer per microbatch, {"forward", "backward"}; 0 at c = 1.
+    `experiments/bench/counts/context_comm.py` checks these against the compiled HLO."""
+    c = parallel.context_parallel_size
+    if c == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    kv, grads = kv_block_bytes(cfg, parallel), kv_block_bytes(cfg, parallel, FLOAT)
+    if parallel.cp_comm_type == "p2p":
+        return {"forward": (c - 1) * kv, "backward": (c - 1) * kv + c * grads}
+    gathered = (c - 1) * kv  # (c − 1)/c of the c·kv gathered
+    return {"forward": gathered, "backward": gathered + (c - 1) * grads}
+
+
+def attention_flops_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Forward FLOPs of one device's causal attention core in one layer per microbatch (q·kᵀ and p·v over the
+    half of the S/c × S square that the causal mask leaves, as the ring's skipped blocks leave it)."""
+    c, t = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    b, S = parallel.micro_batch_size, cfg.seq_length
+    heads = cfg.num_attention_heads / t
+    return 2 * 2 * b * heads * cfg.head_dim * (S / c) * S / 2
+
+
+def context_seconds_per_layer(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> dict[str, float]:
+    """Exposed communication seconds of one layer per microbatch, {"forward", "backward"}: p2p hides each hop behind
+    the attention of the block in hand (1/c of the layer's attention forward, twice that backward) and exposes the
+    rest; all_gather exposes all. The ring stays on NVLink when c·t GPUs fit in a node (context sits next to tensor
+    in the mesh, `parallel/mesh.py`)."""
+    c, t = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    if c == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    within = c * t <= hw.gpus_per_node
+    moved = context_bytes_per_layer(cfg, parallel)
+    if parallel.cp_comm_type != "p2p":
+        return {k: hw.allgather_seconds(v * c / (c - 1), c, within_node=within) for k, v in moved.items()}
+    block = attention_flops_per_layer(cfg, parallel) / c / (hw.peak_flops * hw.gemm_efficiency)
+    kv, grads = kv_block_bytes(cfg, parallel), kv_block_bytes(cfg, parallel, FLOAT)
+    hop, grad_hop = hw.p2p_seconds(kv, within), hw.p2p_seconds(grads, within)
+    forward = (c - 1) * max(0.0, hop - block)
+    # each step's dK/dV leave after its block and travel beside the next K/V hop; the last ones wait for nothing
+    backward = (c - 1) * max(0.0, hop + grad_hop - 2 * block) + grad_hop
+    return {"forward": forward, "backward": backward}
+
+
+def ring_stash_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """What context parallelism adds to one layer's stash per microbatch beyond S/c tokens' worth: p2p keeps the
+    output's log-sum-exp (float32, H/t per token) and, where XLA shares the forward's received K/V blocks with the
+    backward's ring (measured on XLA:GPU), those c − 1 blocks; all_gather's autodiff keeps the float32 scores of the
+    local queries against the whole sequence."""
+    c, t = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    if c == 1:
+        return 0.0
+    b, S, heads = parallel.micro_batch_size, cfg.seq_length, cfg.num_attention_heads / t
+    if parallel.cp_comm_type == "p2p":
+        return FLOAT * heads * b * S / c + (c - 1) * kv_block_bytes(cfg, parallel)
+    return FLOAT * heads * b * (S / c) * S
