@@ -27,7 +27,6 @@ def verify(
     hardware: str,
     num_gpus: int,
     global_batch_size: int,
-    recompute: str,
     flags: dict,
 ) -> list[dict]:
     """Each layout record with `compiled_gb_per_gpu`, `compiled_fits` and `fits_mismatch` (predicted to fit, does
@@ -35,9 +34,9 @@ def verify(
     both figures are held against the planner's usable memory (`Hardware.usable_memory_bytes`)."""
     target = gpu_target(hardware)
     usable = HARDWARE[hardware].usable_memory_bytes
-    train_cfg = TrainConfig(recompute_granularity=recompute)
     checked = []
     for record in layouts:
+        train_cfg = TrainConfig(recompute_granularity=record["recompute_granularity"])
         parallel = make_parallel(
             cfg,
             num_gpus,
@@ -46,10 +45,12 @@ def verify(
             record["micro_batch_size"],
             global_batch_size,
             record["num_layers_per_virtual_pipeline_stage"],
+            schedule=record["pipeline_schedule"],
             **flags,
         )
-        _, (train,) = compile_steps(planned_model_config(cfg), parallel, train_cfg, target, num_gpus, evaluation=False)
-        compiled = train.memory["total"]
+        _, programs = compile_steps(planned_model_config(cfg), parallel, train_cfg, target, num_gpus)
+        compiled = max(p.memory["total"] for p in programs)  # as --compile-only: the train or the eval step
+        train = programs[0]
         checked.append(
             {
                 **record,

@@ -74,8 +74,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--recompute-granularity",
         choices=RECOMPUTE_GRANULARITIES,
-        default="full",
-        help="full: the paper's runs (eq. 3 counts it)",
+        help="one policy (full: the paper's runs; eq. 3 counts it); default: rank none, selective and full",
     )
     precision = g.add_mutually_exclusive_group()
     precision.add_argument(
@@ -141,7 +140,9 @@ def model_config(args) -> ModelConfig:
         )
         if getattr(args, name) is not None
     }
-    return base.replace(**overrides, dtype="float16" if args.fp16 else "bfloat16")
+    cfg = base.replace(**overrides, dtype="float16" if args.fp16 else "bfloat16")
+    # as ptd-train resolves them on a GPU (`compile_only.gpu_defaults`): the Pallas kernels
+    return cfg.replace(attention_backend=args.attention_backend or "pallas", fused_kernels=True)
 
 
 def layout_flags(args) -> dict:
@@ -266,31 +267,22 @@ def print_predict(r: dict) -> None:
 
 def print_search(result: dict, top: int) -> None:
     rows = result["layouts"]
-    if not rows:
-        print(
-            "no layout fits in memory"
-            + (
-                f"; the smallest needs {result['excluded'][0]['memory_gb_per_gpu']:.1f} GiB per GPU"
-                if result["excluded"]
-                else ""
-            )
-        )
-        return
     print(
-        f"{'rank':>4} {'t':>3} {'p':>3} {'d':>4} {'b':>3} {'k':>3} {'m':>5} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'iter s':>8} {'bubble':>7} {'GiB':>6}"
+        f"{'rank':>4} {'t':>3} {'p':>3} {'d':>4} {'b':>3} {'k':>3} {'schedule':>13} {'recompute':>9} {'m':>5} "
+        f"{'TFLOP/s':>8} {'MFU':>6} {'iter s':>8} {'bubble':>7} {'GiB':>6}"
     )
     for i, r in enumerate(rows[:top], 1):
         k = r["num_layers_per_virtual_pipeline_stage"]
         print(
             f"{i:>4} {r['tensor_model_parallel_size']:>3} {r['pipeline_model_parallel_size']:>3} "
             f"{r['data_parallel_size']:>4} {r['micro_batch_size']:>3} {k if k else '-':>3} "
+            f"{r['pipeline_schedule']:>13} {r['recompute_granularity']:>9} "
             f"{r['num_microbatches']:>5} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} "
             f"{r['iteration_time_s']:>8.2f} {r['bubble_fraction']:>7.3f} {r['memory_gb_per_gpu']:>6.1f}"
         )
     print(
         f"({len(rows)} layouts fit, {len(result['excluded'])} do not; TFLOP/s = paper eq. 3; k = layers per "
-        f"virtual stage, '-' = plain 1F1B)"
+        f"virtual stage, '-' = one chunk per rank)"
     )
     print(f"why {describe(rows[0])} wins:")
     for line in result["why"]:
@@ -303,7 +295,7 @@ MAX_GPUS = 1 << 20
 def run(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.num_gpus > MAX_GPUS:
+    if args.num_gpus is not None and args.num_gpus > MAX_GPUS:
         raise ConfigError(f"num_gpus={args.num_gpus} is more than {MAX_GPUS} (the planner enumerates its divisors)")
     if args.command == "predict":
         result = predict_run(args, ignored_flags(parser.predict_parser, args))
@@ -318,7 +310,7 @@ def run(argv=None) -> dict:
         args.num_gpus,
         args.global_batch_size,
         HARDWARE[args.hardware],
-        args.recompute_granularity,
+        args.recompute_granularity or RECOMPUTE_GRANULARITIES,
         **layout_flags(args),
     )
     if not result["layouts"] and not result["excluded"]:
@@ -326,6 +318,15 @@ def run(argv=None) -> dict:
             f"no layout of num_gpus={args.num_gpus} GPUs suits global_batch_size="
             f"{args.global_batch_size}, num_layers={cfg.num_layers} and num_attention_heads="
             f"{cfg.num_attention_heads} (d = N/(t*p) must divide B, t the heads, p the layers)"
+        )
+    if not result["layouts"]:
+        smallest = result["excluded"][0]
+        raise NothingFits(
+            f"no layout of num_gpus={args.num_gpus} GPUs fits in "
+            f"{HARDWARE[args.hardware].usable_memory_bytes / GIB:.1f} GiB of a {args.hardware}; the smallest, "
+            f"{describe(smallest)} ({smallest['pipeline_schedule']}, "
+            f"recompute {smallest['recompute_granularity']}), needs {smallest['memory_gb_per_gpu']:.1f} GiB per GPU: "
+            "use more GPUs, a smaller model or sequence"
         )
     if args.verify:
         result["verified"] = verify_layouts(args, cfg, result["layouts"][: args.verify])
@@ -354,15 +355,7 @@ def verify_layouts(args, cfg: ModelConfig, layouts: list[dict]) -> list[dict]:
         raise ConfigError(f"--verify compiles for GPUs and needs the CUDA plugin: {INSTALL_HINT}")
     from ptd_jax.aot.verify import verify
 
-    return verify(
-        cfg,
-        layouts,
-        args.hardware,
-        args.num_gpus,
-        args.global_batch_size,
-        args.recompute_granularity,
-        layout_flags(args),
-    )
+    return verify(cfg, layouts, args.hardware, args.num_gpus, args.global_batch_size, layout_flags(args))
 
 
 def print_verified(rows: list[dict], hardware: str) -> None:
@@ -370,9 +363,16 @@ def print_verified(rows: list[dict], hardware: str) -> None:
     for i, r in enumerate(rows, 1):
         mark = "  <- predicted to fit, does NOT fit compiled" if r["fits_mismatch"] else ""
         print(
-            f"{i:>4} {describe(r)}: predicted {r['memory_gb_per_gpu']:.1f} GiB, compiled "
-            f"{r['compiled_gb_per_gpu']:.1f} GiB ({'fits' if r['compiled_fits'] else 'does not fit'}){mark}"
+            f"{i:>4} {describe(r)} {r['pipeline_schedule']} recompute {r['recompute_granularity']}: predicted "
+            f"{r['memory_gb_per_gpu']:.2f} GiB, compiled "
+            f"{r['compiled_gb_per_gpu']:.2f} GiB (compiled / predicted "
+            f"{r['compiled_gb_per_gpu'] / r['memory_gb_per_gpu']:.3f}; "
+            f"{'fits' if r['compiled_fits'] else 'does not fit'}){mark}"
         )
+
+
+class NothingFits(Exception):
+    """A well-formed request that no layout satisfies: one line, exit 1."""
 
 
 def main(argv=None) -> int:
@@ -381,6 +381,9 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"ptd-plan: error: {err}", file=sys.stderr)
         return 2
+    except NothingFits as err:
+        print(f"ptd-plan: {err}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # ptd-plan ... | head
         sys.stderr.close()
     return 0

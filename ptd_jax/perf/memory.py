@@ -16,8 +16,8 @@ Activations per layer and microbatch, per GPU, as the program stores them (s seq
 a heads, t tensor-parallel size; 2-byte compute dtype), measured on XLA:GPU's compiled steps
 (`experiments/bench/memory/aot_memory.py`) and compared with Korthikanti et al.'s Table 2 for Megatron:
     policy      this program, flash attention     with sequence parallelism     Megatron (no SP)
-    none        s b h (8 + 16/t)                  s b h 24/t                    s b h (10 + 24/t + 5as/(ht))
-    selective   s b h (8 + 18/t)                  s b h 26/t                    s b h (10 + 24/t)
+    none        s b h (8 + 16/t) + 4 a s b/t      s b h 24/t + 4 a s b/t        s b h (10 + 24/t + 5as/(ht))
+    selective   as none (no scores to drop)       as none                       s b h (10 + 24/t)
     full        2 s b h (each layer's input)      2 s b h / t                   2 s b h
   `none` keeps the outputs of matmuls and collectives only (the GeLU, LayerNorms and dropouts are recomputed), so
   it stores less than Megatron at t = 1 but keeps the whole residual stream and LayerNorm outputs (8 s b h) on every
@@ -31,8 +31,9 @@ every pipeline rank (one SPMD program, one shape), each slot one microbatch thro
 layers; the slot counts are the table's (`stash_slots`). A fused backward frees its slot at the B. A split one keeps
 what W needs from F to W: its taps take the place of the residuals they match, so a microbatch waiting for its W
 costs about what it cost before its I (`record_bytes`). The last stage adds the fp32 logits of the loss, 4 s b V/t.
-The model leaves out the CUDA context, NCCL buffers, XLA's temporaries and fragmentation
-(`Hardware.usable_memory`), so a run it admits may still not fit.
+The model leaves out the CUDA context, NCCL buffers and fragmentation; it is held against the budget of JAX's
+allocator (`hardware.allocator_fraction`, 0.75 of the GPU by default), the figure ptd-train and --compile-only use.
+Checked against XLA:GPU's compiled programs on a grid of 26 layouts (`experiments/bench/memory/plan_vs_compiled.py`).
 """
 
 from __future__ import annotations
@@ -109,11 +110,14 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
     # parallelism; with it all four are the rank's 1/t of the sequence (the all-gathers are issued again in the
     # backward, not kept)
     stream = 8 / t if sp else 8
-    if recompute == "selective":  # the attention core's output is kept by name, beside the projection's input
-        return sbh * (stream + split + 2 * w["core"] / t)
-    if cfg.attention_backend == "xla":  # the float32 scores are kept, the attention output is recomputed
+    if cfg.attention_backend == "xla":
+        if recompute == "selective":  # the attention core's output is kept by name, beside the projection's input
+            return sbh * (stream + split + 2 * w["core"] / t)
+        # the float32 scores are kept, the attention output is recomputed
         return sbh * (stream + split - 2 * w["core"] / t) + 4 * a * s * s * b / t
-    return sbh * (stream + split)
+    # the flash kernels keep their output and float32 log-sum-exp (4 a s b / t), and nothing of the s x s square:
+    # "selective" keeps what "none" keeps (measured, `experiments/bench/memory/sp_stash.py`)
+    return sbh * (stream + split) + 4 * a * s * b / t
 
 
 def stash_slots(parallel: ParallelConfig) -> dict[str, int]:
@@ -125,7 +129,7 @@ def stash_slots(parallel: ParallelConfig) -> dict[str, int]:
     return _record_slots(parallel.pipeline_schedule, p, v, m, parallel.microbatch_group_size or p)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=4096)
 def _record_slots(schedule: str, p: int, v: int, m: int, group: int) -> dict[str, int]:
     from ptd_jax.parallel.pipeline.table import record_slots  # pure Python, no JAX
 
@@ -146,22 +150,32 @@ def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
 
 
 def record_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
-    """The record buffers of a pipeline rank: per layer of a chunk, the "rec" slots hold what only the backward
-    reads, the "hold" slots what the taps share with the residuals, the "w" slots the taps without a partner
-    (`stash.Record`: a tap takes the place of a residual of its size, dtype and varying axes). Modelled: the taps
-    share all of the residuals but the four kept the same on every tensor rank (the layer's input, its middle
-    residual stream and the two row-parallel outputs, 4 × 2 s b h bytes, 1/t of that under sequence parallelism;
-    the taps all vary over "tensor"). Checked on XLA:GPU's compiled record buffers (1.3B, p = 4, t = 1: 32 MiB of
-    residuals alone, 64 shared, 64 of taps alone per layer; `experiments/results/one_pipeline_memory.json`)."""
+    """The record buffers of a pipeline rank, per layer of a chunk (`stash.Record`, `table.record_slots`): the "rec"
+    slots hold what only the backward reads, the "hold" slots what the taps share with the residuals, the "w" slots
+    the taps without a partner. Under none and selective every tap takes a residual's buffer (the four replicated
+    taps are typed like the residual stream), so a microbatch waiting for its I or its W holds its F's residuals; the
+    "w" slots hold what W needs beyond them: fc2's input (F/t per token) where W follows I at once (1F1B: one "w"
+    slot; where microbatches wait for W, W recomputes it from fc1's), and with sequence parallelism the four
+    replicated taps whole beside their 1/t residuals. Under full recomputation the taps find no residual to share
+    (the layer's input is all it keeps) and are modelled as before: they share all residuals but the four
+    tensor-invariant ones. Checked on XLA:GPU's compiled record buffers (`experiments/bench/memory/
+    one_pipeline_memory.py`, `plan_vs_compiled.py`)."""
     slots = stash_slots(parallel)
     layers = cfg.num_layers / (parallel.pipeline_model_parallel_size * parallel.virtual_pipeline_stages)
     a = activation_bytes_per_layer(cfg, parallel, recompute)
     if not slots["hold"]:
         return slots["rec"] * layers * a
+    t, h = parallel.tensor_model_parallel_size, cfg.hidden_size
+    sb2 = 2 * cfg.seq_length * parallel.micro_batch_size
+    if recompute != "full":
+        w_only = sb2 * cfg.ffn_size / t if slots["w"] <= 1 else 0.0
+        if parallel.sequence_parallel:
+            w_only += sb2 * 4 * h * (1 - 1 / t)
+        if not cfg.fused_kernels:  # XLA's LayerNorm outputs are no residuals: two h-sized taps of their own
+            w_only += sb2 * 2 * h
+        return layers * (slots["hold"] * a + slots["w"] * w_only)
     tap = tap_bytes_per_layer(cfg, parallel)
-    t = parallel.tensor_model_parallel_size
-    invariant = 8 * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
-    invariant /= t if parallel.sequence_parallel else 1
+    invariant = 4 * sb2 * h / (t if parallel.sequence_parallel else 1)
     shared = max(min(a - invariant, tap), 0.0)
     return layers * (slots["hold"] * shared + slots["rec"] * (a - shared) + slots["w"] * (tap - shared))
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from collections.abc import Callable
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig
-from ptd_jax.perf.hardware import GIB, Hardware
+from ptd_jax.perf.hardware import GIB, Hardware, allocator_fraction
 from ptd_jax.perf.timing import Prediction, predict
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -141,14 +141,28 @@ def candidates(cfg: ModelConfig, num_gpus: int, global_batch_size: int):
 
 
 INTERLEAVED = "interleaved"
-PLAIN_SCHEDULES = ("1f1b", "1f1b-lockstep")
-"""The unchunked schedules the search weighs: Megatron's stash on unit ticks (I and W split; best when F ≈ I ≈ W), or
-fused backwards on lockstep ticks ((p − 1)/m whatever B/F is: best under full recomputation)."""
+PLAIN_SCHEDULES = ("1f1b", "1f1b-lockstep", "zb-h1")
+"""The unchunked schedules the search weighs: Megatron's stash on unit ticks (I and W split; best when F ≈ I ≈ W), fused
+backwards on lockstep ticks ((p − 1)/m whatever B/F is: best under full recomputation), and ZB-H1 (W deferred to
+fill the bubble). Chunked: interleaved at every k, and ZB-V at v = 2."""
+RECOMPUTE_POLICIES = ("none", "selective", "full")
 
 
-def _with_schedules(layouts):
+SPLIT_CELL_LIMIT = 1_000
+"""The zero-bubble schedules are weighed where their table (p · v · m cells, simulated: no closed form) stays this
+small; larger layouts keep the fused schedules' closed forms."""
+
+
+def _with_schedules(layouts, num_layers: int, num_gpus: int, global_batch_size: int):
     for t, p, b, k in layouts:
-        for schedule in (None,) if k is not None or p == 1 else PLAIN_SCHEDULES:
+        cells = p * global_batch_size // (num_gpus // (t * p) * b) * (num_layers // (p * k) if k else 1)
+        split = p > 1 and cells <= SPLIT_CELL_LIMIT
+        if k is not None:
+            yield t, p, b, k, None
+            if split and num_layers == 2 * p * k:
+                yield t, p, b, k, "zb-v"
+            continue
+        for schedule in (None,) if p == 1 else PLAIN_SCHEDULES if split else PLAIN_SCHEDULES[:2]:
             yield t, p, b, k, schedule
 
 
@@ -157,28 +171,34 @@ def search(
     num_gpus: int,
     global_batch_size: int,
     hw: Hardware,
-    recompute: str = "full",
+    recompute: str | tuple[str, ...] = "full",
     *,
     sensitivity: bool = True,
     **flags,
 ) -> dict:
     """{"layouts": fitting layouts fastest first, "excluded": the ones that do not fit (with why), "why": lines,
     "sensitivity": how robust the choice of t is (`sensitivity`; None when `sensitivity` is False or nothing
-    fits), its lines also at the end of "why"}."""
+    fits), its lines also at the end of "why"}. `recompute`: one policy, or several to rank as one more knob
+    (each record says its `recompute_granularity`)."""
+    policies = (recompute,) if isinstance(recompute, str) else tuple(recompute)
     fits, excluded = [], []
-    for t, p, b, k, schedule in _with_schedules(candidates(cfg, num_gpus, global_batch_size)):
+    layouts = candidates(cfg, num_gpus, global_batch_size)
+    for t, p, b, k, schedule in _with_schedules(layouts, cfg.num_layers, num_gpus, global_batch_size):
         try:
             parallel = make_parallel(cfg, num_gpus, t, p, b, global_batch_size, k, schedule=schedule, **flags)
         except ConfigError:
             continue  # e.g. the interleaved schedule's rules on m
-        record = layout_record(cfg, parallel, predict(cfg, parallel, hw, recompute), hw)
-        if record["fits"]:
-            fits.append(record)
-        else:
-            record["excluded_because"] = (
-                f"needs {record['memory_gb_per_gpu']:.1f} GiB per GPU, {hw.usable_memory_bytes / GIB:.1f} GiB usable"
-            )
-            excluded.append(record)
+        for policy in policies:
+            record = layout_record(cfg, parallel, predict(cfg, parallel, hw, policy), hw)
+            record["recompute_granularity"] = policy
+            if record["fits"]:
+                fits.append(record)
+            else:
+                record["excluded_because"] = (
+                    f"needs {record['memory_gb_per_gpu']:.1f} GiB per GPU, {hw.usable_memory_bytes / GIB:.1f} GiB "
+                    f"usable ({allocator_fraction():g} of {hw.memory_bytes / GIB:.1f})"
+                )
+                excluded.append(record)
     fits.sort(key=lambda r: r["iteration_time_s"])
     excluded.sort(key=lambda r: r["memory_gb_per_gpu"])
     result = {
@@ -188,7 +208,8 @@ def search(
         "sensitivity": None,
     }
     if sensitivity and fits:
-        result["sensitivity"] = sensitivity_of_t(cfg, num_gpus, global_batch_size, hw, fits, recompute, **flags)
+        best_policy = fits[0]["recompute_granularity"]
+        result["sensitivity"] = sensitivity_of_t(cfg, num_gpus, global_batch_size, hw, fits, best_policy, **flags)
         result["why"] += result["sensitivity"]["lines"]
     return result
 

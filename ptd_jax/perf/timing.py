@@ -136,7 +136,7 @@ def data_parallel_seconds(params: float, parallel: ParallelConfig, hw: Hardware,
     return hw.allreduce_seconds(grad_bytes * params, d, within)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=4096)
 def _split_bubble(name: str, p: int, v: int, m: int, b: float) -> float:
     from ptd_jax.parallel.pipeline import build  # pure Python, no JAX
 
