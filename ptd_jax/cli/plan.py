@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 
+from ptd_jax.cli import energy as energy_cli
 from ptd_jax.cli.args import OneLineParser, positive_int
 from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
 from ptd_jax.cli.train.parser import DEFAULT_TARGET
@@ -103,6 +104,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="ptd-plan", description="Predict and plan PTD-P layouts (paper §3).")
     sub = parser.add_subparsers(dest="command", required=True)
+    energy_cli.add_parser(sub)  # ptd-plan energy: one GPU clock per pipeline rank (cli/energy.py)
     parser.predict_parser = sub.add_parser(
         "predict",
         parents=[train_parser(add_help=False)],
@@ -295,6 +297,8 @@ MAX_GPUS = 1 << 20
 def run(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "energy":
+        return energy_cli.run(args)
     if args.num_gpus is not None and args.num_gpus > MAX_GPUS:
         raise ConfigError(f"num_gpus={args.num_gpus} is more than {MAX_GPUS} (the planner enumerates its divisors)")
     if args.command == "predict":

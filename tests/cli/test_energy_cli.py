@@ -67,3 +67,12 @@ def test_ptd_train_refuses_a_plan_for_another_run(tmp_path, capsys, clocks_mhz, 
     assert exit_code(train_main, [*model, *layout, "--gpu-clock-plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
+def test_ptd_plan_registers_energy(capsys):
+    from ptd_jax.cli.plan import main as plan_main
+
+    assert plan_main(["energy", "--schedule", "1f1b", "-p", "2", "-m", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == PLAN_FORMAT
+    assert exit_code(plan_main, ["energy", "--hardware", "tpu-v4"]) == 2
+    assert "hardware='tpu-v4'" in capsys.readouterr().err
