@@ -8,5 +8,6 @@ generate.py    ptd-generate: sampling from a checkpoint
 convert.py     ptd-convert: Hugging Face GPT-2 <-> checkpoints
 launch.py      ptd-launch: N local processes of one multi-process run
 args.py        what the tools share: one-line argparse errors, checked number types, tokenizer flags
+errors.py      where every tool turns a failure into its one line and exit code (2 input, 1 run-time)
 precision.py   ptd-train's precision flags (--bf16, --fp16 and the loss scaler, --max-skipped-iters)
 """
