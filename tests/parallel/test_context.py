@@ -197,7 +197,6 @@ INTERLEAVED = dict(p=2, pipeline_schedule="interleaved", virtual_pipeline_stages
         pytest.param("p2p", dict(t=2, sequence_parallel=True), id="t2-sp-p2p"),
         pytest.param("all_gather", dict(t=2, sequence_parallel=True), id="t2-sp-all_gather"),
         pytest.param("p2p", INTERLEAVED, id="p2-interleaved-p2p"),
-        pytest.param("all_gather", INTERLEAVED, id="p2-interleaved-all_gather"),
         pytest.param("all_gather", dict(p=2, t=2, pipeline_schedule="zb-v", virtual_pipeline_stages=2), id="zb-v"),
         pytest.param("all_gather", dict(p=2, pipeline_schedule="1f1b"), id="p2-1f1b-all_gather"),
     ],
