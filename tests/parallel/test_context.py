@@ -254,10 +254,15 @@ def test_the_distributed_optimizer_step_equals_the_reference_step():
         (["--context-parallel-size", "3"], "context_parallel_size=3 does not divide num_devices=8"),
         (["--context-parallel-size", "2", "--seq-length", "34"], "seq_length=34 is not divisible by 2 x"),
         (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "invalid choice: 'a2a'"),
-        (["--context-parallel-size", "2", "--attention-backend", "pallas"], "needs attention_backend='xla'"),
-        (
+        pytest.param(
+            ["--context-parallel-size", "2", "--attention-backend", "pallas"],
+            "needs attention_backend='xla'",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
             "needs a lockstep schedule",
+            marks=pytest.mark.slow,
         ),
     ],
 )
