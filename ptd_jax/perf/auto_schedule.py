@@ -109,7 +109,7 @@ def format_choice(name: str, rows: list[dict], times: tuple[float, float, float]
         lines.append(
             f" {mark} {r['schedule']:<13} v={r['v']}  bubble {r['bubble_fraction']:.3f}  makespan "
             f"{r['makespan']:.2f}  in flight {r['in_flight']:g} stages"
-            + (f"  {r['memory_gib']:.2f} GiB" if r.get("memory_gib", 0) < float("inf") else "")
+            + (f"  {r['memory_gib']:.2f} GiB" if r.get("memory_gib", float("inf")) < float("inf") else "")
             + (
                 ""
                 if r["fits"]

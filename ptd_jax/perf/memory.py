@@ -30,7 +30,8 @@ Stashed activations: the executor keeps each layer's record (`parallel.pipeline.
 every pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v)
 layers; the slot counts are the table's (`stash_slots`). A fused backward frees its slot at the B. A split one keeps
 what W needs from F to W: its taps take the place of the residuals they match, so a microbatch waiting for its W
-costs about what it cost before its I (`record_bytes`). The last stage adds the fp32 logits of the loss, 4 s b V/t.
+costs about what it cost before its I (`record_bytes`). The last stage adds the logits of the loss, 16-bit beside
+float32, 6 s b V/t bytes.
 The model leaves out the CUDA context, NCCL buffers and fragmentation; it is held against the budget of JAX's
 allocator (`hardware.allocator_fraction`, 0.75 of the GPU by default), the figure ptd-train and --compile-only use.
 Checked against XLA:GPU's compiled programs on a grid of 26 layouts (`experiments/bench/memory/plan_vs_compiled.py`).
@@ -41,6 +42,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig
+from ptd_jax.perf.context import ring_stash_bytes_per_layer
 from ptd_jax.perf.hardware import GIB
 
 
@@ -97,13 +99,19 @@ def state_bytes_per_param(parallel: ParallelConfig, cfg: ModelConfig | None = No
 
 def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
     """Bytes one layer stashes for its backward, per microbatch and GPU: what `model.remat_layer`'s policies keep
-    in the executor's stash (the module docstring's table), at the compute dtype's 2 bytes."""
-    s, b, h, a = cfg.seq_length, parallel.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
+    in the executor's stash (the module docstring's table), at the compute dtype's 2 bytes. Under context
+    parallelism (c > 1) each rank holds s/c tokens and attends by blocks (`parallel/context.py`): no s x s scores,
+    and what the ring or the gather adds (`perf.context.ring_stash_bytes_per_layer`)."""
+    c = parallel.context_parallel_size
+    s, b, h, a = cfg.seq_length / c, parallel.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     t, sp = parallel.tensor_model_parallel_size, parallel.sequence_parallel
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
     w = _widths(cfg)
+    if c > 1:
+        stream = 8 / t if sp else 8
+        return sbh * (stream + 2 * (w["qkv"] + w["core"] + w["fc1"]) / t) + ring_stash_bytes_per_layer(cfg, parallel)
     # q, k, v, the attention output and fc1's output, split over the heads / the ffn dim (16/t for GPT-2)
     split = 2 * (w["qkv"] + w["core"] + w["fc1"]) / t
     # the layer's input, the residual after attention and the two LayerNorm outputs: whole without sequence
@@ -197,7 +205,9 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     stash = record_bytes(cfg, parallel, recompute)
     # the layer being recomputed under "full" holds its full activations meanwhile
     rebuilt = activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
-    logits = 4 * s * b * cfg.padded_vocab_size(t) / t
+    # the logits as the output layer's matmul returns them (16-bit) beside the float32 copy the loss reads: 6 bytes per
+    # element, measured by changing V alone (`experiments/README.md`, "The planner against the compiler")
+    logits = 6 * s * b * cfg.padded_vocab_size(t) / t / parallel.context_parallel_size
     stages = {"first": (params["first"], 0.0), "last": (params["last"], logits)}
     if parallel.pipeline_model_parallel_size == 1:
         stages = {"first": (params["first"], logits)}
@@ -249,8 +259,9 @@ def run_memory_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str)
     else:
         terms = {"weights": w, "compute_copy": c if c != w else 0, "gradients": g, "optimizer": 2 * w}
     need.update({k: n * v for k, v in terms.items()})
-    for name in ("stash", "recompute", "logits"):
-        need[name] *= c / 2 if name != "logits" else 1
+    for name in ("stash", "recompute"):
+        need[name] *= c / 2
+    need["logits"] *= (c + 4) / 6  # the compute dtype's logits beside the float32 ones
     need["activations"] = need["stash"] + need["recompute"] + need["logits"]
     need["state"] = n * sum(terms.values())
     need["total"] = need["state"] + need["activations"]

@@ -18,7 +18,6 @@ from ptd_jax.perf.memory import (
     memory_per_gpu,
     stash_slots,
     stashed_layers,
-    tap_bytes_per_layer,
 )
 from ptd_jax.perf.search import make_parallel, search
 from ptd_jax.perf.timing import data_parallel_seconds, tensor_allreduce_seconds
@@ -153,8 +152,10 @@ def test_activation_formula_by_hand():
 
 def test_stashed_layers_per_schedule():
     """Fused backwards keep the table's "rec" slots of l/(p v) layers each: the lockstep 1F1B min(m, 2p − 1),
-    interleaved min(v m, p v + p − 1), GPipe m, p = 1 one. 1F1B with split backwards keeps Megatron's p slots from F
-    to W and one for the taps no residual takes (`record_bytes`): p + (taps − shared)/activations, in layers."""
+    interleaved min(v m, p v + p − 1), GPipe m, p = 1 one. With split backwards every tap takes a residual's buffer:
+    Megatron's p slots from F to W hold an F's residuals, and 1F1B's one "w" slot holds what W needs beyond them
+    (fc2's input, and XLA's LayerNorm outputs without the fused kernel); ZB-H1's W recomputes fc2's input
+    (`record_bytes`)."""
     cfg = model_preset("paper-1.7b")  # l = 24
     lockstep = make_parallel(cfg, 4, 1, 4, 1, 16, schedule="1f1b-lockstep")
     assert stashed_layers(cfg, lockstep) == 7 * 24 / 4
@@ -164,10 +165,12 @@ def test_stashed_layers_per_schedule():
     assert stashed_layers(cfg, make_parallel(cfg, 1, 1, 1, 16, 16)) == 24  # p = 1, m = 1: no table
     split = make_parallel(cfg, 4, 1, 4, 1, 16)
     a = activation_bytes_per_layer(cfg, split, "none")
-    taps = tap_bytes_per_layer(cfg, split)
-    shared = min(a - 8 * cfg.seq_length * cfg.hidden_size, taps)
-    want = 24 / 4 * (4 * shared + 4 * (a - shared) + 1 * (taps - shared)) / a
+    sb2, h = 2 * cfg.seq_length, cfg.hidden_size
+    layer_norms = 0 if cfg.fused_kernels else sb2 * 2 * h
+    want = 24 / 4 * (4 * a + 1 * (sb2 * cfg.ffn_size + layer_norms)) / a
     assert stashed_layers(cfg, split, "none") == pytest.approx(want)
+    zb = make_parallel(cfg, 4, 1, 4, 1, 16, schedule="zb-h1")  # "w" 4 slots, of the LayerNorm outputs only
+    assert stashed_layers(cfg, zb, "none") == pytest.approx(24 / 4 * (4 * a + 4 * layer_norms) / a)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-lockstep", "interleaved", "zb-h1", "zb-v"])
@@ -538,7 +541,8 @@ def test_the_run_check_counts_the_runs_dtypes():
         got = run_memory_bytes(cfg.replace(dtype=dtype, param_dtype=param_dtype), parallel, "none")
         assert got["state"] == pytest.approx(per_param * planned["params"])
         stashed = planned["activations"] - planned["logits"]
-        assert got["activations"] == pytest.approx(widths * stashed + planned["logits"])
+        # the logits: the compute dtype's beside float32's, 6 bytes per element at 16 bits
+        assert got["activations"] == pytest.approx(widths * stashed + planned["logits"] * (2 * widths + 4) / 6)
     # the distributed optimizer at d = 8: the gathered compute copy, full fp32 gradients, the 1/d optimizer shards
     shared = make_parallel(cfg, 8, 1, 1, 1, 8, use_distributed_optimizer=True)
     params = memory_per_gpu(cfg, shared, "none")["params"]

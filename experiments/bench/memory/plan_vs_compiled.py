@@ -100,12 +100,17 @@ def _quiet(fn, argv: list[str]) -> str:
     return out.getvalue()
 
 
-def measure(name: str, command: str) -> dict:
+def predict(command: str) -> dict:
     from ptd_jax.cli import plan
+
+    return json.loads(_quiet(plan.run, ["predict", *command.split(), "--json"]).strip().splitlines()[-1])
+
+
+def measure(name: str, command: str) -> dict:
     from ptd_jax.cli.train import command as train
 
     argv = command.split()
-    predicted = json.loads(_quiet(plan.run, ["predict", *argv, "--json"]).strip().splitlines()[-1])
+    predicted = predict(command)
     start = time.perf_counter()
     compiled = json.loads(_quiet(train.run, ["--compile-only", *argv, "--json"]).strip().splitlines()[-1])
     train_step = compiled["memory"]["train_step"]
@@ -129,7 +134,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", help="case names (default: all)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="keep --out's compiled figures and predict them again with the current model (the program unchanged)",
+    )
     args = ap.parse_args(argv)
+    if args.predict_only:
+        rows = json.loads(args.out.read_text())["rows"]
+        for row in rows:
+            predicted = predict(row["command"])
+            row["predicted_gib"], row["predicted_terms_gib"] = (
+                predicted["memory_gb_per_gpu"],
+                predicted["memory_terms_gb"],
+            )
+            row["compiled_over_predicted"] = row["compiled_gib"] / row["predicted_gib"]
+            print(f"{row['case']:<36} compiled/predicted {row['compiled_over_predicted']:.3f}")
+        print(json.dumps(write(args.out, rows)))
+        return 0
     names = args.only or list(CASES)
     rows = []
     for name in names:

@@ -151,7 +151,9 @@ def configs_for_target(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
         args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size, tokenizer_model=args.tokenizer_model
     )
     model_cfg = model_config_from_args(args, tokenizer, gpu=True).replace(**gpu_defaults(args))
-    num_gpus = args.num_gpus or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    num_gpus = args.num_gpus or (
+        args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    )
     budget = TARGETS[args.target or DEFAULT_TARGET].usable_memory_bytes
     parallel = parallel_config_from_args(args, model_cfg, num_gpus, budget=budget)
     return model_cfg, parallel, train_config_from_args(args)
