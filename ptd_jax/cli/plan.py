@@ -1,7 +1,7 @@
 """`ptd-plan`: the performance model and layout planner on the command line (pure Python, starts at once).
 
     ptd-plan predict <ptd-train's command line> [--target h100-sxm] [--num-gpus N] [--json]
-        the prediction for the run `ptd-train` would make with the same flags, on --num-gpus (default t * p) GPUs of
+        the prediction for the run `ptd-train` would make with the same flags, on --num-gpus (default t * p * c) GPUs of
         --target (alias --hardware; default h100-sxm, as --compile-only): the same parser, the same defaults, the
         configs `--compile-only` compiles (`configs_for_target`). Flags that do not change the prediction (data,
         checkpoints, learning rate, ...) are accepted and listed as ignored.
@@ -36,6 +36,7 @@ from ptd_jax.config import (
     ModelConfig,
     model_preset,
 )
+from ptd_jax.data import DataError
 from ptd_jax.perf.hardware import GIB, HARDWARE, allocator_fraction
 from ptd_jax.perf.search import describe, layout_record, search
 from ptd_jax.perf.timing import predict
@@ -212,6 +213,12 @@ def predict_run(args, ignored: list[str]) -> dict:
             "sequence_parallel": parallel.sequence_parallel,
         },
         ignored_flags=ignored,
+        context_parallel_size=parallel.context_parallel_size,
+        notes=(
+            ["context parallelism: memory per GPU counts s/c tokens; the time model does not divide by c yet"]
+            if parallel.context_parallel_size > 1
+            else []
+        ),
     )
     return record
 
@@ -263,6 +270,8 @@ def print_predict(r: dict) -> None:
         + f"; {fits} in {r['usable_memory_gb']:.2f} GiB usable ({r['allocator_fraction']:g} of the GPU: "
         "XLA_PYTHON_CLIENT_MEM_FRACTION, as ptd-train and --compile-only)"
     )
+    for note in r["notes"]:
+        print(f"  note: {note}")
     if r["ignored_flags"]:
         print(f"  ignored (no effect on the prediction): {' '.join(r['ignored_flags'])}")
 
@@ -385,8 +394,14 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"ptd-plan: error: {err}", file=sys.stderr)
         return 2
+    except DataError as err:  # a tokenizer or data flag of ptd-train's command line
+        print(f"ptd-plan: error: {err}", file=sys.stderr)
+        return 2
     except NothingFits as err:
         print(f"ptd-plan: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file that --output or --plot cannot write
+        print(f"ptd-plan: error: {err}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # ptd-plan ... | head
         sys.stderr.close()

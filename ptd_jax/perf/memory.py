@@ -154,7 +154,8 @@ def tap_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     w = _widths(cfg)
     # QKV's and fc1's outputs, the projection's input, fc2's input (F: after SwiGLU's product) split over t
     split = h * (w["qkv"] + w["core"] + w["fc1"]) + cfg.ffn_size
-    return 2 * cfg.seq_length * parallel.micro_batch_size * (4 * h + split / t)
+    tokens = cfg.seq_length / parallel.context_parallel_size * parallel.micro_batch_size
+    return 2 * tokens * (4 * h + split / t)
 
 
 def record_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
@@ -174,7 +175,7 @@ def record_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> 
     if not slots["hold"]:
         return slots["rec"] * layers * a
     t, h = parallel.tensor_model_parallel_size, cfg.hidden_size
-    sb2 = 2 * cfg.seq_length * parallel.micro_batch_size
+    sb2 = 2 * cfg.seq_length / parallel.context_parallel_size * parallel.micro_batch_size
     if recompute != "full":
         w_only = sb2 * cfg.ffn_size / t if slots["w"] <= 1 else 0.0
         if parallel.sequence_parallel:

@@ -57,3 +57,18 @@ def test_a_search_that_nothing_satisfies_is_one_line_and_exit_1(capsys):
     assert plan(argv) == 1
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and "no layout of num_gpus=8 GPUs fits" in err
+
+
+def test_a_tokenizer_that_cannot_be_read_is_one_line_and_exit_2(capsys):
+    argv = ["predict", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent", "--merge-file", "/x"]
+    assert plan(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "--vocab-file" in err
+
+
+def test_context_parallelism_divides_the_stash_and_says_what_the_time_model_lacks(capsys):
+    base = ["predict", "--model-preset", "gpt2-small", "--attention-backend", "xla", "--cp-comm-type", "all_gather"]
+    one, two = (plan_run([*base, "--context-parallel-size", c, "--json"]) for c in ("1", "2"))
+    capsys.readouterr()
+    assert two["num_gpus"] == 2 * one["num_gpus"] and two["notes"] and not one["notes"]
+    assert two["memory_terms_gb"]["logits"] == pytest.approx(one["memory_terms_gb"]["logits"] / 2)

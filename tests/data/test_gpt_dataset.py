@@ -190,3 +190,15 @@ def test_validation_moves_on_and_the_test_split_has_its_own_stream(small_corpus)
     valid_docs, test_docs = set(data.valid.epoch(0).order.tolist()), set(data.test.epoch(0).order.tolist())
     assert test_docs and not valid_docs & test_docs
     assert make_data(small_corpus, split="80,20,0").test is None
+
+
+def test_a_test_split_too_short_for_one_sample_is_skipped_with_a_warning(tmp_path, capsys):
+    """The default split's last share is often a few short documents: training still opens, the test split is not
+    evaluated, and one warning says so (before, opening it refused the whole run)."""
+    from tests.helpers.corpus import random_corpus_at
+
+    prefix = random_corpus_at(tmp_path, documents=100, shortest=40, longest=60, seed=0)
+    data = GPTData(prefix, seq_length=64, global_batch_size=2, eval_iters=2, seed=1, split="90,9,1")  # test: 1 doc
+    assert data.train is not None and data.test is None
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "the test split is not evaluated" in err

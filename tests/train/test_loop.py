@@ -3,9 +3,11 @@
 import json
 import math
 
+import numpy as np
 import pytest
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.data import GPTData
 from ptd_jax.train import RunOptions, train
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=257)
@@ -64,6 +66,13 @@ def test_test_split_is_evaluated_at_the_end_as_the_reference_does(small_corpus, 
     assert ptd["test_lm_loss"] == pytest.approx(ref["test_lm_loss"], rel=1e-5)
     assert ptd["test_lm_loss"] != pytest.approx(ptd["final_valid_lm_loss"], rel=1e-4)  # another stream
     assert [r["iteration"] for r in ptd_valid] == [2, 4]
+    # evaluation 1 reads the next batches (the stream moves on), where the old loop re-read evaluation 0's
+    data = GPTData(
+        small_corpus, seq_length=32, global_batch_size=8, eval_iters=2, seed=train_cfg.seed, split="80,10,10"
+    )
+    assert not np.array_equal(
+        next(data.valid_batches(evaluation=0)).tokens, next(data.valid_batches(evaluation=1)).tokens
+    )
 
 
 def test_a_run_that_does_not_fit_is_refused_before_anything_is_written(tmp_path):

@@ -140,7 +140,7 @@ def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> Mod
 
 def configs_for_target(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     """The configs `ptd-train --compile-only` compiles and `ptd-plan predict` predicts: the flags as on --num-gpus
-    GPUs (default t * p) of --target, the kernels' defaults as a GPU resolves them, V the preset's when no tokenizer
+    GPUs (default t * p * c) of --target, the kernels' defaults as a GPU resolves them, V the preset's when no tokenizer
     decides it. No JAX."""
     from ptd_jax.cli.train.compile_only import gpu_defaults
     from ptd_jax.data.tokenizer import training_tokenizer
