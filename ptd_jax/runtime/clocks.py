@@ -65,8 +65,11 @@ def read_plan(path: str | Path) -> ClockPlan:
         raise ClockError(f"--gpu-clock-plan {str(path)!r} is not a plan of `ptd-plan energy --output`")
     clocks = data.get("clocks_mhz")
     fields = (data.get("epsilon"), data.get("max_clock_mhz"), *(clocks if isinstance(clocks, list) else [None]))
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in fields) or not clocks:
-        raise ClockError(f"--gpu-clock-plan {str(path)!r}: clocks_mhz, epsilon and max_clock_mhz must be numbers")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fields)
+    if not numbers or not clocks or fields[0] < 0 or min(fields[1:]) <= 0 or max(clocks) > fields[1]:
+        raise ClockError(
+            f"--gpu-clock-plan {str(path)!r}: clocks_mhz must be positive numbers up to max_clock_mhz, epsilon >= 0"
+        )
     return ClockPlan(
         clocks_mhz=tuple(float(f) for f in clocks),
         hardware=str(data.get("hardware")),

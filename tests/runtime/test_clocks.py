@@ -26,10 +26,12 @@ def write_plan(path, **changes):
 def test_read_plan(tmp_path):
     plan = clocks.read_plan(write_plan(tmp_path / "plan.json"))
     assert plan.p == 2 and plan.clocks_mhz == (1800.0, 1980.0) and plan.hardware == "h200"
-    for bad, words in [("{", "does not parse"), ("[]", "is not a plan"), (None, "must be numbers")]:
+    cases = [("{", "does not parse"), ("[]", "is not a plan")]
+    cases += [([1800, "fast"], "must be positive numbers"), ([0, 1800], "positive"), ([1800, 99999], "up to max")]
+    for bad, words in cases:
         path = tmp_path / "bad.json"
-        if bad is None:
-            write_plan(path, clocks_mhz=[1800, "fast"])
+        if isinstance(bad, list):
+            write_plan(path, clocks_mhz=bad)
         else:
             path.write_text(bad)
         with pytest.raises(ClockError, match=words) as err:
