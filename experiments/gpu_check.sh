@@ -48,3 +48,6 @@ if "${PYTHON:-python}" -c "import jax, sys; sys.exit(len(jax.devices()) < 4)" 2>
 else
   echo "pipeline and zero-bubble benches: skipped (need 4 devices)"
 fi
+# 7. the tests that need a GPU (marked gpu, excluded from the default run): NVML's energy counter on this GPU
+timeout "${GPU_TESTS_TIMEOUT_S:-120}" "${PYTHON:-python}" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 3
+echo "gpu tests exit: ${PIPESTATUS[0]}"

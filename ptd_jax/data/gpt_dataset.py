@@ -332,7 +332,7 @@ class GPTData:
             )
         if self.eval_iters > 0:
             self.valid = self._stream(weights, sources, [r[1] for r in ranges], VALID_STREAM)
-            self.test = self._optional_stream("test", weights, sources, [r[2] for r in ranges])
+            self.test = self._test_stream(weights, sources, [r[2] for r in ranges])
         if len(blend) == 1:  # as before blends: the checkpoints of single-prefix runs keep resuming
             self.indexed = sources[0]
             self.prefix, self.num_documents = os.path.abspath(blend[0][1]), len(sources[0].doc_index) - 1
@@ -348,13 +348,13 @@ class GPTData:
             self.name = " ".join(f"{w:g} {os.path.abspath(p)}" for w, p in blend)
             self._config = {"data_path": None, "split": self.split, "blend": _describe(weights, sources)}
 
-    def _optional_stream(self, name: str, weights, sources, doc_ranges):
+    def _test_stream(self, weights, sources, doc_ranges):
         """The test stream of a split, or None (with one warning) where its documents hold less than one sample:
         the default split's last share is often a few short documents, and training must not fail for it."""
         try:
             return self._stream(weights, sources, doc_ranges, TEST_STREAM)
         except DataError as err:
-            print(f"ptd_jax: warning: the {name} split is not evaluated: {err}", file=sys.stderr)
+            print(f"ptd_jax: warning: the test split is not evaluated: {err}", file=sys.stderr)
             return None
 
     def _open_per_split(self, train_path, valid_path, test_path) -> None:
