@@ -32,24 +32,35 @@ def test_swiglu_without_a_width_takes_megatrons_two_thirds():
     assert ModelConfig(hidden_size=128).ffn_size == 512 and ModelConfig(ffn_hidden_size=7, swiglu=True).ffn_size == 7
 
 
-def test_a_sliding_window_defaults_to_the_flash_kernel_on_a_gpu(monkeypatch):
-    """The flash kernel has the sliding window: on a GPU (and with --compile-only) a windowed model's default
-    backend is the kernel, as any other model's."""
+@pytest.mark.parametrize(
+    "flags, cuda, want",
+    [
+        (["--model-preset", "mistral-7b"], True, "pallas"),  # float32: cuDNN takes float16/bfloat16 only
+        (["--model-preset", "mistral-7b", "--bf16"], True, "cudnn"),  # the sliding window included
+        (["--model-preset", "llama3-8b", "--bf16"], True, "cudnn"),
+        (["--model-preset", "llama3-8b", "--bf16"], False, "pallas"),  # a ROCm GPU: no cuDNN
+        (["--model-preset", "llama3-8b", "--bf16", "--kv-channels", "256"], True, "pallas"),  # over jax's 128
+        (["--model-preset", "llama3-8b", "--bf16", "--context-parallel-size", "2"], True, "xla"),
+        (["--model-preset", "llama3-8b", "--bf16", "--attention-backend", "xla"], True, "xla"),
+    ],
+)
+def test_the_default_attention_on_a_gpu(monkeypatch, flags, cuda, want):
+    """Without --attention-backend a GPU run attends by cuDNN where jax's cuDNN path takes the model (faster than
+    the Pallas kernel on an H200), else by the Pallas flash kernel (the sliding window included), and by XLA's blocks
+    under context parallelism; `--compile-only`/`ptd-plan predict` resolve it the same way for an NVIDIA target."""
     from ptd_jax.cli.train import build_parser, model_config_from_args
-    from ptd_jax.cli.train.compile_only import gpu_defaults
+    from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
     from ptd_jax.runtime import platform
 
     monkeypatch.setattr(platform, "gpu_present", lambda: True)
-    args = build_parser().parse_args(["--model-preset", "mistral-7b"])
-    assert (
-        model_config_from_args(args).attention_backend == "pallas"
-        and gpu_defaults(args)["attention_backend"] == "pallas"
-    )
-    args = build_parser().parse_args(["--model-preset", "llama3-8b"])
-    assert (
-        model_config_from_args(args).attention_backend == "pallas"
-        and gpu_defaults(args)["attention_backend"] == "pallas"
-    )
+    monkeypatch.setattr(platform, "cuda_gpu_present", lambda: cuda)
+    args = build_parser().parse_args(flags)
+    assert model_config_from_args(args).attention_backend == want
+    if cuda:
+        monkeypatch.setattr(platform, "gpu_present", lambda: False)
+        args = build_parser().parse_args(flags)
+        fill_defaults(args)
+        assert configs_for_target(args)[0].attention_backend == want
 
 
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-7b", "mistral-7b"])

@@ -11,7 +11,9 @@ from ptd_jax.perf.search import make_parallel
 
 
 def gpu_model_config(cfg: ModelConfig) -> ModelConfig:
-    """The model as ptd-train runs it on a GPU by default: Pallas attention and fused LayerNorm/loss."""
+    """The model with the Pallas kernels (flash attention, fused LayerNorm/loss), as the memory benchmarks recorded
+    it; ptd-train's default attention on an NVIDIA GPU is cuDNN's where it applies
+    (`cli/train/checks.default_attention_backend`)."""
     return cfg.replace(attention_backend="pallas", fused_kernels=True)
 
 

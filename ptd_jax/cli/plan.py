@@ -24,6 +24,7 @@ import sys
 
 from ptd_jax.cli import energy as energy_cli
 from ptd_jax.cli.args import OneLineParser, positive_int
+from ptd_jax.cli.train.checks import default_attention_backend
 from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
 from ptd_jax.cli.train.parser import DEFAULT_TARGET
 from ptd_jax.cli.train.parser import build_parser as train_parser
@@ -144,8 +145,10 @@ def model_config(args) -> ModelConfig:
         if getattr(args, name) is not None
     }
     cfg = base.replace(**overrides, dtype="float16" if args.fp16 else "bfloat16")
-    # as ptd-train resolves them on a GPU (`compile_only.gpu_defaults`): the Pallas kernels
-    return cfg.replace(attention_backend=args.attention_backend or "pallas", fused_kernels=True)
+    cfg = cfg.replace(fused_kernels=True)
+    if args.attention_backend is None:  # as ptd-train resolves it for an NVIDIA target without the GPU here
+        cfg = cfg.replace(attention_backend=default_attention_backend(cfg, 1, cuda=True, hopper=False))
+    return cfg
 
 
 def layout_flags(args) -> dict:

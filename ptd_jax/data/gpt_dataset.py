@@ -330,6 +330,7 @@ class GPTData:
                 f"split={self.split!r} leaves the training split empty: 0 of {docs} documents of "
                 f"{' '.join(p for _, p in blend)} (give the train share more weight)"
             )
+        self._refuse_a_train_split_under_one_batch(f"split={self.split!r}: ")
         if self.eval_iters > 0:
             self.valid = self._stream(weights, sources, [r[1] for r in ranges], VALID_STREAM)
             self.test = self._test_stream(weights, sources, [r[2] for r in ranges])
@@ -347,6 +348,20 @@ class GPTData:
         else:
             self.name = " ".join(f"{w:g} {os.path.abspath(p)}" for w, p in blend)
             self._config = {"data_path": None, "split": self.split, "blend": _describe(weights, sources)}
+
+    def _refuse_a_train_split_under_one_batch(self, where: str) -> None:
+        """A training split with fewer samples than one global batch would repeat its samples inside one batch:
+        refused before the model is built, with the split's numbers."""
+        datasets = getattr(self.train, "datasets", [self.train])
+        samples = sum(d.samples_per_epoch for d in datasets)
+        if samples < self.global_batch_size:
+            tokens = sum(d.tokens_per_epoch for d in datasets)
+            sequences = sum(d.num_sequences for d in datasets)
+            raise DataError(
+                f"{where}the training split holds {samples} samples of seq_length={self.seq_length} ({tokens} tokens "
+                f"in {sequences} sequences), fewer than one batch of global_batch_size={self.global_batch_size}: "
+                f"give training more data or lower --global-batch-size"
+            )
 
     def _test_stream(self, weights, sources, doc_ranges):
         """The test stream of a split, or None (with one warning) where its documents hold less than one sample:
@@ -375,6 +390,8 @@ class GPTData:
             if key == "train" or self.eval_iters > 0:
                 everything = [np.arange(len(s.doc_index) - 1) for s in sources]
                 setattr(self, key, self._stream(weights, sources, everything, stream))
+            if key == "train":
+                self._refuse_a_train_split_under_one_batch("--train-data-path: ")
             self._config[f"{key}_data"] = _describe(weights, sources)
             names.append(f"{key}: " + " ".join(f"{w:g} {os.path.abspath(p)}" for w, p in blend))
         self.name = "; ".join(names)

@@ -28,6 +28,12 @@ def gpu_present() -> bool:
     return any(glob.glob(pattern) for pattern in GPU_DEVICES) and _installed(*GPU_PLUGINS)
 
 
+def cuda_gpu_present() -> bool:
+    """An NVIDIA GPU and JAX's CUDA plugin (what cuDNN attention needs; ROCm has no cuDNN)."""
+    nvidia = any(glob.glob(pattern) for pattern in GPU_DEVICES[:2])
+    return nvidia and _installed("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
 def other_plugin_installed() -> bool:
     """A JAX plugin this module cannot check for a device (registered under another name): taken as present."""
     import importlib.metadata

@@ -58,16 +58,17 @@ def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
     assert summary["device_memory_bytes"] == TARGETS[target].memory_bytes
     assert 0 < summary["memory_bytes_per_gpu"] < summary["device_memory_bytes"]
     assert summary["layout"] | {"virtual": 2} == summary["layout"] and summary["layout"]["data"] == 2
-    # auto resolves as on a GPU: uniform branching, the Pallas kernels (compiled by Triton, not interpreted)
+    # auto resolves as on a GPU: uniform branching, cuDNN attention (bf16, head dim 32), the fused Pallas kernels
+    # (compiled by Triton, not interpreted)
     assert summary["resolved"] == {
         "pipeline_branching": "uniform",
-        "attention_backend": "pallas",
+        "attention_backend": "cudnn",
         "fused_kernels": True,
         "dtype": "bfloat16",
         "vocab_size": 257,
     }
     assert summary["memory_budget_bytes"] == int(0.75 * TARGETS[target].memory_bytes)
-    assert summary["kernels"]["pallas_triton"] > 0
+    assert summary["kernels"]["pallas_triton"] > 0 and summary["kernels"]["cudnn"] > 0
     # tensor all-reduces in groups of 2, the data-parallel gradient all-reduce over 2, the pipe ring
     assert 2 in summary["collectives"]["all-reduce"]["group_sizes"]
     assert summary["collectives"]["collective-permute"]["count"] > 0
@@ -240,7 +241,7 @@ def test_plan_predict_with_ptd_trains_command_line_is_within_10_percent_of_the_c
     from experiments.bench.memory.plan_vs_compiled import CASES
 
     predicted, compiled = _predicted_and_compiled(CASES["1.3b-t4p2-b2-h200"], capsys)
-    assert predicted["resolved"]["attention_backend"] == compiled["resolved"]["attention_backend"] == "pallas"
+    assert predicted["resolved"]["attention_backend"] == compiled["resolved"]["attention_backend"] == "cudnn"
     assert predicted["resolved"]["pipeline_branching"] == compiled["resolved"]["pipeline_branching"]
     assert predicted["num_microbatches"] == compiled["layout"]["num_microbatches"]
     assert predicted["memory_gb_per_gpu"] * 2**30 == pytest.approx(compiled["memory_bytes_per_gpu"], rel=0.10)

@@ -126,6 +126,10 @@ TRAIN_CASES = [
     # the data splits, checked before the model is built
     ([*D8, "--split", "0,100,0", "--save", "ck", "--metrics-file", "m.jsonl"], "split='0,100,0' leaves the training"),
     ([*D8, "--split", "1,2000,0"], "split='1,2000,0' leaves the training split empty: 0 of"),
+    (
+        [*D8[:-1], "100000", "--split", "1,400,0"],  # two documents of the demo corpus: a few hundred samples
+        "split='1,400,0': the training split holds ",
+    ),
     (["--split", ""], "split='' has an empty weight"),
     (["--split", "1,,1"], "split='1,,1' has an empty weight"),
     # sizes nothing checked up front

@@ -166,6 +166,19 @@ def cudnn_attention_problem(model_cfg: ModelConfig, hopper: bool) -> str | None:
     return None
 
 
+def default_attention_backend(model_cfg: ModelConfig, context_parallel_size: int, *, cuda: bool, hopper: bool) -> str:
+    """The attention a GPU run gets without --attention-backend: cuDNN's flash attention where jax's cuDNN path takes
+    the model (an NVIDIA GPU, float16/bfloat16, its head dims), else the Pallas flash kernel; XLA's blocks under
+    context parallelism (`parallel/context.py`). Measured on one H200 (1.3B, b = 4, s = 2048, bf16, fused
+    LayerNorm/loss; experiments/results/bench_kernels_steps.json): a step takes 0.162 s by cuDNN, 0.191 s by Pallas
+    and 0.281 s by XLA."""
+    if context_parallel_size > 1:
+        return "xla"
+    if cuda and cudnn_attention_problem(model_cfg, hopper) is None:
+        return "cudnn"
+    return "pallas"
+
+
 def check_attention_kernels(model_cfg: ModelConfig, args, target) -> ModelConfig:
     """Attention that cannot compile for `target` (a `pallas_kernels.GpuTarget`), caught before anything is traced.
     Flash attention whose smallest blocks exceed the target's shared memory per block falls back, when picked by

@@ -16,16 +16,6 @@ from ptd_jax.perf.hardware import TARGETS
 GIB = 2**30
 
 
-def gpu_defaults(args) -> dict:
-    """ModelConfig fields the `auto` kernel defaults resolve to on a GPU: Pallas attention, fused kernels."""
-    fields = {}
-    if args.attention_backend is None:  # context parallelism attends by XLA blocks (`parallel/context.py`)
-        fields["attention_backend"] = "xla" if args.context_parallel_size > 1 else "pallas"
-    if args.fused_kernels is None:
-        fields["fused_kernels"] = True
-    return fields
-
-
 def describe(s: dict) -> str:
     mem, lay, res = s["memory"]["train_step"], s["layout"], s["resolved"]
     lines = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from ptd_jax.cli.train import checks
 from ptd_jax.cli.train.parser import DEFAULT_SPLIT, DEFAULT_TARGET, PER_SPLIT
 from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset
 from ptd_jax.data.tokenizer import ByteTokenizer
@@ -111,7 +112,7 @@ def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> Mod
     rotary = [n for n in LLAMA_SWITCHES if n.startswith(("rotary_", "rope_", "use_rope")) and n in overrides]
     if rotary and not rope:
         raise ConfigError(f"{rotary[0]}={overrides[rotary[0]]} needs --position-embedding-type rope")
-    return base.replace(
+    cfg = base.replace(
         **overrides,
         # the data's tokenizer decides V, as in Megatron
         vocab_size=(
@@ -127,22 +128,28 @@ def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> Mod
         init_method_std=args.init_method_std,
         gelu_approximate=args.gelu == "tanh",
         dtype=compute_dtype(args),
+        attention_backend=args.attention_backend or "xla",
         # the kernels are the default on GPUs (`check_default_kernels` tests them first), XLA's elsewhere
-        attention_backend=args.attention_backend
-        or (
-            "pallas"
-            if gpu and args.context_parallel_size == 1
-            else "xla"  # context parallelism attends by XLA blocks (`parallel/context.py`)
-        ),
         fused_kernels=args.fused_kernels if args.fused_kernels is not None else gpu,
     )
+    if args.attention_backend is None and gpu:
+        # a compile for a GPU that is not here is for an NVIDIA target, whose head-dim limit jax takes as 128
+        here = platform.gpu_present()
+        cfg = cfg.replace(
+            attention_backend=checks.default_attention_backend(
+                cfg,
+                args.context_parallel_size,
+                cuda=platform.cuda_gpu_present() if here else True,
+                hopper=here and checks.local_gpu_is_hopper(),
+            )
+        )
+    return cfg
 
 
 def configs_for_target(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     """The configs `ptd-train --compile-only` compiles and `ptd-plan predict` predicts: the flags as on --num-gpus
     GPUs (default t * p * c) of --target, the kernels' defaults as a GPU resolves them, V the preset's when no tokenizer
     decides it. No JAX."""
-    from ptd_jax.cli.train.compile_only import gpu_defaults
     from ptd_jax.data.tokenizer import training_tokenizer
 
     if args.tokenizer_type is None and args.vocab_size is None:  # no data to decide V: the preset's
@@ -150,7 +157,7 @@ def configs_for_target(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     tokenizer = training_tokenizer(
         args.tokenizer_type, args.vocab_file, args.merge_file, args.vocab_size, tokenizer_model=args.tokenizer_model
     )
-    model_cfg = model_config_from_args(args, tokenizer, gpu=True).replace(**gpu_defaults(args))
+    model_cfg = model_config_from_args(args, tokenizer, gpu=True)
     num_gpus = args.num_gpus or (
         args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     )
