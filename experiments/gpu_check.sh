@@ -51,3 +51,6 @@ fi
 # 7. the tests that need a GPU (marked gpu, excluded from the default run): NVML's energy counter on this GPU
 timeout "${GPU_TESTS_TIMEOUT_S:-120}" "${PYTHON:-python}" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 3
 echo "gpu tests exit: ${PIPESTATUS[0]}"
+# 8. ptd-train end to end: the README's main command, and bf16 runs that attend by cuDNN (GPT 1.3B and Llama 3.2 1B
+#    shapes, 4 layers each)
+bash experiments/gpu_train_check.sh
