@@ -73,6 +73,32 @@ def test_a_checkpoint_of_one_layout_restores_exactly_into_another(tmp_path, targ
     assert not mu_word[MODEL.vocab_size :].any()
 
 
+@pytest.mark.parametrize("target", [(2, 2, 2, 1, False), (1, 1, 2, 4, True), (2, 1, 1, 4, False)])
+def test_the_context_axis_does_not_change_the_canonical_form(tmp_path, target):
+    """Saved at (d,p,t,c) = (1,2,2,2) with the distributed optimizer (its shards over data x context), restored at
+    c = 1 and c = 4, with and without it: the canonical state is bitwise the saved one (issue #36: save at c = 2,
+    load at c = 1 or 4)."""
+    optimizer = make_optimizer(TrainConfig())
+    source = layout(1, 2, 2, 1).replace(
+        context_parallel_size=2, cp_comm_type="all_gather", use_distributed_optimizer=True
+    )
+    state, _ = random_state(source, optimizer)
+    with checkpoint.Checkpointer(tmp_path, optimizer=optimizer, model_cfg=MODEL, parallel=source) as c:
+        c.save(1, state, {})
+    d, p, t, cp, distributed = target
+    dest = layout(d, p, t, 1).replace(
+        context_parallel_size=cp, cp_comm_type="all_gather", use_distributed_optimizer=distributed
+    )
+    dest_mesh = make_mesh(dest)
+    like = init_sharded_state(jax.random.key(9), MODEL, optimizer, dest_mesh, dest)
+    restored = checkpoint.restore(
+        tmp_path, 1, like, optimizer=optimizer, model_cfg=MODEL, parallel=dest, mesh=dest_mesh
+    )
+    want = sharding.to_canonical(optimizer, state, MODEL.vocab_size, True)
+    have = sharding.to_canonical(optimizer, restored, MODEL.vocab_size, p > 1)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), want, have)
+
+
 def _losses(path):
     return {
         r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in map(json.loads, open(path)) if r.get("kind") == "train"
