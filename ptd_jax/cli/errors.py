@@ -40,12 +40,14 @@ def one_line(text) -> str:
 
 
 def quiet_libraries() -> None:
-    """Orbax's absl warnings ("Metadata file does not exist") and XLA's C++ log below errors: our own lines say
-    what happened. XLA reads its level when it starts, so this takes effect only before JAX's backend starts."""
+    """Orbax's absl warnings ("Metadata file does not exist") and XLA's C++ log up to its errors, which are advice
+    to XLA's developers ("Very slow compile? If you want to file a bug ...", "Constant folding an instruction is
+    taking > 1s"): a failure reaches Python as an exception, and our own line says what happened. XLA reads its
+    level when it starts, so this takes effect only before JAX's backend starts; PTD_DEBUG=1 shows them all."""
     if debug():
         return
     logging.getLogger("absl").setLevel(logging.ERROR)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.unraisablehook = _unraisable
 
 

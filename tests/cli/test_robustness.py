@@ -434,3 +434,19 @@ def test_an_unexpected_failure_is_one_line_and_ptd_debug_shows_the_traceback(mon
     monkeypatch.setenv("PTD_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         schedule_cli.main([])
+
+
+def test_xlas_cpp_log_is_silenced_unless_debugging(monkeypatch):
+    """XLA's C++ ERROR lines are advice to XLA's developers ("Very slow compile? If you want to file a bug"): the
+    tools set XLA's level to FATAL before the backend starts, unless PTD_DEBUG=1; a level the user set is kept."""
+    from ptd_jax.cli import errors
+
+    for debug, preset, want in ((None, None, "3"), ("1", None, None), (None, "0", "0")):
+        monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # restored after the test
+        for name, value in (("PTD_DEBUG", debug), ("TF_CPP_MIN_LOG_LEVEL", preset)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        errors.quiet_libraries()
+        assert os.environ.get("TF_CPP_MIN_LOG_LEVEL") == want
