@@ -40,13 +40,29 @@ def context_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> dict[
     return {"forward": gathered, "backward": gathered + (c - 1) * grads}
 
 
+def attention_blocks(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[float, float, float]:
+    """(rows, columns, count) of the score blocks one device's attention core computes per layer, microbatch row and
+    local head: c = 1 the s × s square (a causal flash kernel, pallas or cudnn, skips the masked tiles: half of it);
+    p2p the ring's visible sub-blocks of Sc = S/(2c) tokens, 2c + 1 of them per rank ((1/2 + 1/(4c)) of the
+    (S/c) × S rectangle: every rank holds chunks r and 2c − 1 − r, and a sub-block is skipped only when all its keys
+    are masked); all_gather the whole (S/c) × S rectangle (XLA masks, skips nothing)."""
+    c, S = parallel.context_parallel_size, cfg.seq_length
+    if c == 1:
+        return S, S, 0.5 if cfg.attention_backend in FLASH_BACKENDS else 1.0
+    if parallel.cp_comm_type == "p2p":
+        return S / (2 * c), S / (2 * c), 2 * c + 1
+    return S / c, S, 1.0
+
+
+FLASH_BACKENDS = ("pallas", "cudnn")
+
+
 def attention_flops_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Forward FLOPs of one device's causal attention core in one layer per microbatch (q·kᵀ and p·v over the
-    half of the S/c × S square that the causal mask leaves, as the ring's skipped blocks leave it)."""
-    c, t = parallel.context_parallel_size, parallel.tensor_model_parallel_size
-    b, S = parallel.micro_batch_size, cfg.seq_length
-    heads = cfg.num_attention_heads / t
-    return 2 * 2 * b * heads * cfg.head_dim * (S / c) * S / 2
+    """Forward FLOPs of one device's attention core in one layer per microbatch: q·kᵀ and p·v over the blocks it
+    computes (`attention_blocks`)."""
+    rows, cols, count = attention_blocks(cfg, parallel)
+    heads = parallel.micro_batch_size * cfg.num_attention_heads / parallel.tensor_model_parallel_size
+    return 2 * 2 * heads * cfg.head_dim * rows * cols * count
 
 
 def context_seconds_per_layer(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> dict[str, float]:
