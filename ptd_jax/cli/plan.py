@@ -281,7 +281,16 @@ def print_predict(r: dict) -> None:
         f"  memory {r['memory_gb_per_gpu']:.2f} GiB per GPU ({r['memory_stage']} stage): "
         + ", ".join(
             f"{name} {terms[name]:.2f}"
-            for name in ("weights", "compute_copy", "gradients", "optimizer", "stash", "recompute", "logits")
+            for name in (
+                "weights",
+                "compute_copy",
+                "gradients",
+                "optimizer",
+                "stash",
+                "recompute",
+                "logits",
+                "workspace",
+            )
             if terms.get(name)
         )
         + f"; {fits} in {r['usable_memory_gb']:.2f} GiB usable ({r['allocator_fraction']:g} of the GPU: "
