@@ -39,8 +39,10 @@ def verify(
     checked = []
     for record in layouts:
         train_cfg = TrainConfig(recompute_granularity=record["recompute_granularity"])
+        c = record.get("context_parallel_size", 1)
+        model = cfg if c == 1 else cfg.replace(attention_backend=record["attention_backend"])
         parallel = make_parallel(
-            cfg,
+            model,
             num_gpus,
             record["tensor_model_parallel_size"],
             record["pipeline_model_parallel_size"],
@@ -48,9 +50,10 @@ def verify(
             global_batch_size,
             record["num_layers_per_virtual_pipeline_stage"],
             schedule=record["pipeline_schedule"],
+            context_parallel_size=c,
             **flags,
         )
-        _, programs = compile_steps(planned_model_config(cfg), parallel, train_cfg, target, num_gpus)
+        _, programs = compile_steps(planned_model_config(model), parallel, train_cfg, target, num_gpus)
         compiled = max(p.memory["total"] for p in programs)  # as --compile-only: the train or the eval step
         train = programs[0]
         checked.append(

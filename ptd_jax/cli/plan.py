@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(srch)
     srch.add_argument("--top", type=positive_int, default=10, help="rows of the table (the JSON lists all)")
     srch.add_argument(
+        "--context-parallel-sizes",
+        type=context_sizes_flag,
+        metavar="C[,C...]",
+        help="the context-parallel sizes c to weigh beside c = 1 (the p2p ring, XLA block attention); default: every "
+        "c that divides N/(t*p), halves S/c and keeps c*t GPUs in a node",
+    )
+    srch.add_argument(
         "--verify",
         type=positive_int,
         metavar="K",
@@ -125,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
         "extra) and show the compiled memory per GPU beside the prediction",
     )
     return parser
+
+
+def context_sizes_flag(text: str) -> tuple[int, ...]:
+    """ "2,4" -> (2, 4): positive integers, comma-separated."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--context-parallel-sizes={text!r} is not a list of positive integers")
+    return sizes
 
 
 def model_config(args) -> ModelConfig:
@@ -217,11 +235,7 @@ def predict_run(args, ignored: list[str]) -> dict:
         },
         ignored_flags=ignored,
         context_parallel_size=parallel.context_parallel_size,
-        notes=(
-            ["context parallelism: memory per GPU counts s/c tokens; the time model does not divide by c yet"]
-            if parallel.context_parallel_size > 1
-            else []
-        ),
+        notes=[],
     )
     return record
 
@@ -267,7 +281,16 @@ def print_predict(r: dict) -> None:
         f"  memory {r['memory_gb_per_gpu']:.2f} GiB per GPU ({r['memory_stage']} stage): "
         + ", ".join(
             f"{name} {terms[name]:.2f}"
-            for name in ("weights", "compute_copy", "gradients", "optimizer", "stash", "recompute", "logits")
+            for name in (
+                "weights",
+                "compute_copy",
+                "gradients",
+                "optimizer",
+                "stash",
+                "recompute",
+                "logits",
+                "workspace",
+            )
             if terms.get(name)
         )
         + f"; {fits} in {r['usable_memory_gb']:.2f} GiB usable ({r['allocator_fraction']:g} of the GPU: "
@@ -282,13 +305,14 @@ def print_predict(r: dict) -> None:
 def print_search(result: dict, top: int) -> None:
     rows = result["layouts"]
     print(
-        f"{'rank':>4} {'t':>3} {'p':>3} {'d':>4} {'b':>3} {'k':>3} {'schedule':>13} {'recompute':>9} {'m':>5} "
+        f"{'rank':>4} {'t':>3} {'p':>3} {'c':>3} {'d':>4} {'b':>3} {'k':>3} {'schedule':>13} {'recompute':>9} {'m':>5} "
         f"{'TFLOP/s':>8} {'MFU':>6} {'iter s':>8} {'bubble':>7} {'GiB':>6}"
     )
     for i, r in enumerate(rows[:top], 1):
         k = r["num_layers_per_virtual_pipeline_stage"]
         print(
             f"{i:>4} {r['tensor_model_parallel_size']:>3} {r['pipeline_model_parallel_size']:>3} "
+            f"{r['context_parallel_size']:>3} "
             f"{r['data_parallel_size']:>4} {r['micro_batch_size']:>3} {k if k else '-':>3} "
             f"{r['pipeline_schedule']:>13} {r['recompute_granularity']:>9} "
             f"{r['num_microbatches']:>5} {r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} "
@@ -327,6 +351,7 @@ def run(argv=None) -> dict:
         args.global_batch_size,
         HARDWARE[args.hardware],
         args.recompute_granularity or RECOMPUTE_GRANULARITIES,
+        context_parallel_sizes=args.context_parallel_sizes,
         **layout_flags(args),
     )
     if not result["layouts"] and not result["excluded"]:

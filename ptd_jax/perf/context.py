@@ -40,13 +40,27 @@ def context_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> dict[
     return {"forward": gathered, "backward": gathered + (c - 1) * grads}
 
 
+def attention_blocks(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[float, float, float]:
+    """(rows, columns, count) of the score blocks one device's attention core computes per layer, microbatch row and
+    local head: c = 1 the s × s square, whatever the backend (the paper's fused softmax and XLA compute it all; the
+    flash kernels' skipped tiles are not modelled, which keeps Table 1's guard and overstates c = 1's attention);
+    p2p the ring's visible sub-blocks of Sc = S/(2c) tokens, 2c + 1 of them per rank ((1/2 + 1/(4c)) of the
+    (S/c) × S rectangle: every rank holds chunks r and 2c − 1 − r, and a sub-block is skipped only when all its keys
+    are masked); all_gather the whole (S/c) × S rectangle (XLA masks, skips nothing)."""
+    c, S = parallel.context_parallel_size, cfg.seq_length
+    if c == 1:
+        return S, S, 1.0
+    if parallel.cp_comm_type == "p2p":
+        return S / (2 * c), S / (2 * c), 2 * c + 1
+    return S / c, S, 1.0
+
+
 def attention_flops_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Forward FLOPs of one device's causal attention core in one layer per microbatch (q·kᵀ and p·v over the
-    half of the S/c × S square that the causal mask leaves, as the ring's skipped blocks leave it)."""
-    c, t = parallel.context_parallel_size, parallel.tensor_model_parallel_size
-    b, S = parallel.micro_batch_size, cfg.seq_length
-    heads = cfg.num_attention_heads / t
-    return 2 * 2 * b * heads * cfg.head_dim * (S / c) * S / 2
+    """Forward FLOPs of one device's attention core in one layer per microbatch: q·kᵀ and p·v over the blocks it
+    computes (`attention_blocks`)."""
+    rows, cols, count = attention_blocks(cfg, parallel)
+    heads = parallel.micro_batch_size * cfg.num_attention_heads / parallel.tensor_model_parallel_size
+    return 2 * 2 * heads * cfg.head_dim * rows * cols * count
 
 
 def context_seconds_per_layer(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> dict[str, float]:
@@ -70,15 +84,56 @@ def context_seconds_per_layer(cfg: ModelConfig, parallel: ParallelConfig, hw: Ha
     return {"forward": forward, "backward": backward}
 
 
-def ring_stash_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+def score_block_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """The float32 scores of one block `attention_blocks` counts, over the device's b·H/t heads."""
+    rows, cols, _ = attention_blocks(cfg, parallel)
+    heads = parallel.micro_batch_size * cfg.num_attention_heads / parallel.tensor_model_parallel_size
+    return FLOAT * heads * rows * cols
+
+
+KEPT_SCORES = 1.65
+"""p2p under none: what a layer keeps of its forward ring, in float32 scores of all its visible sub-blocks. The
+policy keeps every matmul's output (`model._keep_none`), and inside the ring's `cond`s those are the scores q·kᵀ of
+each sub-block (1.0) and the blocks' p·v; XLA:GPU's compiled step keeps 1.56 to 1.78 (per layer, from 2 to 4
+layers of Llama-3.2-1B at 8k and 16k tokens, c = 2 and 4: `experiments/bench/context/cp_memory.py`)."""
+WORKSPACE_SCORES = {"none": 3.0}
+"""p2p under none: the float32 score blocks live at the peak beyond the stash, once per program, in units of one
+layer's visible sub-blocks (2.8 to 3.1 measured like `KEPT_SCORES`: the last layer's backward beside its kept
+scores). Under selective, one sub-block's backward: p, dp and ds, `SUB_BLOCK_WORKSPACE` sub-blocks."""
+SUB_BLOCK_WORKSPACE = 3
+
+
+def ring_kept_scores_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """p2p under none: the float32 scores one layer keeps of its forward ring (`KEPT_SCORES`); 0 otherwise."""
+    if parallel.context_parallel_size == 1 or parallel.cp_comm_type != "p2p":
+        return 0.0
+    return KEPT_SCORES * (2 * parallel.context_parallel_size + 1) * score_block_bytes(cfg, parallel)
+
+
+def ring_stash_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = "selective") -> float:
     """What context parallelism adds to one layer's stash per microbatch beyond S/c tokens' worth: p2p keeps the
     output's log-sum-exp (float32, H/t per token) and, where XLA shares the forward's received K/V blocks with the
-    backward's ring (measured on XLA:GPU), those c − 1 blocks; all_gather's autodiff keeps the float32 scores of the
-    local queries against the whole sequence."""
+    backward's ring (measured on XLA:GPU), those c − 1 blocks, and under none the float32 scores of its visible
+    sub-blocks (`KEPT_SCORES`); all_gather's autodiff keeps the float32 scores of the local queries against the whole
+    sequence."""
     c, t = parallel.context_parallel_size, parallel.tensor_model_parallel_size
     if c == 1:
         return 0.0
     b, S, heads = parallel.micro_batch_size, cfg.seq_length, cfg.num_attention_heads / t
     if parallel.cp_comm_type == "p2p":
-        return FLOAT * heads * b * S / c + (c - 1) * kv_block_bytes(cfg, parallel)
+        kept = ring_kept_scores_bytes(cfg, parallel) if recompute == "none" else 0.0
+        return FLOAT * heads * b * S / c + (c - 1) * kv_block_bytes(cfg, parallel) + kept
     return FLOAT * heads * b * (S / c) * S
+
+
+def ring_workspace_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
+    """The p2p ring's float32 score blocks at the peak beyond the stash, once per program (`WORKSPACE_SCORES`); 0 at
+    c = 1, under full recomputation (its rebuilt layer is counted as none's) and for all_gather (not measured apart)."""
+    if parallel.context_parallel_size == 1 or parallel.cp_comm_type != "p2p" or recompute == "full":
+        return 0.0
+    blocks = (
+        WORKSPACE_SCORES["none"] * (2 * parallel.context_parallel_size + 1)
+        if recompute == "none"
+        else SUB_BLOCK_WORKSPACE
+    )
+    return blocks * score_block_bytes(cfg, parallel)

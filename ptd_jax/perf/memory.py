@@ -42,7 +42,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig
-from ptd_jax.perf.context import ring_stash_bytes_per_layer
+from ptd_jax.perf.context import ring_kept_scores_bytes, ring_stash_bytes_per_layer, ring_workspace_bytes
 from ptd_jax.perf.hardware import GIB
 
 
@@ -111,7 +111,9 @@ def activation_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
     w = _widths(cfg)
     if c > 1:
         stream = 8 / t if sp else 8
-        return sbh * (stream + 2 * (w["qkv"] + w["core"] + w["fc1"]) / t) + ring_stash_bytes_per_layer(cfg, parallel)
+        return sbh * (stream + 2 * (w["qkv"] + w["core"] + w["fc1"]) / t) + ring_stash_bytes_per_layer(
+            cfg, parallel, recompute
+        )
     # q, k, v, the attention output and fc1's output, split over the heads / the ffn dim (16/t for GPT-2)
     split = 2 * (w["qkv"] + w["core"] + w["fc1"]) / t
     # the layer's input, the residual after attention and the two LayerNorm outputs: whole without sequence
@@ -199,13 +201,17 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     """Bytes per GPU on the fuller of the first and the last stage, in Megatron's 16-bit terms: {"stage",
     "params", "state" (weights + gradients + optimizer state of the stage's parameters), "stash" (the pipeline's
     record buffers), "recompute" (the layer rebuilt under full recomputation), "logits" (the last stage's fp32
-    logits), "activations" (their sum), "total"}."""
+    logits), "workspace" (the context ring's float32 score blocks at the peak, `perf.context.ring_workspace_bytes`),
+    "activations" (their sum), "total"}."""
     t, b, s = parallel.tensor_model_parallel_size, parallel.micro_batch_size, cfg.seq_length
     params = params_per_gpu(cfg, parallel)
     per_param = state_bytes_per_param(parallel, cfg)
     stash = record_bytes(cfg, parallel, recompute)
     # the layer being recomputed under "full" holds its full activations meanwhile
-    rebuilt = activation_bytes_per_layer(cfg, parallel, "none") if recompute == "full" else 0.0
+    # (no policy inside: the ring's custom VJP keeps its own residuals, not none's scores; not measured)
+    rebuilt = 0.0
+    if recompute == "full":
+        rebuilt = activation_bytes_per_layer(cfg, parallel, "none") - ring_kept_scores_bytes(cfg, parallel)
     # the logits as the output layer's matmul returns them (16-bit) beside the float32 copy the loss reads: 6 bytes per
     # element, measured by changing V alone (`experiments/README.md`, "The planner against the compiler")
     logits = 6 * s * b * cfg.padded_vocab_size(t) / t / parallel.context_parallel_size
@@ -215,7 +221,8 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     elif SCHEDULE_SPECS[parallel.pipeline_schedule].stage_map == "v":  # rank 0 holds the first and the last stage
         stages = {"first": (params["first"] + 2 * cfg.hidden_size, logits)}
     name, (n, head) = max(stages.items(), key=lambda kv: kv[1][0] * per_param + kv[1][1])
-    activations = stash + rebuilt + head
+    workspace = ring_workspace_bytes(cfg, parallel, recompute)  # float32 whatever the compute dtype
+    activations = stash + rebuilt + head + workspace
     return {
         "stage": name,
         "params": n,
@@ -223,6 +230,7 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
         "stash": stash,
         "recompute": rebuilt,
         "logits": head,
+        "workspace": workspace,
         "activations": activations,
         "total": n * per_param + activations,
     }
@@ -263,7 +271,7 @@ def run_memory_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str)
     for name in ("stash", "recompute"):
         need[name] *= c / 2
     need["logits"] *= (c + 4) / 6  # the compute dtype's logits beside the float32 ones
-    need["activations"] = need["stash"] + need["recompute"] + need["logits"]
+    need["activations"] = need["stash"] + need["recompute"] + need["logits"] + need["workspace"]
     need["state"] = n * sum(terms.values())
     need["total"] = need["state"] + need["activations"]
     return need

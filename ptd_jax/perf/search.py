@@ -97,6 +97,9 @@ def layout_record(cfg: ModelConfig, parallel: ParallelConfig, pred: Prediction, 
         "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
         "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
         "data_parallel_size": parallel.data_parallel_size,
+        "context_parallel_size": parallel.context_parallel_size,
+        "cp_comm_type": parallel.cp_comm_type,
+        "attention_backend": cfg.attention_backend,
         "micro_batch_size": parallel.micro_batch_size,
         "num_layers_per_virtual_pipeline_stage": (
             cfg.num_layers // (parallel.pipeline_model_parallel_size * v) if v > 1 else None
@@ -118,26 +121,35 @@ def layout_record(cfg: ModelConfig, parallel: ParallelConfig, pred: Prediction, 
     }
 
 
-def candidates(cfg: ModelConfig, num_gpus: int, global_batch_size: int):
-    """(t, p, b, k) of every layout the flags allow: t | heads, query groups and ffn, p | layers, d = N/(t·p) | B,
-    b | B/d, k = layers per virtual stage (None: plain 1F1B) with v = l/(p·k) >= 2."""
+def context_sizes(cfg: ModelConfig, n: int, t: int, allowed: tuple[int, ...] | None, gpus_per_node: int) -> list[int]:
+    """The c that split n = N/(t·p) GPUs: c | n, S % (2c) = 0 (Megatron's 2c load-balanced chunks), and c·t GPUs in
+    one node (the K/V ring on NVLink; `perf.context`); `allowed` None: every such c, else those of it."""
+    sizes = [c for c in divisors(n) if cfg.seq_length % (2 * c) == 0 and c * t <= max(gpus_per_node, t)]
+    return [1] + [c for c in sizes if c > 1 and (allowed is None or c in allowed)]
+
+
+def candidates(cfg: ModelConfig, num_gpus: int, global_batch_size: int, contexts=(1,), gpus_per_node: int = 8):
+    """(t, p, c, b, k) of every layout the flags allow: t | heads, query groups and ffn, p | layers, c from
+    `context_sizes` (`contexts`: the c allowed, None for all), d = N/(t·p·c) | B, b | B/d, k = layers per virtual
+    stage (None: plain 1F1B) with v = l/(p·k) >= 2."""
     for t in divisors(num_gpus):
         if cfg.num_attention_heads % t or cfg.num_groups % t or cfg.ffn_size % t:
             continue
         for p in divisors(num_gpus // t):
             if cfg.num_layers % p:
                 continue
-            d = num_gpus // (t * p)
-            if global_batch_size % d:
-                continue
-            for b in MICRO_BATCH_SIZES:
-                if (global_batch_size // d) % b:
+            for c in context_sizes(cfg, num_gpus // (t * p), t, contexts, gpus_per_node):
+                d = num_gpus // (t * p * c)
+                if global_batch_size % d:
                     continue
-                yield t, p, b, None
-                if p > 1:
-                    for k in divisors(cfg.num_layers // p):
-                        if cfg.num_layers // (p * k) >= 2:
-                            yield t, p, b, k
+                for b in MICRO_BATCH_SIZES:
+                    if (global_batch_size // d) % b:
+                        continue
+                    yield t, p, c, b, None
+                    if p > 1:
+                        for k in divisors(cfg.num_layers // p):
+                            if cfg.num_layers // (p * k) >= 2:
+                                yield t, p, c, b, k
 
 
 INTERLEAVED = "interleaved"
@@ -154,16 +166,21 @@ small; larger layouts keep the fused schedules' closed forms."""
 
 
 def _with_schedules(layouts, num_layers: int, num_gpus: int, global_batch_size: int):
-    for t, p, b, k in layouts:
-        cells = p * global_batch_size // (num_gpus // (t * p) * b) * (num_layers // (p * k) if k else 1)
+    for t, p, c, b, k in layouts:
+        cells = p * global_batch_size // (num_gpus // (t * p * c) * b) * (num_layers // (p * k) if k else 1)
         split = p > 1 and cells <= SPLIT_CELL_LIMIT
         if k is not None:
-            yield t, p, b, k, None
+            yield t, p, c, b, k, None
             if split and num_layers == 2 * p * k:
-                yield t, p, b, k, "zb-v"
+                yield t, p, c, b, k, "zb-v"
             continue
         for schedule in (None,) if p == 1 else PLAIN_SCHEDULES if split else PLAIN_SCHEDULES[:2]:
-            yield t, p, b, k, schedule
+            yield t, p, c, b, k, schedule
+
+
+def _context_model(cfg: ModelConfig, c: int) -> ModelConfig:
+    """Under context parallelism attention is this project's XLA blocks (`ParallelConfig.check_model`)."""
+    return cfg if c == 1 else cfg.replace(attention_backend="xla")
 
 
 def search(
@@ -174,22 +191,27 @@ def search(
     recompute: str | tuple[str, ...] = "full",
     *,
     sensitivity: bool = True,
+    context_parallel_sizes: tuple[int, ...] | None = (1,),
     **flags,
 ) -> dict:
     """{"layouts": fitting layouts fastest first, "excluded": the ones that do not fit (with why), "why": lines,
     "sensitivity": how robust the choice of t is (`sensitivity`; None when `sensitivity` is False or nothing
     fits), its lines also at the end of "why"}. `recompute`: one policy, or several to rank as one more knob
-    (each record says its `recompute_granularity`)."""
+    (each record says its `recompute_granularity`). `context_parallel_sizes`: the c to weigh (None: every c of
+    `context_sizes`), each c > 1 with the p2p ring and XLA's block attention."""
     policies = (recompute,) if isinstance(recompute, str) else tuple(recompute)
     fits, excluded = [], []
-    layouts = candidates(cfg, num_gpus, global_batch_size)
-    for t, p, b, k, schedule in _with_schedules(layouts, cfg.num_layers, num_gpus, global_batch_size):
+    layouts = candidates(cfg, num_gpus, global_batch_size, context_parallel_sizes, hw.gpus_per_node)
+    for t, p, c, b, k, schedule in _with_schedules(layouts, cfg.num_layers, num_gpus, global_batch_size):
+        model = _context_model(cfg, c)
         try:
-            parallel = make_parallel(cfg, num_gpus, t, p, b, global_batch_size, k, schedule=schedule, **flags)
+            parallel = make_parallel(
+                model, num_gpus, t, p, b, global_batch_size, k, schedule=schedule, context_parallel_size=c, **flags
+            )
         except ConfigError:
-            continue  # e.g. the interleaved schedule's rules on m
+            continue  # e.g. the interleaved schedule's rules on m, the ring's on the schedule
         for policy in policies:
-            record = layout_record(cfg, parallel, predict(cfg, parallel, hw, policy), hw)
+            record = layout_record(model, parallel, predict(model, parallel, hw, policy), hw)
             record["recompute_granularity"] = policy
             if record["fits"]:
                 fits.append(record)
@@ -209,13 +231,25 @@ def search(
     }
     if sensitivity and fits:
         best_policy = fits[0]["recompute_granularity"]
-        result["sensitivity"] = sensitivity_of_t(cfg, num_gpus, global_batch_size, hw, fits, best_policy, **flags)
+        result["sensitivity"] = sensitivity_of_t(
+            cfg,
+            num_gpus,
+            global_batch_size,
+            hw,
+            fits,
+            best_policy,
+            context_parallel_sizes=context_parallel_sizes,
+            **flags,
+        )
         result["why"] += result["sensitivity"]["lines"]
     return result
 
 
 def describe(r: dict) -> str:
-    return " ".join(f"{SHORT[k]}={r[k] if r[k] is not None else '-'}" for k in SHORT)
+    """t=.. p=.. d=.. b=.. k=.., and c=.. under context parallelism."""
+    text = " ".join(f"{SHORT[k]}={r[k] if r[k] is not None else '-'}" for k in SHORT)
+    c = r.get("context_parallel_size", 1)
+    return text if c == 1 else f"{text} c={c}"
 
 
 def _tp(r: dict) -> int:

@@ -33,6 +33,12 @@ chunk boundary pays its p2p, v times per microbatch), then the data-parallel gra
 overlapped — the paper's 2021 code — of the gradient buffer: fp16 under --fp16, fp32 under --bf16; with the
 distributed optimizer a reduce-scatter of it and an all-gather of the 16-bit weights) and the optimizer step
 (memory-bound, the state bytes of memory.py read and written).
+
+Context parallelism (c, `perf/context.py`): every token-wise term (dense GEMMs, elementwise kernels, tensor-parallel
+collectives, pipeline p2p, the output layer) runs on S/c tokens; the attention core on the score blocks a GPU
+computes (the ring's visible sub-blocks, (1/2 + 1/(4c)) of its (S/c) × S rectangle; all_gather the whole rectangle);
+"context_comm" is the K/V traffic left exposed behind those blocks (forward and backward, and the forward again
+under recomputation); the gradient reduction runs over data × context, d·c GPUs. The world is d·p·c·t GPUs.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ptd_jax.config import SCHEDULE_SPECS, ModelConfig, ParallelConfig
+from ptd_jax.perf.context import attention_blocks, context_seconds_per_layer
 from ptd_jax.perf.hardware import Hardware
 from ptd_jax.perf.memory import grad_bytes_per_param, run_memory_bytes, state_bytes_per_param
 from ptd_jax.perf.flops import flops_per_iteration, hardware_flops_per_iteration, model_flops_per_iteration
@@ -64,9 +71,15 @@ class Prediction:
         return self.flops[which] / self.iteration_time_s / self.num_gpus / 1e12
 
 
+def local_tokens(cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """The sequence positions one GPU runs the token-wise work of: S/c (context parallelism splits the sequence)."""
+    return cfg.seq_length / parallel.context_parallel_size
+
+
 def layer_gemm_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> dict[str, float]:
-    """Forward time of one layer's matmuls for one microbatch on one GPU: {"dense": ..., "attention": ...}."""
-    s, b, h, f = cfg.seq_length, parallel.micro_batch_size, cfg.hidden_size, cfg.ffn_size
+    """Forward time of one layer's matmuls for one microbatch on one GPU: {"dense": ..., "attention": ...}; the dense
+    ones over S/c tokens, the attention core over the score blocks the GPU computes (`context.attention_blocks`)."""
+    s, b, h, f = local_tokens(cfg, parallel), parallel.micro_batch_size, cfg.hidden_size, cfg.ffn_size
     t, a, d_head = parallel.tensor_model_parallel_size, cfg.num_attention_heads, cfg.head_dim
     tokens = s * b
     qkv = (a + 2 * cfg.num_groups) * d_head  # 3h for GPT-2; grouped-query attention's K and V are G heads
@@ -78,26 +91,28 @@ def layer_gemm_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware)
         + hw.gemm_seconds(tokens, up * f / t, h)
         + hw.gemm_seconds(tokens, h, f / t)
     )
-    heads = b * a / t  # batched: Q·Kᵀ (s×d_head · d_head×s) and scores·V (s×s · s×d_head) per head
-    attention = hw.gemm_seconds(s, s, d_head, heads) + hw.gemm_seconds(s, d_head, s, heads)
+    rows, cols, count = attention_blocks(cfg, parallel)
+    heads = b * a / t * count  # batched: Q·Kᵀ (rows×d_head · d_head×cols) and scores·V (rows×cols · cols×d_head)
+    attention = hw.gemm_seconds(rows, cols, d_head, heads) + hw.gemm_seconds(rows, d_head, cols, heads)
     return {"dense": dense, "attention": attention}
 
 
 def layer_elementwise_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> dict[str, float]:
     """HBM bytes of one layer's forward memory-bound kernels: {"linear": ..., "softmax": ...}."""
-    s, b, h, a = cfg.seq_length, parallel.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
+    s, b, h, a = local_tokens(cfg, parallel), parallel.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     t = parallel.tensor_model_parallel_size
+    rows, cols, count = attention_blocks(cfg, parallel)
     replicated = 22 / t if parallel.sequence_parallel else 22  # 2 LayerNorms (4 sbh) + 2 bias-dropout-adds (7 sbh)
     # the MLP activation reads fc1's output and writes fc2's input, 2 bytes each: GeLU F + F (16 sbh/t at F = 4h),
     # SwiGLU 2F + F
     split = (6 if cfg.swiglu else 4) * cfg.ffn_size / h / t
-    return {"linear": s * b * h * (replicated + split), "softmax": 9 * a * s * s * b / t}
+    return {"linear": s * b * h * (replicated + split), "softmax": 9 * a * rows * cols * count * b / t}
 
 
 def tensor_allreduce_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:
     """One of the layer's tensor-parallel all-reduces (b·s·h 16-bit values) over t GPUs."""
     t = parallel.tensor_model_parallel_size
-    nbytes = HALF * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
+    nbytes = HALF * local_tokens(cfg, parallel) * parallel.micro_batch_size * cfg.hidden_size
     return hw.allreduce_seconds(nbytes, t, within_node=t <= hw.gpus_per_node)
 
 
@@ -107,7 +122,7 @@ def regather_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, r
     t = parallel.tensor_model_parallel_size
     if not parallel.sequence_parallel or recompute == "full" or t == 1:
         return 0.0
-    nbytes = HALF * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
+    nbytes = HALF * local_tokens(cfg, parallel) * parallel.micro_batch_size * cfg.hidden_size
     return 2 * hw.allgather_seconds(nbytes, t, within_node=t <= hw.gpus_per_node)
 
 
@@ -117,7 +132,7 @@ def p2p_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> flo
     consecutive: every boundary stays in a node when p·t fits in one, else some boundary crosses, and a lockstep
     tick waits for the slowest."""
     t, p = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    nbytes = HALF * cfg.seq_length * parallel.micro_batch_size * cfg.hidden_size
+    nbytes = HALF * local_tokens(cfg, parallel) * parallel.micro_batch_size * cfg.hidden_size
     within = t * p <= hw.gpus_per_node
     if parallel.scatter_gather and t > 1:
         return hw.p2p_seconds(nbytes / t, within) + hw.allgather_seconds(nbytes, t, within_node=True)
@@ -125,15 +140,22 @@ def p2p_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> flo
 
 
 def data_parallel_seconds(params: float, parallel: ParallelConfig, hw: Hardware, grad_bytes: int = 4) -> float:
-    """The gradient all-reduce over d of a GPU's gradient buffer (`grad_bytes` per parameter); with the distributed
-    optimizer a reduce-scatter of it and an all-gather of the 16-bit weights. On InfiniBand once the ring leaves the
-    node."""
+    """The gradient all-reduce over data × context (d·c GPUs: context ranks hold the same weights and saw other
+    tokens) of a GPU's gradient buffer (`grad_bytes` per parameter); with the distributed optimizer, sharded over d
+    only (`parallel/distributed_optimizer.py`), an all-reduce over c, a reduce-scatter over d and an all-gather of
+    the 16-bit weights over d. On InfiniBand once the ring leaves the node."""
     t, p, d = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, parallel.data_parallel_size)
-    # data-parallel peers differ in their data coordinate only, which is outermost: they are p·t devices apart
-    within = t * p * d <= hw.gpus_per_node
+    c = parallel.context_parallel_size
+    # the mesh is (data, pipe, context, tensor): context peers are t devices apart, data peers p·c·t
+    within = t * p * c * d <= hw.gpus_per_node
     if parallel.use_distributed_optimizer:  # a reduce-scatter takes an all-gather's time (hardware.py)
-        return hw.allgather_seconds(grad_bytes * params, d, within) + hw.allgather_seconds(HALF * params, d, within)
-    return hw.allreduce_seconds(grad_bytes * params, d, within)
+        context = hw.allreduce_seconds(grad_bytes * params, c, c * t <= hw.gpus_per_node) if c > 1 else 0.0
+        return (
+            context
+            + hw.allgather_seconds(grad_bytes * params, d, within)
+            + hw.allgather_seconds(HALF * params, d, within)
+        )
+    return hw.allreduce_seconds(grad_bytes * params, d * c, within)
 
 
 @lru_cache(maxsize=4096)
@@ -160,20 +182,28 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
         parallel.pipeline_model_parallel_size,
         parallel.virtual_pipeline_stages,
     )
-    m, b, s = parallel.num_microbatches, parallel.micro_batch_size, cfg.seq_length
+    m, b, s = parallel.num_microbatches, parallel.micro_batch_size, local_tokens(cfg, parallel)
     layers = cfg.num_layers / p  # per pipeline rank, all its chunks
 
     gemm = layer_gemm_seconds(cfg, parallel, hw)
     elem = layer_elementwise_bytes(cfg, parallel)
     allreduce = tensor_allreduce_seconds(cfg, parallel, hw)
-    recompute_split = {  # one layer's recomputed forward: its GEMMs, its elementwise kernels, its all-reduces
-        "none": {"gemm": 0.0, "elementwise": 0.0, "tensor_comm": 0.0},
+    ring = context_seconds_per_layer(cfg, parallel, hw)  # exposed; zero at c = 1
+    recompute_split = {  # one layer's recomputed forward: its GEMMs, its elementwise kernels, its all-reduces, and
+        # (both policies rerun the attention core) its K/V ring or gather
+        "none": {"gemm": 0.0, "elementwise": 0.0, "tensor_comm": 0.0, "context_comm": 0.0},
         "full": {
             "gemm": gemm["dense"] + gemm["attention"],
             "elementwise": hw.memory_seconds(elem["linear"] + elem["softmax"]),
             "tensor_comm": 2 * allreduce,
+            "context_comm": ring["forward"],
         },
-        "selective": {"gemm": gemm["attention"], "elementwise": hw.memory_seconds(elem["softmax"]), "tensor_comm": 0.0},
+        "selective": {
+            "gemm": gemm["attention"],
+            "elementwise": hw.memory_seconds(elem["softmax"]),
+            "tensor_comm": 0.0,
+            "context_comm": ring["forward"],
+        },
     }[recompute]
     memory = run_memory_bytes(cfg, parallel, recompute)  # the program's bytes (what ptd-train compiles)
     params_last = memory["params"]  # the bottleneck stage's (the fuller of the first and the last)
@@ -188,6 +218,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware, recompute:
         # embedding's forward all-reduce (on the first stage otherwise, off the bottleneck rank)
         "tensor_comm": (layers * 4 + (2 if p == 1 else 1)) * allreduce
         + layers * regather_seconds(cfg, parallel, hw, recompute),
+        "context_comm": layers * (ring["forward"] + ring["backward"]),
         "pipeline_p2p": 2 * v * p2p_seconds(cfg, parallel, hw) if p > 1 else 0.0,
         "grad_accumulation": hw.memory_seconds((HALF + 2 * grad_bytes) * params_last),
     }
