@@ -58,6 +58,8 @@ def predict_row(row, micro_batch_size: int = 1, layers_per_virtual_stage: int | 
         "--num-gpus",
         str(row.num_gpus),
         "--fp16",
+        "--attention-backend",
+        "xla",  # the paper's 2021 runs: the fused softmax over the whole s x s scores, no flash kernel
         "--recompute-granularity",
         "full",  # the paper's runs (ptd-train's default is none)
         "--json",

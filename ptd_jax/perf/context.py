@@ -42,16 +42,17 @@ def context_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig) -> dict[
 
 def attention_blocks(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[float, float, float]:
     """(rows, columns, count) of the score blocks one device's attention core computes per layer, microbatch row and
-    local head: c = 1 the s × s square, whatever the backend (the paper's fused softmax and XLA compute it all; the
-    flash kernels' skipped tiles are not modelled, which keeps Table 1's guard and overstates c = 1's attention);
-    p2p the ring's visible sub-blocks of Sc = S/(2c) tokens, 2c + 1 of them per rank ((1/2 + 1/(4c)) of the
-    (S/c) × S rectangle: every rank holds chunks r and 2c − 1 − r, and a sub-block is skipped only when all its keys
-    are masked); all_gather the whole (S/c) × S rectangle (XLA masks, skips nothing)."""
+    local head. c = 1: XLA's attention (and the paper's fused softmax) the whole s × s square; the flash kernels
+    (Pallas, cuDNN) visit the tiles on and below the diagonal, half of it. p2p: the ring's visible sub-blocks of
+    Sc = S/(2c) tokens, 2c + 1 of them per rank ((1/2 + 1/(4c)) of the (S/c) × S rectangle: every rank holds chunks
+    r and 2c − 1 − r, and a sub-block is skipped only when all its keys are masked), the two diagonal ones half
+    computed by a flash kernel; all_gather the whole (S/c) × S rectangle (XLA masks, skips nothing)."""
     c, S = parallel.context_parallel_size, cfg.seq_length
+    flash = cfg.attention_backend != "xla"
     if c == 1:
-        return S, S, 1.0
+        return S, S, 0.5 if flash else 1.0
     if parallel.cp_comm_type == "p2p":
-        return S / (2 * c), S / (2 * c), 2 * c + 1
+        return S / (2 * c), S / (2 * c), 2 * c + (0 if flash else 1)
     return S / c, S, 1.0
 
 

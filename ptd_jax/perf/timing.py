@@ -76,6 +76,15 @@ def local_tokens(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     return cfg.seq_length / parallel.context_parallel_size
 
 
+FLASH_KERNEL_SLOWDOWN = {"cudnn": 2.0, "pallas": 4.7}
+"""A flash kernel's attention time over the roofline of its GEMMs (the visited tiles at `gemm_efficiency`), measured
+on one H200 at the 1.3B shape (b = 4, 16 heads of 128, bf16, forward and backward;
+experiments/results/bench_kernels_gpu_attention.json): cuDNN 2.6 at s = 2048 and 1.5 at 4096, the Pallas kernel 5.0
+and 4.5; the geometric means. The online softmax, the backward's recomputed scores and the tiles' occupancy are in
+it. XLA's attention keeps the paper's model (its GEMMs and the softmax's HBM bytes): Table 1's runs used Megatron's
+fused softmax, and on the H200 XLA's float32-score attention took 4.2 times that model (not applied)."""
+
+
 def layer_gemm_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> dict[str, float]:
     """Forward time of one layer's matmuls for one microbatch on one GPU: {"dense": ..., "attention": ...}; the dense
     ones over S/c tokens, the attention core over the score blocks the GPU computes (`context.attention_blocks`)."""
@@ -94,7 +103,7 @@ def layer_gemm_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware)
     rows, cols, count = attention_blocks(cfg, parallel)
     heads = b * a / t * count  # batched: Q·Kᵀ (rows×d_head · d_head×cols) and scores·V (rows×cols · cols×d_head)
     attention = hw.gemm_seconds(rows, cols, d_head, heads) + hw.gemm_seconds(rows, d_head, cols, heads)
-    return {"dense": dense, "attention": attention}
+    return {"dense": dense, "attention": attention * FLASH_KERNEL_SLOWDOWN.get(cfg.attention_backend, 1.0)}
 
 
 def layer_elementwise_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> dict[str, float]:
@@ -106,7 +115,9 @@ def layer_elementwise_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> dict[
     # the MLP activation reads fc1's output and writes fc2's input, 2 bytes each: GeLU F + F (16 sbh/t at F = 4h),
     # SwiGLU 2F + F
     split = (6 if cfg.swiglu else 4) * cfg.ffn_size / h / t
-    return {"linear": s * b * h * (replicated + split), "softmax": 9 * a * rows * cols * count * b / t}
+    # XLA's softmax reads and writes the scores in HBM; a flash kernel keeps them on chip (its time is its GEMMs')
+    softmax = 0.0 if cfg.attention_backend != "xla" else 9 * a * rows * cols * count * b / t
+    return {"linear": s * b * h * (replicated + split), "softmax": softmax}
 
 
 def tensor_allreduce_seconds(cfg: ModelConfig, parallel: ParallelConfig, hw: Hardware) -> float:

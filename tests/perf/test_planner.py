@@ -312,6 +312,8 @@ def test_break_even_of_t_is_exact_and_in_the_json(capsys):
         "--fp16",
         "--recompute-granularity",
         "full",  # the function's default; the CLI ranks all three policies unless given one
+        "--attention-backend",
+        "xla",  # the function's model's (the CLI resolves a GPU's flash kernel otherwise)
         "--json",
     ]
     assert cli.main(argv) == 0

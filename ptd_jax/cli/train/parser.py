@@ -81,7 +81,8 @@ def add_model_args(g) -> None:
     g.add_argument(
         "--attention-backend",
         choices=["xla", "pallas", "cudnn"],
-        help="attention implementation (default: pallas on GPU, xla elsewhere)",
+        help="attention implementation (default on a GPU: cudnn where jax's cuDNN path takes the model, else "
+        "pallas; xla elsewhere and under context parallelism)",
     )
     g.add_argument(
         "--fused-kernels",
