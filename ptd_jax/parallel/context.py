@@ -18,6 +18,10 @@ attention communicates:
   buffer that travels with it and arrives home after c hops.
   Per layer and microbatch: forward (c − 1) · 2·b·(S/c)·G·K elements sent per rank; backward (c − 1) of the same
   for K/V and c · 2·b·(S/c)·G·K for dK/dV (in the accumulation dtype).
+  With attention_backend='pallas' the same ring attends each visible sub-block with the flash-attention kernel
+  (the causal kernel on a diagonal, the unmasked one elsewhere, which the layout decides: `_flash_block`), merges
+  the blocks' outputs by their log-sum-exps and runs the kernel's backward with the final one: no Sc × Sc scores
+  in memory. Causal only: a sliding window needs XLA's blocks (`config.ParallelConfig`).
 - all_gather (`gathered_attention`): K and V gathered over context (each rank receives (c − 1)/c of 2·b·S·G·K), then
   attention of the local queries under the mask of their global positions; autodiff's backward reduce-scatters
   dK and dV. It carries attention dropout (each rank its own masks) and the sliding window.
@@ -416,7 +420,8 @@ def _fit(x, rows: int, width: int | None, fill=0.0):
 
 def _on_block(plan, kernels, fn, carry, *operands):
     """carry, updated by fn(carry, *operands, kernel) where `plan` = (diagonal, seen) says the sub-block is visible:
-    by the causal kernel on a diagonal, else the full one; under a `lax.cond` where `seen` is traced."""
+    by the causal kernel on a diagonal, else the full one (`kernels` = (full, diagonal)); under a `lax.cond` where
+    `seen` is traced."""
     diagonal, seen = plan
     update = partial(fn, kernel=kernels[1] if diagonal else kernels[0])
     if isinstance(seen, bool):
@@ -438,8 +443,9 @@ def _flash_ring_forward(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring: Ring):
     c = ring.size
     B, n, G, R, K = q_BxSlxGxRxK.shape
     H, half = G * R, n // 2
-    *kernels, width = _flash_configs(half, K, q_BxSlxGxRxK.dtype, ring.interpret)
-    fit = partial(_fit, rows=kernels[0].seq_len, width=width)
+    full, diagonal, width = _flash_configs(half, K, q_BxSlxGxRxK.dtype, ring.interpret)
+    kernels = (full, diagonal)
+    fit = partial(_fit, rows=full.seq_len, width=width)
     rank = jax.lax.axis_index(CONTEXT)
     qs = [fit(x.reshape(B, half, H, K)) for x in _halves(q_BxSlxGxRxK, 1)]  # [B, Scp, H, W]
     like = (q_BxSlxGxRxK, k_BxSlxGxK)
@@ -479,8 +485,9 @@ def _flash_ring_backward(ring: Ring, residuals, d_out):
     c = ring.size
     B, n, G, R, K = q.shape
     H, half = G * R, n // 2
-    *kernels, width = _flash_configs(half, K, q.dtype, ring.interpret)
-    rows = kernels[0].seq_len
+    full, diagonal, width = _flash_configs(half, K, q.dtype, ring.interpret)
+    kernels = (full, diagonal)
+    rows = full.seq_len
     fit = partial(_fit, rows=rows, width=width)
     rank = jax.lax.axis_index(CONTEXT)
     acc = jnp.float32
