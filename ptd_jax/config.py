@@ -507,7 +507,8 @@ class ParallelConfig:
 
     def _check_context(self, model: ModelConfig) -> None:
         """Context parallelism's rules: 2c load-balanced chunks of the sequence, each rank's S/c tokens split over
-        tensor under sequence parallelism, and attention by this project's XLA blocks (`parallel/context.py`)."""
+        tensor under sequence parallelism, and attention by XLA's blocks or (p2p, no window) the flash kernel
+        (`parallel/context.py`)."""
         c, t = self.context_parallel_size, self.tensor_model_parallel_size
         _check(
             model.seq_length % (2 * c) == 0,
@@ -520,9 +521,20 @@ class ParallelConfig:
             f"tensor_model_parallel_size={t} (needed by sequence parallelism)",
         )
         _check(
-            model.attention_backend == "xla",
-            f"context_parallel_size={c} needs attention_backend='xla', got {model.attention_backend!r} (the ring "
-            f"merges per-block log-sum-exps, which the fused kernels do not return yet)",
+            model.attention_backend != "cudnn",
+            f"context_parallel_size={c} needs attention_backend='xla' or 'pallas', got 'cudnn' (the ring merges "
+            f"per-block log-sum-exps, which jax's cuDNN attention does not return)",
+        )
+        _check(
+            model.attention_backend != "pallas" or self.cp_comm_type == "p2p",
+            f"cp_comm_type={self.cp_comm_type!r} with context_parallel_size={c} needs attention_backend='xla', got "
+            f"'pallas' (the kernel attends by the p2p ring only)",
+        )
+        _check(
+            model.attention_backend != "pallas" or model.window_size is None,
+            f"window_size={model.window_size}: a sliding window under context parallelism needs "
+            f"attention_backend='xla' (cp_comm_type 'p2p' or 'all_gather'), got 'pallas' (the kernel's window has "
+            f"no offset for the ring's sub-blocks)",
         )
         _check(
             self.cp_comm_type == "all_gather" or model.attention_dropout == 0.0,

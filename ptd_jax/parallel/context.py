@@ -18,6 +18,10 @@ attention communicates:
   buffer that travels with it and arrives home after c hops.
   Per layer and microbatch: forward (c − 1) · 2·b·(S/c)·G·K elements sent per rank; backward (c − 1) of the same
   for K/V and c · 2·b·(S/c)·G·K for dK/dV (in the accumulation dtype).
+  With attention_backend='pallas' the same ring attends each visible sub-block with the flash-attention kernel
+  (the causal kernel on a diagonal, the unmasked one elsewhere, which the layout decides: `_flash_block`), merges
+  the blocks' outputs by their log-sum-exps and runs the kernel's backward with the final one: no Sc × Sc scores
+  in memory. Causal only: a sliding window needs XLA's blocks (`config.ParallelConfig`).
 - all_gather (`gathered_attention`): K and V gathered over context (each rank receives (c − 1)/c of 2·b·S·G·K), then
   attention of the local queries under the mask of their global positions; autodiff's backward reduce-scatters
   dK and dV. It carries attention dropout (each rank its own masks) and the sliding window.
@@ -35,6 +39,7 @@ heads per group, K head dim.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import contextvars
 import math
 from dataclasses import dataclass
@@ -47,6 +52,11 @@ import numpy as np
 from ptd_jax import model as gpt
 from ptd_jax.config import ModelConfig, ParallelConfig
 from ptd_jax.parallel.mesh import Axis
+from pallas_kernels.flash_attention import MIN_TILE, KernelConfig, choose_blocks
+from pallas_kernels.flash_attention import dkdv as flash_dkdv
+from pallas_kernels.flash_attention import dq as flash_dq
+from pallas_kernels.flash_attention import forward as flash_forward
+from pallas_kernels.vma import match_varying
 from ptd_jax.parallel.vma import mark_varying, varying_axes
 
 CONTEXT = Axis.CONTEXT.value
@@ -154,7 +164,8 @@ def attention(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, cfg: ModelConfig, key=None, 
     """`model.core_attention`'s hook: the local queries against every rank's keys, by `cp.comm_type`."""
     if cp.comm_type == "all_gather":
         return gathered_attention(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, cfg, key, cp.size)
-    return ring_attention(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, Ring(cp.size, cfg.window_size))
+    ring = Ring(cp.size, cfg.window_size, cfg.attention_backend, gpt.interpret_kernels())
+    return ring_attention(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring)
 
 
 def _scores(q_BxQxGxRxK, k_BxKvxGxK, q_pos, k_pos, window):
@@ -181,10 +192,16 @@ def gathered_attention(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, cfg: ModelConfig, k
 
 @dataclass(frozen=True)
 class Ring:
-    """The static description of a ring attention: c ranks, the sliding window (None: causal only)."""
+    """The static description of a ring attention: c ranks, the sliding window (None: causal only), and what
+    attends within a block."""
 
     size: int
     window: int | None = None
+    backend: str = "xla"
+    """'xla': each sub-block by einsums in the accumulation dtype (`_merge`, `_grad_block`); 'pallas': by the
+    flash-attention kernel (`_flash_ring_forward`, `_flash_ring_backward`; causal only, no window)."""
+    interpret: bool = False
+    """'pallas' only: the kernel interpreted (no GPU, `model.interpret_kernels`)."""
 
 
 def _send(tree, c: int):
@@ -233,7 +250,14 @@ def _merge(acc, q_BxQxGxRxK, k_BxKvxGxK, v_BxKvxGxK, q_pos, k_pos, window):
 
 
 def _ring_forward(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring: Ring):
-    """(output [B, Sl, G, R, K], log-sum-exp [B, G, R, Sl]) of the local queries against every rank's K/V."""
+    """(output [B, Sl, G, R, K], log-sum-exp) of the local queries against every rank's K/V, by `ring.backend`."""
+    if ring.backend == "pallas":
+        return _flash_ring_forward(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring)
+    return _xla_ring_forward(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring)
+
+
+def _xla_ring_forward(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring: Ring):
+    """(output [B, Sl, G, R, K], log-sum-exp [B, G, R, Sl]) by `_merge`."""
     c, window = ring.size, ring.window
     B, n, G, R, K = q_BxSlxGxRxK.shape
     acc = gpt.acc_dtype(q_BxSlxGxRxK.dtype)
@@ -280,6 +304,12 @@ def _ring_fwd(q, k, v, ring: Ring):
     return out, (q, k, v, out, lse)
 
 
+def _ring_bwd(ring: Ring, residuals, d_out):
+    if ring.backend == "pallas":
+        return _flash_ring_backward(ring, residuals, d_out)
+    return _xla_ring_backward(ring, residuals, d_out)
+
+
 def _grad_block(grads, q_BxQxGxRxK, k_BxKvxGxK, v_BxKvxGxK, rows, q_pos, k_pos, window):
     """One sub-block's share of (dq, dk, dv), from the forward's log-sum-exp (flash attention's backward)."""
     dq, dk, dv = grads
@@ -295,7 +325,7 @@ def _grad_block(grads, q_BxQxGxRxK, k_BxKvxGxK, v_BxKvxGxK, rows, q_pos, k_pos, 
     return dq, dk, dv
 
 
-def _ring_bwd(ring: Ring, residuals, d_out):
+def _xla_ring_backward(ring: Ring, residuals, d_out):
     """K/V ring again; each block's dK/dV accumulate in a buffer that travels with it (c hops: back home)."""
     q, k, v, out, lse = residuals
     c, window = ring.size, ring.window
@@ -331,6 +361,164 @@ def _ring_bwd(ring: Ring, residuals, d_out):
         dkv = list(_send(tuple(dkv), c))  # after this block's compute; c hops bring each buffer home
         kv = arriving
     dq = jnp.concatenate(dqs, axis=1).astype(q.dtype)
+    dk = jnp.concatenate(dkv[:2], axis=1).astype(k.dtype)
+    dv = jnp.concatenate(dkv[2:], axis=1).astype(v.dtype)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ring on the flash-attention kernel (attention_backend='pallas')
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Each (query chunk, key chunk) sub-block is Sc × Sc and, under a causal mask, either skipped (every key later),
+# fully visible (the kernel without its mask) or the diagonal (the causal kernel). The kernel's forward gives each
+# visible sub-block's output and log-sum-exp, merged as o = Σ exp(lse_blk − lse) o_blk, lse = log Σ exp(lse_blk);
+# its backward kernels take the final lse and delta = rowsum(dO ∘ O), with which each sub-block's share of dQ, dK, dV
+# is exact (FlashAttention-2's backward: P = exp(S − lse) is already the whole row's softmax). No Sc × Sc score
+# block exists in memory. The kernel's layout is [B, S, H, K] with query head h reading key/value head h // R: the
+# ring's [B, Sc, G, R, K] queries are that by a reshape, and only the G key/value heads travel.
+
+
+def _flash_block(j: int, a: int, b: int, rank, c: int, like):
+    """(diagonal, seen) of query chunk a (0: chunk r, 1: chunk 2c − 1 − r of rank r = `rank`) against key chunk b of
+    the K/V block held after j hops (rank s = (r − j) mod c's chunks s and 2c − 1 − s), from the layout alone:
+    diagonal is static; seen is static or a traced bool (typed to vary like `like`, as `_any_visible`'s).
+
+    Hop 0 is the rank's own block: (0, 0) and (1, 1) are diagonals, (1, 0) is seen whole, (0, 1) lies after it.
+    Later s ≠ r: a second chunk (≥ c) sees a first chunk (< c) whole, a first never sees a second, and the rest
+    depends on the ranks: chunk r sees chunk s where s < r, chunk 2c − 1 − r sees 2c − 1 − s where s > r (so each
+    later hop holds exactly two visible sub-blocks on every rank: the layout's balanced work)."""
+    if j == 0:
+        return a == b, a >= b
+    if a != b:
+        return False, a > b
+    s = _source(rank, j, c)
+    seen = s < rank if a == 0 else s > rank
+    return False, mark_varying(seen, tuple(sorted(varying_axes(like))))
+
+
+def _flash_configs(n: int, head_dim: int, dtype, interpret: bool):
+    """The kernel's (full, diagonal) configurations for Sc × Sc sub-blocks of n = Sc tokens, with the blocks it
+    chooses for this head width, dtype and target; the padded head width (`flash_attention`'s padding)."""
+    blocks, padded = choose_blocks(n, head_dim, dtype).for_seq(n)
+    scale = 1.0 / math.sqrt(head_dim)
+    full = KernelConfig(False, scale, blocks.block_q, blocks.block_k, padded, n, None, interpret)
+    width = max(MIN_TILE, 1 << (head_dim - 1).bit_length())  # Triton's tiles: powers of two, at least 16
+    return full, dataclasses.replace(full, causal=True), width
+
+
+def _fit(x, rows: int, width: int | None, fill=0.0):
+    """x padded at the end of dim 1 to `rows` and of the last dim to `width` (None: the rows are the last dim, as
+    in [B, H, S] row vectors): zero head-dim columns change no score; padded keys are masked by the kernel
+    (`KernelConfig.kv_len`); padded query rows are sliced away. A no-op where the shapes fit the kernel's tiles."""
+    if width is None:
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, rows - x.shape[-1])]
+    else:
+        pad = [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 3) + [(0, width - x.shape[-1])]
+    return jnp.pad(x, pad, constant_values=fill) if any(p for _, p in pad) else x
+
+
+def _on_block(plan, kernels, fn, carry, *operands):
+    """carry, updated by fn(carry, *operands, kernel) where `plan` = (diagonal, seen) says the sub-block is visible:
+    by the causal kernel on a diagonal, else the full one (`kernels` = (full, diagonal)); under a `lax.cond` where
+    `seen` is traced."""
+    diagonal, seen = plan
+    update = partial(fn, kernel=kernels[1] if diagonal else kernels[0])
+    if isinstance(seen, bool):
+        return update(carry, *operands) if seen else carry
+    return jax.lax.cond(seen, update, lambda carry, *_: carry, carry, *operands)
+
+
+def _flash_merge(acc, q_BxScxHxW, k_BxScxGxW, v_BxScxGxW, kernel):
+    """One visible sub-block folded into a query chunk's (output, log-sum-exp) by the log-sum-exp."""
+    o_BxScxHxW, lse_BxHxSc = acc
+    o_blk, lse_blk = flash_forward(*match_varying(q_BxScxHxW, k_BxScxGxW, v_BxScxGxW), kernel)
+    lse = jnp.logaddexp(lse_BxHxSc, lse_blk)  # the first block: log(0 + e^lse_blk) = lse_blk
+    old, new = (jnp.exp(x - lse).transpose(0, 2, 1)[..., None] for x in (lse_BxHxSc, lse_blk))  # [B, Sc, H, 1]
+    return o_BxScxHxW * old + o_blk.astype(o_BxScxHxW.dtype) * new, lse
+
+
+def _flash_ring_forward(q_BxSlxGxRxK, k_BxSlxGxK, v_BxSlxGxK, ring: Ring):
+    """(output [B, Sl, G, R, K], log-sum-exp [B, H, Sl] in float32) by the kernel, sub-block by sub-block."""
+    c = ring.size
+    B, n, G, R, K = q_BxSlxGxRxK.shape
+    H, half = G * R, n // 2
+    full, diagonal, width = _flash_configs(half, K, q_BxSlxGxRxK.dtype, ring.interpret)
+    kernels = (full, diagonal)
+    fit = partial(_fit, rows=full.seq_len, width=width)
+    rank = jax.lax.axis_index(CONTEXT)
+    qs = [fit(x.reshape(B, half, H, K)) for x in _halves(q_BxSlxGxRxK, 1)]  # [B, Scp, H, W]
+    like = (q_BxSlxGxRxK, k_BxSlxGxK)
+    acc = jnp.float32  # the kernel's accumulation dtype (float64 is refused with attention_backend='pallas')
+    accs = [(_zeros(qs[0].shape, acc, *like), _zeros((B, H, qs[0].shape[1]), acc, *like) - jnp.inf) for _ in qs]
+    kv = (k_BxSlxGxK, v_BxSlxGxK)
+    for j in range(c):
+        arriving = _send(kv, c) if j < c - 1 else None  # issued before this block's compute: they can overlap
+        ks, vs = ([fit(x) for x in _halves(y, 1)] for y in kv)
+        for a in range(2):
+            for b in range(2):
+                plan = _flash_block(j, a, b, rank, c, like=kv[0])
+                accs[a] = _on_block(plan, kernels, _flash_merge, accs[a], qs[a], ks[b], vs[b])
+        kv = arriving
+    outs = [o[:, :half, :, :K].reshape(B, half, G, R, K) for o, _ in accs]
+    lse = jnp.concatenate([lse[..., :half] for _, lse in accs], axis=-1)  # every row sees itself: finite
+    return jnp.concatenate(outs, axis=1).astype(q_BxSlxGxRxK.dtype), lse
+
+
+def _flash_grad_block(grads, q_BxScxHxW, k_BxScxGxW, v_BxScxGxW, rows, kernel):
+    """One visible sub-block's share of (dq, dk, dv) by the kernel's backward, from the final lse and delta."""
+    dq_BxScxHxW, dk_BxScxGxK, dv_BxScxGxK = grads
+    operands = match_varying(q_BxScxHxW, k_BxScxGxW, v_BxScxGxW, *rows)  # rows: dO, lse, delta
+    B, _, H, _ = q_BxScxHxW.shape
+    n, G, K = dk_BxScxGxK.shape[1:]
+    dq_blk = flash_dq(*operands, kernel).astype(dq_BxScxHxW.dtype)
+    dk_blk, dv_blk = (  # per query head [B, Scp, H, W]: summed over each group's R heads, padding cut
+        d[:, :n, :, :K].astype(dk_BxScxGxK.dtype).reshape(B, n, G, H // G, K).sum(3)
+        for d in flash_dkdv(*operands, kernel)
+    )
+    return dq_BxScxHxW + dq_blk, dk_BxScxGxK + dk_blk, dv_BxScxGxK + dv_blk
+
+
+def _flash_ring_backward(ring: Ring, residuals, d_out):
+    """`_xla_ring_backward`'s ring with the kernel's dQ and dK/dV per visible sub-block."""
+    q, k, v, out, lse = residuals
+    c = ring.size
+    B, n, G, R, K = q.shape
+    H, half = G * R, n // 2
+    full, diagonal, width = _flash_configs(half, K, q.dtype, ring.interpret)
+    kernels = (full, diagonal)
+    rows = full.seq_len
+    fit = partial(_fit, rows=rows, width=width)
+    rank = jax.lax.axis_index(CONTEXT)
+    acc = jnp.float32
+    delta = jnp.einsum("bsgrk,bsgrk->bgrs", d_out.astype(acc), out.astype(acc)).reshape(B, H, n)  # rowsum(dO ∘ O)
+    qs, dos = ([fit(x.reshape(B, half, H, K)) for x in _halves(y, 1)] for y in (q, d_out))
+    # padded query rows: lse = +inf makes their probabilities 0 (their dO is 0 too)
+    lses = [_fit(x, rows, None, fill=jnp.inf) for x in _halves(lse, 2)]
+    deltas = [_fit(x, rows, None) for x in _halves(delta, 2)]
+    like = (q, k, d_out)
+    dqs = [_zeros(x.shape, acc, *like) for x in qs]
+    dkv = [_zeros((B, half, G, K), acc, *like) for _ in range(4)]  # dk halves, then dv halves
+    kv = (k, v)
+    for j in range(c):
+        arriving = _send(kv, c) if j < c - 1 else None
+        ks, vs = ([fit(x) for x in _halves(y, 1)] for y in kv)
+        for b in range(2):
+            for a in range(2):
+                plan = _flash_block(j, a, b, rank, c, like=kv[0])
+                dqs[a], dkv[b], dkv[2 + b] = _on_block(
+                    plan,
+                    kernels,
+                    _flash_grad_block,
+                    (dqs[a], dkv[b], dkv[2 + b]),
+                    qs[a],
+                    ks[b],
+                    vs[b],
+                    (dos[a], lses[a], deltas[a]),
+                )
+        dkv = list(_send(tuple(dkv), c))  # after this block's compute; c hops bring each buffer home
+        kv = arriving
+    dq = jnp.concatenate([x[:, :half, :, :K].reshape(B, half, G, R, K) for x in dqs], axis=1).astype(q.dtype)
     dk = jnp.concatenate(dkv[:2], axis=1).astype(k.dtype)
     dv = jnp.concatenate(dkv[2:], axis=1).astype(v.dtype)
     return dq, dk, dv

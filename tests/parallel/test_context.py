@@ -150,9 +150,11 @@ def test_bad_layouts_name_their_values(fields, message):
         ParallelConfig(global_batch_size=B, **fields).check_model(cfg)
 
 
-def test_the_kernels_and_the_ring_with_dropout_are_refused():
-    with pytest.raises(ConfigError, match="needs attention_backend='xla'"):
-        layout(2).check_model(GPT2.replace(attention_backend="pallas", dtype="float32", param_dtype="float32"))
+def test_cudnn_and_the_ring_with_dropout_are_refused():
+    """cuDNN's attention returns no log-sum-exp to merge (the Pallas kernel's ring: tests/parallel/
+    test_context_flash.py)."""
+    with pytest.raises(ConfigError, match="needs attention_backend='xla' or 'pallas', got 'cudnn'"):
+        layout(2).check_model(GPT2.replace(attention_backend="cudnn", dtype="float32", param_dtype="float32"))
     with pytest.raises(ConfigError, match="needs cp_comm_type='all_gather'"):
         layout(2).check_model(GPT2.replace(attention_dropout=0.1))
     layout(2, "all_gather").check_model(GPT2.replace(attention_dropout=0.1))
@@ -255,8 +257,8 @@ def test_the_distributed_optimizer_step_equals_the_reference_step():
         (["--context-parallel-size", "2", "--seq-length", "34"], "seq_length=34 is not divisible by 2 x"),
         (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "invalid choice: 'a2a'"),
         pytest.param(
-            ["--context-parallel-size", "2", "--attention-backend", "pallas"],
-            "needs attention_backend='xla'",
+            ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--attention-backend", "pallas"],
+            "needs attention_backend='xla', got 'pallas'",
             marks=pytest.mark.slow,
         ),
         pytest.param(
