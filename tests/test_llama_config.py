@@ -40,14 +40,21 @@ def test_swiglu_without_a_width_takes_megatrons_two_thirds():
         (["--model-preset", "llama3-8b", "--bf16"], True, "cudnn"),
         (["--model-preset", "llama3-8b", "--bf16"], False, "pallas"),  # a ROCm GPU: no cuDNN
         (["--model-preset", "llama3-8b", "--bf16", "--kv-channels", "256"], True, "pallas"),  # over jax's 128
-        (["--model-preset", "llama3-8b", "--bf16", "--context-parallel-size", "2"], True, "xla"),
+        (["--model-preset", "llama3-8b", "--bf16", "--context-parallel-size", "2"], True, "pallas"),  # kernel ring
+        (
+            ["--model-preset", "llama3-8b", "--bf16", "--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+            True,
+            "xla",
+        ),
+        (["--model-preset", "mistral-7b", "--bf16", "--context-parallel-size", "2"], True, "xla"),  # the window
         (["--model-preset", "llama3-8b", "--bf16", "--attention-backend", "xla"], True, "xla"),
     ],
 )
 def test_the_default_attention_on_a_gpu(monkeypatch, flags, cuda, want):
     """Without --attention-backend a GPU run attends by cuDNN where jax's cuDNN path takes the model (faster than
-    the Pallas kernel on an H200), else by the Pallas flash kernel (the sliding window included), and by XLA's blocks
-    under context parallelism; `--compile-only`/`ptd-plan predict` resolve it the same way for an NVIDIA target."""
+    the Pallas kernel on an H200), else by the Pallas flash kernel (the sliding window included); under context
+    parallelism by the ring on the Pallas kernel (XLA's blocks for all_gather or a window); `--compile-only` and
+    `ptd-plan predict` resolve it the same way for an NVIDIA target."""
     from ptd_jax.cli.train import build_parser, model_config_from_args
     from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
     from ptd_jax.runtime import platform

@@ -106,8 +106,8 @@ SUB_BLOCK_WORKSPACE = 3
 
 def ring_kept_scores_bytes(cfg: ModelConfig, parallel: ParallelConfig) -> float:
     """p2p under none: the float32 scores one layer keeps of its forward ring (`KEPT_SCORES`); 0 otherwise."""
-    if parallel.context_parallel_size == 1 or parallel.cp_comm_type != "p2p":
-        return 0.0
+    if parallel.context_parallel_size == 1 or parallel.cp_comm_type != "p2p" or cfg.attention_backend != "xla":
+        return 0.0  # the flash kernel's ring keeps no scores
     return KEPT_SCORES * (2 * parallel.context_parallel_size + 1) * score_block_bytes(cfg, parallel)
 
 
@@ -130,8 +130,9 @@ def ring_stash_bytes_per_layer(cfg: ModelConfig, parallel: ParallelConfig, recom
 def ring_workspace_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str) -> float:
     """The p2p ring's float32 score blocks at the peak beyond the stash, once per program (`WORKSPACE_SCORES`); 0 at
     c = 1, under full recomputation (its rebuilt layer is counted as none's) and for all_gather (not measured apart)."""
-    if parallel.context_parallel_size == 1 or parallel.cp_comm_type != "p2p" or recompute == "full":
-        return 0.0
+    ring = parallel.context_parallel_size > 1 and parallel.cp_comm_type == "p2p"
+    if not ring or recompute == "full" or cfg.attention_backend != "xla":
+        return 0.0  # the flash kernel's ring keeps its blocks on chip
     blocks = (
         WORKSPACE_SCORES["none"] * (2 * parallel.context_parallel_size + 1)
         if recompute == "none"

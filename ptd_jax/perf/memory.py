@@ -30,8 +30,9 @@ Stashed activations: the executor keeps each layer's record (`parallel.pipeline.
 every pipeline rank (one SPMD program, one shape), each slot one microbatch through one model chunk of l/(p v)
 layers; the slot counts are the table's (`stash_slots`). A fused backward frees its slot at the B. A split one keeps
 what W needs from F to W: its taps take the place of the residuals they match, so a microbatch waiting for its W
-costs about what it cost before its I (`record_bytes`). The last stage adds the logits of the loss, 16-bit beside
-float32, 6 s b V/t bytes.
+costs about what it cost before its I (`record_bytes`). The last stage adds the logits of the loss and their
+gradient, 4 s b V/(t c) bytes at 16 bits, and the output layer's 16-bit weight gradient, 2 h V/t (measured: 4 + 2h/s
+bytes per logit).
 The model leaves out the CUDA context, NCCL buffers and fragmentation; it is held against the budget of JAX's
 allocator (`hardware.allocator_fraction`, 0.75 of the GPU by default), the figure ptd-train and --compile-only use.
 Checked against XLA:GPU's compiled programs on a grid of 26 layouts (`experiments/bench/memory/plan_vs_compiled.py`).
@@ -200,9 +201,9 @@ def stashed_layers(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
 def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = "full") -> dict[str, float]:
     """Bytes per GPU on the fuller of the first and the last stage, in Megatron's 16-bit terms: {"stage",
     "params", "state" (weights + gradients + optimizer state of the stage's parameters), "stash" (the pipeline's
-    record buffers), "recompute" (the layer rebuilt under full recomputation), "logits" (the last stage's fp32
-    logits), "workspace" (the context ring's float32 score blocks at the peak, `perf.context.ring_workspace_bytes`),
-    "activations" (their sum), "total"}."""
+    record buffers), "recompute" (the layer rebuilt under full recomputation), "logits" (the last stage's
+    logits, their gradient and the output layer's weight gradient), "workspace" (the context ring's float32 score
+    blocks at the peak, `perf.context.ring_workspace_bytes`), "activations" (their sum), "total"}."""
     t, b, s = parallel.tensor_model_parallel_size, parallel.micro_batch_size, cfg.seq_length
     params = params_per_gpu(cfg, parallel)
     per_param = state_bytes_per_param(parallel, cfg)
@@ -212,9 +213,12 @@ def memory_per_gpu(cfg: ModelConfig, parallel: ParallelConfig, recompute: str = 
     rebuilt = 0.0
     if recompute == "full":
         rebuilt = activation_bytes_per_layer(cfg, parallel, "none") - ring_kept_scores_bytes(cfg, parallel)
-    # the logits as the output layer's matmul returns them (16-bit) beside the float32 copy the loss reads: 6 bytes per
-    # element, measured by changing V alone (`experiments/README.md`, "The planner against the compiler")
-    logits = 6 * s * b * cfg.padded_vocab_size(t) / t / parallel.context_parallel_size
+    # the logits: 4 bytes per element (the 16-bit logits and their gradient), and the output layer's weight gradient
+    # in the compute dtype before it joins the float32 buffer, h x V/t. Changing V alone on XLA:GPU (Llama 3.2 1B,
+    # h = 2048, 2 layers, bf16) moved the temporaries by 6.0, 4.5 and 4.1 bytes per logit at s = 2048, 8192 and
+    # 32768: 4 + 2h/s (`experiments/README.md`, "The planner against the compiler")
+    vocab = cfg.padded_vocab_size(t) / t
+    logits = 4 * s * b * vocab / parallel.context_parallel_size + 2 * cfg.hidden_size * vocab
     stages = {"first": (params["first"], 0.0), "last": (params["last"], logits)}
     if parallel.pipeline_model_parallel_size == 1:
         stages = {"first": (params["first"], logits)}
@@ -270,7 +274,7 @@ def run_memory_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: str)
     need.update({k: n * v for k, v in terms.items()})
     for name in ("stash", "recompute"):
         need[name] *= c / 2
-    need["logits"] *= (c + 4) / 6  # the compute dtype's logits beside the float32 ones
+    need["logits"] *= c / 2  # the logits, their gradient and the output layer's weight gradient: the compute dtype
     need["activations"] = need["stash"] + need["recompute"] + need["logits"] + need["workspace"]
     need["state"] = n * sum(terms.values())
     need["total"] = need["state"] + need["activations"]

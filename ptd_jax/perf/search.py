@@ -179,8 +179,12 @@ def _with_schedules(layouts, num_layers: int, num_gpus: int, global_batch_size: 
 
 
 def _context_model(cfg: ModelConfig, c: int) -> ModelConfig:
-    """Under context parallelism attention is this project's XLA blocks (`ParallelConfig.check_model`)."""
-    return cfg if c == 1 else cfg.replace(attention_backend="xla")
+    """Under context parallelism (the p2p ring) attention is the ring on the Pallas flash kernel, or XLA's blocks for a
+    sliding window or attention dropout, as ptd-train resolves it on a GPU (`checks.default_attention_backend`)."""
+    if c == 1:
+        return cfg
+    kernel_ring = cfg.window_size is None and cfg.attention_dropout == 0
+    return cfg.replace(attention_backend="pallas" if kernel_ring else "xla")
 
 
 def search(

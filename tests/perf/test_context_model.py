@@ -92,7 +92,7 @@ def test_the_search_weighs_c_and_every_layout_uses_all_gpus():
         c, t = r["context_parallel_size"], r["tensor_model_parallel_size"]
         assert r["data_parallel_size"] * r["pipeline_model_parallel_size"] * c * t == 8
         assert c * t <= hw.gpus_per_node and cfg.seq_length % (2 * c) == 0
-        assert (r["attention_backend"] == "xla") == (c > 1) or cfg.attention_backend == "xla"
+        assert r["attention_backend"] == ("pallas" if c > 1 else cfg.attention_backend)  # the kernel ring
     assert ranked["layouts"][0]["context_parallel_size"] > 1  # 64k tokens: splitting the sequence wins
     only_one = search(cfg, 8, 8, hw, ("selective", "full"), sensitivity=False)
     assert {r["context_parallel_size"] for r in only_one["layouts"] + only_one["excluded"]} == {1}
@@ -115,3 +115,35 @@ def test_the_ring_memory_is_within_10_percent_of_the_recorded_xla_gpu_compile(ca
     row = next(r for r in rows if r["case"] == case)
     predicted = predict(row["command"])["memory_gb_per_gpu"]
     assert row["compiled_gib"] / predicted == pytest.approx(1.0, abs=0.10), (case, predicted, row["compiled_gib"])
+
+
+def _kernel_ring(seq_length: int, c: int) -> tuple[float, float]:
+    """(predicted, compiled) GiB of Llama 3.2 1B (2 layers, bf16, H200) with the ring on the flash kernel, compiled by
+    `experiments/bench/memory/context_flash_memory.py`."""
+    import json
+    from pathlib import Path
+
+    from experiments.bench.memory.context_flash_memory import LAYOUT, MODEL
+    from experiments.bench.memory.plan_vs_compiled import predict
+
+    rows = json.loads((Path(__file__).parents[2] / "experiments/results/context_flash_memory.json").read_text())
+    row = next(
+        r
+        for r in rows["cases"]
+        if (r["seq_length"], r["context_parallel_size"], r["attention_backend"]) == (seq_length, c, "pallas")
+    )
+    flags = [*MODEL, *LAYOUT, "--seq-length", str(seq_length), "--context-parallel-size", str(c)]
+    flags += ["--num-gpus", str(c), "--target", "h200", "--attention-backend", "pallas"]
+    return predict(" ".join(flags))["memory_gb_per_gpu"], row["total_gib"]
+
+
+@pytest.mark.parametrize("seq_length", [16384, 32768])
+def test_the_kernel_rings_memory_falls_with_c_as_compiled(seq_length):
+    """The ring on the flash kernel keeps no score block: from c = 1 to 2 and 4 the predicted total falls as XLA:GPU's
+    compiled one, within 10% (measured: 0.94 to 0.99); each prediction is above the compile by at most 20% (the model
+    adds the logits to the gradients, whose lifetimes XLA overlaps: 7 to 19% over, measured)."""
+    (p1, m1), *rest = [_kernel_ring(seq_length, c) for c in (1, 2, 4)]
+    assert m1 <= p1 <= 1.2 * m1
+    for predicted, compiled in rest:
+        assert compiled <= predicted <= 1.2 * compiled
+        assert (compiled / m1) / (predicted / p1) == pytest.approx(1.0, abs=0.10)

@@ -166,14 +166,19 @@ def cudnn_attention_problem(model_cfg: ModelConfig, hopper: bool) -> str | None:
     return None
 
 
-def default_attention_backend(model_cfg: ModelConfig, context_parallel_size: int, *, cuda: bool, hopper: bool) -> str:
+def default_attention_backend(
+    model_cfg: ModelConfig, context_parallel_size: int, *, cuda: bool, hopper: bool, cp_comm_type: str = "p2p"
+) -> str:
     """The attention a GPU run gets without --attention-backend: cuDNN's flash attention where jax's cuDNN path takes
-    the model (an NVIDIA GPU, float16/bfloat16, its head dims), else the Pallas flash kernel; XLA's blocks under
-    context parallelism (`parallel/context.py`). Measured on one H200 (1.3B, b = 4, s = 2048, bf16, fused
-    LayerNorm/loss; experiments/results/bench_kernels_steps.json): a step takes 0.162 s by cuDNN, 0.191 s by Pallas
-    and 0.281 s by XLA."""
+    the model (an NVIDIA GPU, float16/bfloat16, its head dims), else the Pallas flash kernel. Measured on one H200
+    (1.3B, b = 4, s = 2048, bf16, fused LayerNorm/loss; experiments/results/bench_kernels_gpu_steps.json): a step
+    takes 0.162 s by cuDNN, 0.191 s by Pallas and 0.281 s by XLA. Under context parallelism the p2p ring runs on the
+    Pallas kernel (cuDNN returns no log-sum-exp; XLA's blocks hold float32 scores: 117.5 GiB against 6.2 at
+    S = 32768, c = 4, experiments/results/context_flash_memory.json); a sliding window, attention dropout and
+    all_gather attend by XLA (`parallel/context.py`)."""
     if context_parallel_size > 1:
-        return "xla"
+        kernel_ring = cp_comm_type == "p2p" and model_cfg.window_size is None and model_cfg.attention_dropout == 0
+        return "pallas" if kernel_ring else "xla"
     if cuda and cudnn_attention_problem(model_cfg, hopper) is None:
         return "cudnn"
     return "pallas"
@@ -193,7 +198,8 @@ def check_attention_kernels(model_cfg: ModelConfig, args, target) -> ModelConfig
         except NoBlockFits as err:
             if args.attention_backend is not None:
                 raise ConfigError(f"attention_backend='pallas': {err}; use --attention-backend xla or cudnn") from None
-            instead = "cudnn" if cudnn_attention_problem(model_cfg, hopper) is None else "xla"
+            cudnn = cudnn_attention_problem(model_cfg, hopper) is None and args.context_parallel_size == 1
+            instead = "cudnn" if cudnn else "xla"
             print(f"ptd-train: warning: {err}; using attention by {instead} instead", file=sys.stderr)
             return model_cfg.replace(attention_backend=instead)
     if model_cfg.attention_backend == "cudnn":

@@ -141,6 +141,7 @@ def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> Mod
                 args.context_parallel_size,
                 cuda=platform.cuda_gpu_present() if here else True,
                 hopper=here and checks.local_gpu_is_hopper(),
+                cp_comm_type=args.cp_comm_type,
             )
         )
     return cfg
