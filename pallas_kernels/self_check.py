@@ -91,14 +91,23 @@ def self_check(
     return results
 
 
-def self_check_model(cfg, tensor_parallel_size: int = 1, interpret: bool = False) -> dict[str, str | None]:
-    """`self_check` at a `ptd_jax.config.ModelConfig`'s widths: hidden size, head dim, sequence length, sliding
-    window, and this tensor-parallel size's vocabulary shard."""
+MAX_CHECK_SEQ = 4096
+"""The longest sequence the self-check attends over: its reference holds [S, S] float32 scores and their gradient
+(64 GiB each at S = 131072); the kernel's tiles and padding are the same at any longer length."""
+
+
+def self_check_model(
+    cfg, tensor_parallel_size: int = 1, interpret: bool = False, context_parallel_size: int = 1
+) -> dict[str, str | None]:
+    """`self_check` at a `ptd_jax.config.ModelConfig`'s widths: hidden size, head dim, the sequence length the
+    kernel attends over (a context ring's sub-block of S/(2c) tokens), at most `MAX_CHECK_SEQ`, sliding window, and
+    this tensor-parallel size's vocabulary shard."""
     shard = cfg.padded_vocab_size(tensor_parallel_size) // tensor_parallel_size
+    seq = cfg.seq_length if context_parallel_size == 1 else cfg.seq_length // (2 * context_parallel_size)
     return self_check(
         hidden=cfg.hidden_size,
         head_dim=cfg.head_dim,
-        seq=cfg.seq_length,
+        seq=min(seq, MAX_CHECK_SEQ),
         vocab_shard=shard,
         vocab_real=min(cfg.vocab_size, shard),
         dtype=jnp.dtype(cfg.dtype),

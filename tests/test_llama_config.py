@@ -39,7 +39,7 @@ def test_swiglu_without_a_width_takes_megatrons_two_thirds():
         (["--model-preset", "mistral-7b", "--bf16"], True, "cudnn"),  # the sliding window included
         (["--model-preset", "llama3-8b", "--bf16"], True, "cudnn"),
         (["--model-preset", "llama3-8b", "--bf16"], False, "pallas"),  # a ROCm GPU: no cuDNN
-        (["--model-preset", "llama3-8b", "--bf16", "--kv-channels", "256"], True, "pallas"),  # over jax's 128
+        (["--model-preset", "llama3-8b", "--bf16", "--kv-channels", "320"], True, "pallas"),  # over 256 (128 off-GPU)
         (["--model-preset", "llama3-8b", "--bf16", "--context-parallel-size", "2"], True, "pallas"),  # kernel ring
         (
             ["--model-preset", "llama3-8b", "--bf16", "--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
@@ -48,6 +48,7 @@ def test_swiglu_without_a_width_takes_megatrons_two_thirds():
         ),
         (["--model-preset", "mistral-7b", "--bf16", "--context-parallel-size", "2"], True, "xla"),  # the window
         (["--model-preset", "llama3-8b", "--bf16", "--attention-backend", "xla"], True, "xla"),
+        (["--model-preset", "llama3-8b", "--bf16", "--attention-dropout", "0.1"], True, "xla"),  # no kernel has it
     ],
 )
 def test_the_default_attention_on_a_gpu(monkeypatch, flags, cuda, want):
@@ -55,14 +56,18 @@ def test_the_default_attention_on_a_gpu(monkeypatch, flags, cuda, want):
     the Pallas kernel on an H200), else by the Pallas flash kernel (the sliding window included); under context
     parallelism by the ring on the Pallas kernel (XLA's blocks for all_gather or a window); `--compile-only` and
     `ptd-plan predict` resolve it the same way for an NVIDIA target."""
-    from ptd_jax.cli.train import build_parser, model_config_from_args
+    from ptd_jax.cli.train import build_parser, checks, model_config_from_args
     from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
     from ptd_jax.runtime import platform
 
     monkeypatch.setattr(platform, "gpu_present", lambda: True)
     monkeypatch.setattr(platform, "cuda_gpu_present", lambda: cuda)
+    monkeypatch.setattr(checks, "local_gpu_capability", lambda: (9, 0))
     args = build_parser().parse_args(flags)
     assert model_config_from_args(args).attention_backend == want
+    if want == "cudnn":  # cuDNN's flash attention needs Ampere: a T4 gets the Pallas kernel
+        monkeypatch.setattr(checks, "local_gpu_capability", lambda: (7, 5))
+        assert model_config_from_args(build_parser().parse_args(flags)).attention_backend == "pallas"
     if cuda:
         monkeypatch.setattr(platform, "gpu_present", lambda: False)
         args = build_parser().parse_args(flags)

@@ -24,7 +24,7 @@ import sys
 
 from ptd_jax.cli import energy as energy_cli
 from ptd_jax.cli.args import OneLineParser, positive_int
-from ptd_jax.cli.train.checks import default_attention_backend
+from ptd_jax.cli.train.checks import cudnn_attention_problem, default_attention_backend
 from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
 from ptd_jax.cli.train.parser import DEFAULT_TARGET
 from ptd_jax.cli.train.parser import build_parser as train_parser
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--context-parallel-sizes",
         type=context_sizes_flag,
         metavar="C[,C...]",
-        help="the context-parallel sizes c to weigh beside c = 1 (the p2p ring, XLA block attention); default: every "
+        help="the context-parallel sizes c to weigh beside c = 1 (the p2p ring on the flash kernel); default: every "
         "c that divides N/(t*p), halves S/c and keeps c*t GPUs in a node",
     )
     srch.add_argument(
@@ -165,7 +165,8 @@ def model_config(args) -> ModelConfig:
     cfg = base.replace(**overrides, dtype="float16" if args.fp16 else "bfloat16")
     cfg = cfg.replace(fused_kernels=True)
     if args.attention_backend is None:  # as ptd-train resolves it for an NVIDIA target without the GPU here
-        cfg = cfg.replace(attention_backend=default_attention_backend(cfg, 1, cuda=True, hopper=False))
+        cudnn = cudnn_attention_problem(cfg, hopper=False) is None
+        cfg = cfg.replace(attention_backend=default_attention_backend(cfg, 1, cudnn=cudnn))
     return cfg
 
 

@@ -179,12 +179,15 @@ def _with_schedules(layouts, num_layers: int, num_gpus: int, global_batch_size: 
 
 
 def _context_model(cfg: ModelConfig, c: int) -> ModelConfig:
-    """Under context parallelism (the p2p ring) attention is the ring on the Pallas flash kernel, or XLA's blocks for a
-    sliding window or attention dropout, as ptd-train resolves it on a GPU (`checks.default_attention_backend`)."""
+    """The model's attention under the p2p ring at c > 1: cuDNN's (refused there: no log-sum-exp) becomes the ring on
+    the Pallas flash kernel, as ptd-train resolves it on a GPU (`checks.default_attention_backend`), and the kernel
+    with a sliding window XLA's blocks; an XLA or Pallas model keeps its attention. (Attention dropout under p2p is
+    refused by `ParallelConfig`: such layouts are left out.)"""
     if c == 1:
         return cfg
-    kernel_ring = cfg.window_size is None and cfg.attention_dropout == 0
-    return cfg.replace(attention_backend="pallas" if kernel_ring else "xla")
+    if cfg.attention_backend == "xla":
+        return cfg
+    return cfg.replace(attention_backend="pallas" if cfg.window_size is None else "xla")
 
 
 def search(
@@ -202,7 +205,7 @@ def search(
     "sensitivity": how robust the choice of t is (`sensitivity`; None when `sensitivity` is False or nothing
     fits), its lines also at the end of "why"}. `recompute`: one policy, or several to rank as one more knob
     (each record says its `recompute_granularity`). `context_parallel_sizes`: the c to weigh (None: every c of
-    `context_sizes`), each c > 1 with the p2p ring and XLA's block attention."""
+    `context_sizes`), each c > 1 with the p2p ring (`_context_model`)."""
     policies = (recompute,) if isinstance(recompute, str) else tuple(recompute)
     fits, excluded = [], []
     layouts = candidates(cfg, num_gpus, global_batch_size, context_parallel_sizes, hw.gpus_per_node)

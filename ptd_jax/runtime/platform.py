@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 
 from ptd_jax.config import SCHEDULE_SPECS
 
@@ -24,13 +25,22 @@ GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
 
 
 def gpu_present() -> bool:
-    """A CUDA or ROCm plugin and a GPU device node."""
+    """A CUDA or ROCm plugin and a GPU device node, and JAX allowed to use them (`JAX_PLATFORMS`, when set, names
+    cuda, rocm or gpu)."""
+    if not _platform_allowed("cuda", "rocm", "gpu"):
+        return False
     return any(glob.glob(pattern) for pattern in GPU_DEVICES) and _installed(*GPU_PLUGINS)
+
+
+def _platform_allowed(*names: str) -> bool:
+    """`JAX_PLATFORMS` unset, or naming one of `names`: a run on this machine may start that backend."""
+    chosen = os.environ.get("JAX_PLATFORMS", "").strip()
+    return not chosen or any(name in chosen.split(",") for name in names)
 
 
 def cuda_gpu_present() -> bool:
     """An NVIDIA GPU and JAX's CUDA plugin (what cuDNN attention needs; ROCm has no cuDNN)."""
-    nvidia = any(glob.glob(pattern) for pattern in GPU_DEVICES[:2])
+    nvidia = any(glob.glob(pattern) for pattern in GPU_DEVICES[:2]) and _platform_allowed("cuda", "gpu")
     return nvidia and _installed("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 

@@ -119,12 +119,15 @@ def test_failing_default_kernels_fall_back_with_a_warning(capsys):
     ok = {"flash_attention": None, "layer_norm": None, "cross_entropy": None}
     assert cli.apply_self_check(cfg, ok, attention=True, fused=True) == cfg
     bad_attention = {**ok, "flash_attention": "ValueError: no"}
-    got = cli.apply_self_check(cfg, bad_attention, attention=True, fused=True)
+    got = cli.apply_self_check(cfg, bad_attention, attention=True, fused=True, cudnn=True)
     assert (got.attention_backend, got.fused_kernels) == ("cudnn", True)
     assert (
         "Pallas flash_attention kernel failed its self-check on this GPU (ValueError: no); using attention by "
         "cudnn instead" in capsys.readouterr().err
     )
+    # where cuDNN's attention does not take the model (or under context parallelism, where it is refused): XLA's
+    got = cli.apply_self_check(cfg, bad_attention, attention=True, fused=True, cudnn=False)
+    assert got.attention_backend == "xla"
     got = cli.apply_self_check(
         cfg.replace(dtype="float32"), {**ok, "cross_entropy": "relative error 1"}, attention=True, fused=True
     )

@@ -81,22 +81,27 @@ def test_gradients_are_reduced_over_data_and_context():
 
 
 def test_the_search_weighs_c_and_every_layout_uses_all_gpus():
+    """Every c dividing the GPUs is weighed, each layout uses all of them; a model with cuDNN's attention (ptd-plan's
+    GPU default) runs the ring on the Pallas kernel at c > 1, an XLA model keeps XLA's ring. XLA's attention keeps
+    64k x 64k float32 scores at c = 1: nothing fits there, and a c > 1 layout is first."""
     from ptd_jax.perf.search import search
 
-    cfg, hw = LLAMA.replace(seq_length=65536), HARDWARE["h200"]
-    ranked = search(cfg, 8, 8, hw, ("selective", "full"), sensitivity=False, context_parallel_sizes=None)
-    rows = ranked["layouts"] + ranked["excluded"]
-    sizes = {r["context_parallel_size"] for r in rows}
-    assert sizes == {1, 2, 4, 8}
-    for r in rows:
-        c, t = r["context_parallel_size"], r["tensor_model_parallel_size"]
-        assert r["data_parallel_size"] * r["pipeline_model_parallel_size"] * c * t == 8
-        assert c * t <= hw.gpus_per_node and cfg.seq_length % (2 * c) == 0
-        assert r["attention_backend"] == ("pallas" if c > 1 else cfg.attention_backend)  # the kernel ring
-    assert ranked["layouts"][0]["context_parallel_size"] > 1  # 64k tokens: splitting the sequence wins
+    hw = HARDWARE["h200"]
+    for backend in ("cudnn", "xla"):
+        cfg = LLAMA.replace(seq_length=65536, attention_backend=backend)
+        ranked = search(cfg, 8, 8, hw, ("selective", "full"), sensitivity=False, context_parallel_sizes=None)
+        rows = ranked["layouts"] + ranked["excluded"]
+        assert {r["context_parallel_size"] for r in rows} == {1, 2, 4, 8}
+        for r in rows:
+            c, t = r["context_parallel_size"], r["tensor_model_parallel_size"]
+            assert r["data_parallel_size"] * r["pipeline_model_parallel_size"] * c * t == 8
+            assert c * t <= hw.gpus_per_node and cfg.seq_length % (2 * c) == 0
+            assert r["attention_backend"] == ("pallas" if c > 1 and backend == "cudnn" else backend)
+    assert not [r for r in ranked["layouts"] if r["context_parallel_size"] == 1]
+    assert ranked["layouts"][0]["context_parallel_size"] > 1
     only_one = search(cfg, 8, 8, hw, ("selective", "full"), sensitivity=False)
     assert {r["context_parallel_size"] for r in only_one["layouts"] + only_one["excluded"]} == {1}
-    assert not only_one["layouts"]  # XLA's attention (the preset's) keeps 64k x 64k float32 scores at c = 1
+    assert not only_one["layouts"]
 
 
 P2P_CASES = ("c2-none", "c4-none", "c2-none-4layers", "c4-none-4layers", "c2-none-8k", "c2-selective", "c4-selective")

@@ -139,18 +139,39 @@ def check_default_kernels(model_cfg: ModelConfig, args) -> ModelConfig:
     if not (attention or fused):
         return model_cfg
 
-    failures = self_check_model(model_cfg, args.tensor_model_parallel_size)
-    return apply_self_check(model_cfg, failures, attention=attention, fused=fused)
+    failures = self_check_model(
+        model_cfg, args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size
+    )
+    cudnn = args.context_parallel_size == 1 and local_cudnn_problem(model_cfg) is None
+    return apply_self_check(model_cfg, failures, attention=attention, fused=fused, cudnn=cudnn)
+
+
+def local_cudnn_problem(model_cfg: ModelConfig) -> str | None:
+    """Why jax's cuDNN attention cannot run `model_cfg` on this machine's GPU, or None: an NVIDIA GPU of sm_80 or
+    later with JAX's CUDA plugin (cuDNN's flash attention needs Ampere), then `cudnn_attention_problem`."""
+    from ptd_jax.runtime import platform
+
+    if not platform.cuda_gpu_present():
+        return "needs an NVIDIA GPU and JAX's CUDA plugin"
+    capability = local_gpu_capability()
+    if capability < (8, 0):
+        return f"needs compute capability 8.0 or later, got {capability}"
+    return cudnn_attention_problem(model_cfg, hopper=capability >= (9, 0))
+
+
+def local_gpu_capability() -> tuple[int, int]:
+    """The compute capability of the GPU this process runs on ((0, 0) without one)."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return (0, 0)
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+    return tuple(int(x) for x in capability.split(".")[:2])
 
 
 def local_gpu_is_hopper() -> bool:
     """Whether the GPU this process runs on is sm_90 or later (what jax's cuDNN attention asks; False without one)."""
-    import jax
-
-    if jax.default_backend() != "gpu":
-        return False
-    capability = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
-    return tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)
+    return local_gpu_capability() >= (9, 0)
 
 
 def cudnn_attention_problem(model_cfg: ModelConfig, hopper: bool) -> str | None:
@@ -167,21 +188,22 @@ def cudnn_attention_problem(model_cfg: ModelConfig, hopper: bool) -> str | None:
 
 
 def default_attention_backend(
-    model_cfg: ModelConfig, context_parallel_size: int, *, cuda: bool, hopper: bool, cp_comm_type: str = "p2p"
+    model_cfg: ModelConfig, context_parallel_size: int, *, cudnn: bool, cp_comm_type: str = "p2p"
 ) -> str:
     """The attention a GPU run gets without --attention-backend: cuDNN's flash attention where jax's cuDNN path takes
-    the model (an NVIDIA GPU, float16/bfloat16, its head dims), else the Pallas flash kernel. Measured on one H200
+    the model (`cudnn`: an NVIDIA GPU of sm_80 or later, float16/bfloat16, its head dims; `local_cudnn_problem`),
+    else the Pallas flash kernel; XLA's under attention dropout (the kernels have none). Measured on one H200
     (1.3B, b = 4, s = 2048, bf16, fused LayerNorm/loss; experiments/results/bench_kernels_gpu_steps.json): a step
     takes 0.162 s by cuDNN, 0.191 s by Pallas and 0.281 s by XLA. Under context parallelism the p2p ring runs on the
     Pallas kernel (cuDNN returns no log-sum-exp; XLA's blocks hold float32 scores: 117.5 GiB against 6.2 at
     S = 32768, c = 4, experiments/results/context_flash_memory.json); a sliding window, attention dropout and
     all_gather attend by XLA (`parallel/context.py`)."""
+    if model_cfg.attention_dropout > 0:  # the fused kernels have no dropout
+        return "xla"
     if context_parallel_size > 1:
-        kernel_ring = cp_comm_type == "p2p" and model_cfg.window_size is None and model_cfg.attention_dropout == 0
+        kernel_ring = cp_comm_type == "p2p" and model_cfg.window_size is None
         return "pallas" if kernel_ring else "xla"
-    if cuda and cudnn_attention_problem(model_cfg, hopper) is None:
-        return "cudnn"
-    return "pallas"
+    return "cudnn" if cudnn else "pallas"
 
 
 def check_attention_kernels(model_cfg: ModelConfig, args, target) -> ModelConfig:
@@ -197,7 +219,8 @@ def check_attention_kernels(model_cfg: ModelConfig, args, target) -> ModelConfig
             choose_blocks(model_cfg.seq_length, model_cfg.head_dim, model_cfg.dtype, target)
         except NoBlockFits as err:
             if args.attention_backend is not None:
-                raise ConfigError(f"attention_backend='pallas': {err}; use --attention-backend xla or cudnn") from None
+                others = "xla or cudnn" if args.context_parallel_size == 1 else "xla"
+                raise ConfigError(f"attention_backend='pallas': {err}; use --attention-backend {others}") from None
             cudnn = cudnn_attention_problem(model_cfg, hopper) is None and args.context_parallel_size == 1
             instead = "cudnn" if cudnn else "xla"
             print(f"ptd-train: warning: {err}; using attention by {instead} instead", file=sys.stderr)
@@ -211,10 +234,14 @@ def check_attention_kernels(model_cfg: ModelConfig, args, target) -> ModelConfig
     return model_cfg
 
 
-def apply_self_check(model_cfg: ModelConfig, failures: dict, *, attention: bool, fused: bool) -> ModelConfig:
+def apply_self_check(
+    model_cfg: ModelConfig, failures: dict, *, attention: bool, fused: bool, cudnn: bool = False
+) -> ModelConfig:
+    """The kernels that failed their self-check replaced: flash attention by cuDNN's where `cudnn` (it takes the
+    model here, no context parallelism), else by XLA; the fused LayerNorm/loss by XLA's."""
     changes = {}
     if attention and failures.get("flash_attention"):
-        changes["attention_backend"] = "cudnn" if model_cfg.dtype == "bfloat16" else "xla"
+        changes["attention_backend"] = "cudnn" if cudnn else "xla"
     if fused and (failures.get("layer_norm") or failures.get("cross_entropy")):
         changes["fused_kernels"] = False
     for kernel, why in failures.items():

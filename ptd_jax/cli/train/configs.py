@@ -83,7 +83,8 @@ def fill_defaults(args) -> None:
 def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> ModelConfig:
     """The ModelConfig of the flags; the kernels' defaults as on a GPU when `gpu` (None: whether this machine has
     one)."""
-    gpu = platform.gpu_present() if gpu is None else gpu
+    local = gpu is None  # a run on this machine: its own GPU decides; else a compile for an NVIDIA target
+    gpu = platform.gpu_present() if local else gpu
     base = model_preset(args.model_preset)
     overrides = {
         name: getattr(args, name)
@@ -133,15 +134,12 @@ def model_config_from_args(args, tokenizer=None, gpu: bool | None = None) -> Mod
         fused_kernels=args.fused_kernels if args.fused_kernels is not None else gpu,
     )
     if args.attention_backend is None and gpu:
-        # a compile for a GPU that is not here is for an NVIDIA target, whose head-dim limit jax takes as 128
-        here = platform.gpu_present()
+        # a compile for a GPU that is not here (--compile-only, ptd-plan) is for an NVIDIA target, whose head-dim
+        # limit jax takes as 128 without a GPU; it starts no JAX backend
+        problem = checks.local_cudnn_problem(cfg) if local else checks.cudnn_attention_problem(cfg, hopper=False)
         cfg = cfg.replace(
             attention_backend=checks.default_attention_backend(
-                cfg,
-                args.context_parallel_size,
-                cuda=platform.cuda_gpu_present() if here else True,
-                hopper=here and checks.local_gpu_is_hopper(),
-                cp_comm_type=args.cp_comm_type,
+                cfg, args.context_parallel_size, cudnn=problem is None, cp_comm_type=args.cp_comm_type
             )
         )
     return cfg

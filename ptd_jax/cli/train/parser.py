@@ -82,7 +82,7 @@ def add_model_args(g) -> None:
         "--attention-backend",
         choices=["xla", "pallas", "cudnn"],
         help="attention implementation (default on a GPU: cudnn where jax's cuDNN path takes the model, else "
-        "pallas; xla elsewhere and under context parallelism)",
+        "pallas; under context parallelism the ring on pallas; xla for attention dropout and elsewhere)",
     )
     g.add_argument(
         "--fused-kernels",
