@@ -42,12 +42,22 @@ def one_line(text) -> str:
 def quiet_libraries() -> None:
     """Orbax's absl warnings ("Metadata file does not exist") and XLA's C++ log up to its errors, which are advice
     to XLA's developers ("Very slow compile? If you want to file a bug ...", "Constant folding an instruction is
-    taking > 1s"): a failure reaches Python as an exception, and our own line says what happened. XLA reads its
-    level when it starts, so this takes effect only before JAX's backend starts; PTD_DEBUG=1 shows them all."""
+    taking > 1s"): a failure reaches Python as an exception, and our own line says what happened. A process of a
+    multi-process run keeps the C++ errors (NCCL's and the coordination service's can be the only word before an
+    abort). XLA reads its level when it starts, so this takes effect only before JAX's backend starts; PTD_DEBUG=1
+    shows them all."""
     if debug():
         return
     logging.getLogger("absl").setLevel(logging.ERROR)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2" if _several_processes() else "3")
+
+
+def _several_processes() -> bool:
+    """This process is one of several (ptd-launch's, Slurm's or Open MPI's variables, or --coordinator-address)."""
+    env = os.environ
+    sizes = (env.get("PTD_NUM_PROCESSES"), env.get("SLURM_NTASKS"), env.get("OMPI_COMM_WORLD_SIZE"))
+    launched = any(size not in (None, "", "1") for size in sizes)
+    return launched or any(arg.startswith("--coordinator-address") for arg in sys.argv)
     sys.unraisablehook = _unraisable
 
 

@@ -438,9 +438,12 @@ def test_an_unexpected_failure_is_one_line_and_ptd_debug_shows_the_traceback(mon
 
 def test_xlas_cpp_log_is_silenced_unless_debugging(monkeypatch):
     """XLA's C++ ERROR lines are advice to XLA's developers ("Very slow compile? If you want to file a bug"): the
-    tools set XLA's level to FATAL before the backend starts, unless PTD_DEBUG=1; a level the user set is kept."""
+    tools set XLA's level to FATAL before the backend starts, unless PTD_DEBUG=1 or the process is one of several;
+    a level the user set is kept."""
     from ptd_jax.cli import errors
 
+    for name in ("PTD_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     for debug, preset, want in ((None, None, "3"), ("1", None, None), (None, "0", "0")):
         monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # restored after the test
         for name, value in (("PTD_DEBUG", debug), ("TF_CPP_MIN_LOG_LEVEL", preset)):
@@ -450,3 +453,7 @@ def test_xlas_cpp_log_is_silenced_unless_debugging(monkeypatch):
                 monkeypatch.setenv(name, value)
         errors.quiet_libraries()
         assert os.environ.get("TF_CPP_MIN_LOG_LEVEL") == want
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    monkeypatch.setenv("PTD_NUM_PROCESSES", "2")  # one of several: NCCL's and the coordinator's errors are kept
+    errors.quiet_libraries()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"

@@ -182,6 +182,25 @@ def test_the_parallel_gradients_with_the_kernel_equal_the_reference(c):
     assert_equals_reference((loss, sharding.reference_layout(grads, parallel), norm), reference, RTOL)
 
 
+@pytest.mark.parametrize("recompute", ["selective", pytest.param("full", marks=pytest.mark.slow)])
+def test_the_kernel_ring_under_recomputation_in_a_pipeline(recompute):
+    """c = 2 x p = 2 (1F1B's lockstep table, run uniform), 4 layers: the kernel ring recomputed by the policy inside
+    the pipeline's ticks, loss and every gradient against the single-device reference with XLA attention."""
+    model = LLAMA.replace(num_layers=4)
+    parallel = layout(2, pipeline_model_parallel_size=2, pipeline_schedule="1f1b-lockstep")
+    params = gpt.init_params(jax.random.key(0), model)
+    reference = jax.jit(accumulate_gradients, static_argnums=4, static_argnames="recompute")(
+        params, *batch(2, model.seq_length), model, recompute=recompute
+    )
+    mesh = make_mesh(parallel)
+    placed, specs = sharding.place_params(params, parallel, mesh)
+    step = make_parallel_grad_step(
+        mesh, model.replace(attention_backend="pallas"), parallel, specs, recompute=recompute
+    )
+    loss, grads, norm = step(placed, *batch(parallel.num_microbatches, model.seq_length))
+    assert_equals_reference((loss, sharding.reference_layout(grads, parallel), norm), reference, RTOL)
+
+
 def test_the_parallel_train_step_at_c2_with_the_kernel_equals_the_reference_step():
     """One step of `make_parallel_train_step`, c = 2, attention by the kernel ring, against the single-device
     reference step with XLA attention: loss, grad norm and every parameter after the update. Adam with eps = 1 and
