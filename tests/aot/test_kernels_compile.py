@@ -204,6 +204,7 @@ def test_a_shared_memory_error_is_a_compile_error_not_device_memory(monkeypatch,
     module = importlib.import_module("pallas_kernels.flash_attention")  # the module, not the function of its name
     monkeypatch.setattr(module, "choose_blocks", lambda *a, **k: pk.BlockSizes(256, 256))
     argv = ["--compile-only", "--model-preset", "tiny", "--hidden-size", "512", "--num-attention-heads", "4"]
+    argv += ["--attention-backend", "pallas"]  # bf16 at head dim 128 defaults to cuDNN's
     code = main([*argv, "--seq-length", "256", "--max-position-embeddings", "256", "--bf16", "--num-gpus", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and "\n" not in err, err
