@@ -208,7 +208,8 @@ def test_a_shared_memory_error_is_a_compile_error_not_device_memory(monkeypatch,
     code = main([*argv, "--seq-length", "256", "--max-position-embeddings", "256", "--bf16", "--num-gpus", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and "\n" not in err, err
-    assert "does not compile for this GPU" in err and "requested 327680, available: 232448" in err
+    # which of the three kernels fails first depends on the compile order (262,144 and 327,680 bytes seen)
+    assert "does not compile for this GPU" in err and re.search(r"requested (262144|327680), available: 232448", err)
     assert "out of device memory" not in err
 
 
