@@ -7,8 +7,7 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
 1. reads its cell (kind, chunk, microbatch, slots) and its inputs from the activation and gradient slots, before any
    branch;
 2. prepares the layers' input: an F's activation (on virtual stage 0 the embedding, in a `lax.cond`), or a B's or
-   I's output gradient (on the last stage from the head's forward and backward, in a `lax.cond`; its loss is added
-   here);
+   I's output gradient (on the last stage the one its F left in the act slot);
 3. runs the chunk's layers in one `lax.scan`, each layer's work one `lax.switch` on the cell's kind (`layer_step`):
    - F: the layer under `jax.vjp`, its residuals to the record (`stash.Record`) at (slot, j);
    - B: the layer's vjp from its record: the input gradient passed down, every parameter gradient added;
@@ -19,8 +18,9 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
    that drops an out-of-bounds row (no write where the rank runs another kind); the gradients are added the same
    way, in place, into float32 accumulators; F runs the layers forwards, B and I backwards. No conditional writes a
    buffer: XLA:GPU copied buffers written inside conditionals (measured: 1.3B at p = 4, several GiB);
-4. on stage 0 after a B or I, the embedding's transpose (a `lax.cond`); on the last stage after an F, its output
-   kept for the head;
+4. on stage 0 after a B or I, the embedding's transpose (a `lax.cond`); on the last stage after an F, the head's
+   forward and backward (a `lax.cond`: the loss added, the output layer's gradients added, and dL/d(output) kept
+   in the act slot for the chunk's B or I);
 5. sends its output (an F's activation, a B's or I's input gradient) over "pipe" in each direction the tick's
    pattern uses, issued by every rank outside every branch, and writes what arrived to the slot the table names.
 
@@ -227,16 +227,19 @@ def _embed_input(ctx: Context, cell: Cell, x):
     return jnp.where(is_first(ctx, cell), embed(ctx, cell, ctx.shared), x)
 
 
-def _head_backward(ctx: Context, cell: Cell, y, ct, grads_shared, loss):
-    """The head's forward and backward on y: adds its gradients and loss, and seeds the chunk's backward."""
-    last = is_last(ctx, cell) & (cell.kind != F_)
-    y = jnp.where(last, y, jnp.zeros_like(y))  # under "uniform" another rank's head runs on zeros: zero gradients
-    loss_sum, head_vjp = jax.vjp(partial(head_loss, ctx, cell), ctx.shared, y)
+def _head_backward(ctx: Context, cell: Cell, y, grads_shared, loss):
+    """The head's forward and backward on the last stage's output y, right after its F: adds the head's gradients
+    and loss, and returns dL/dy, which waits in y's act slot for the chunk's B or I. Run at the F rather than the B
+    or I, a tick's longest cell is shorter: the head (V/h = 25 in the paper's shape) joins the F, not the I of a
+    unit row whose other ranks run an F, I or W each; what waits is dL/dy instead of y, of the same size."""
+    last = is_last(ctx, cell) & (cell.kind == F_)
+    y_in = jnp.where(last, y, jnp.zeros_like(y))  # under "uniform" another rank's head runs on zeros: zero gradients
+    loss_sum, head_vjp = jax.vjp(partial(head_loss, ctx, cell), ctx.shared, y_in)
     seed = mark_like(jnp.where(last, 1.0 / ctx.batch.total_tokens, 0.0).astype(loss_sum.dtype), loss_sum)
     d_shared, dy = head_vjp(seed)
     grads_shared = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads_shared, d_shared)
     loss = loss + jnp.where(last, loss_sum, 0.0).astype(ctx.acc_dtype)
-    return jnp.where(last, dy.astype(ct.dtype), ct), grads_shared, loss
+    return jnp.where(last, dy.astype(y.dtype), y), grads_shared, loss
 
 
 def _embed_backward(ctx: Context, cell: Cell, grads_shared, dx):
@@ -356,13 +359,19 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads, dir
             h, values, d = branches[1](params_j, h, bufs, slots, jl)
         else:
             h, values, d = jax.lax.switch(which, branches, params_j, h, bufs, slots, jl)
+        # a buffer or accumulator that no kind of this pattern writes is left alone (statically: no zeros made, no
+        # masked write of a whole layer's gradient in an F tick)
         bufs = [
-            buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop")
+            buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop") if _any(w, kinds) else buf
             for buf, slot, val, w in zip(bufs, slots, values, writes)
         ]
         acc = {
             g: {
-                n: a.at[jnp.where(_adds(cell, g, n), c, a.shape[0]), jl].add(d[g][n].astype(a.dtype), mode="drop")
+                n: a.at[jnp.where(_writes(cell, _adders(g, n)), c, a.shape[0]), jl].add(
+                    d[g][n].astype(a.dtype), mode="drop"
+                )
+                if _any(_adders(g, n), kinds)
+                else a
                 for n, a in leaves.items()
             }
             for g, leaves in acc.items()
@@ -380,8 +389,13 @@ def _writes(cell: Cell, kinds: str):
     return out & cell.active
 
 
-def _adds(cell: Cell, group: str, name: str):
-    return _writes(cell, "BW" if _is_kernel(group, name) else "BI")
+def _adders(group: str, name: str) -> str:
+    """The kinds that add to a parameter's gradient: a kernel's in B and W, the others' in B and I."""
+    return "BW" if _is_kernel(group, name) else "BI"
+
+
+def _any(writers: str, kinds: str) -> bool:
+    return any(k in kinds for k in writers)
 
 
 # --- the ring -------------------------------------------------------------------------------------------------------
@@ -407,28 +421,31 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = Fal
     kinds, directions = pattern
     cell = read_cell(ctx, row, kinds)
     training = carry.grads_chunks is not None
-    x_in = carry.act[cell.slots["in_slot"]]  # F: its input; B/I on the last stage: the head's input
+    x_in = carry.act[cell.slots["in_slot"]]  # F: its input; B/I on the last stage: the head's output gradient
     grads_shared, loss = carry.grads_shared, carry.loss
     h = ctx.act_like
     if "F" in kinds:
         x = jax.lax.cond(cell.embed & (cell.kind == F_), named("embed", _embed_input, ctx, cell), lambda x: x, x_in)
         h = jnp.where(cell.kind == F_, x, h) if kinds != "F" else x
     if "B" in kinds or "I" in kinds:
+        # below the last stage the output gradient arrived; on it, the head's F left it in the act slot
         ct = mark_like(carry.grad[cell.slots["grad_slot"]], h)
-        ct, grads_shared, loss = jax.lax.cond(
-            cell.head & (cell.kind != F_),
-            named("head_backward", _head_backward, ctx, cell),
-            lambda y, ct, g, loss: (ct, g, loss),
-            x_in,
-            ct,
-            grads_shared,
-            loss,
-        )
+        ct = jnp.where(is_last(ctx, cell), mark_like(x_in, h), ct)
         h = jnp.where(cell.kind == F_, h, ct) if "F" in kinds else ct
     record, grads_chunks = carry.record, carry.grads_chunks
+    kept = None  # the last stage's F: the head's output gradient, kept for its B or I
     if training:
         direct = len(kinds) == 1 and (ctx.uniform or busy)
         out, record, grads_chunks = run_layers(ctx, cell, kinds, h, record, grads_chunks, direct)
+        if "F" in kinds:
+            kept, grads_shared, loss = jax.lax.cond(
+                cell.head & (cell.kind == F_),
+                named("head_backward", _head_backward, ctx, cell),
+                lambda y, g, loss: (y, g, loss),
+                out,
+                grads_shared,
+                loss,
+            )
     else:
         out = _evaluate_chunk(ctx, cell, h)
         loss = jax.lax.cond(cell.head, partial(_head_loss_add, ctx, cell), lambda y, loss: loss, out, loss)
@@ -441,9 +458,9 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = Fal
             grads_shared,
             out,
         )
-    if "F" in kinds and training:  # the last stage's output waits for the head (its out_slot; else dropped)
+    if kept is not None:  # the last stage's output gradient waits for its B or I (its out_slot; else dropped)
         out_slot = jnp.where(cell.kind == F_, cell.slots["out_slot"], act.shape[0])
-        act = act.at[out_slot].set(out, mode="drop")
+        act = act.at[out_slot].set(kept, mode="drop")
     for d in sorted(set(directions) | ({0} if ctx.table.spec.stage_map == "v" else set())):
         arrived = out if d == 0 else send(ctx, out, d)
         side = SIDES[d]

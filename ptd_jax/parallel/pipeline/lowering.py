@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ptd_jax.parallel.pipeline.schedule import BACKWARD
 from ptd_jax.parallel.pipeline.table import Table
 
 KIND_CODES = {None: 0, "F": 1, "B": 2, "I": 3, "W": 4}
@@ -31,15 +30,15 @@ run is one scan body to compile."""
 
 def columns(table: Table) -> dict[str, np.ndarray]:
     """Per tick and rank: kind (`KIND_CODES`), chunk, microbatch, each slot (`SLOT_POOLS`), `embed` (virtual stage
-    0's F, or its B/I: the embedding's transpose), `head` (the last stage's B/I, or its F in a table of forwards
-    only), and per side `recv_<pool>_<side>`: the slot an arriving activation or gradient goes to."""
+    0's F, or its B/I: the embedding's transpose), `head` (the last stage's F: the output layer and loss, forward
+    and, in training, backward), and per side `recv_<pool>_<side>`: the slot an arriving activation or gradient goes
+    to."""
     T, p, last = table.ticks, table.p, table.p * table.v - 1
     size = {pool: max(n, 1) for pool, n in table.slots.items()}
     names = ["kind", "chunk", "microbatch", "embed", "head", *SLOT_POOLS] + [
         f"recv_{pool}_{side}" for side in SIDES.values() for pool in ("act", "grad")
     ]
     out = {n: np.zeros((T, p), np.int32) for n in names}
-    head_kinds = ("F",) if table.forward_only else BACKWARD
     for t, row in enumerate(table.cells):
         for r, cell in enumerate(row):
             a = cell.action
@@ -47,7 +46,7 @@ def columns(table: Table) -> dict[str, np.ndarray]:
             out["kind"][t, r] = KIND_CODES[a.kind if a else None]
             out["chunk"][t, r], out["microbatch"][t, r] = (a.chunk, a.microbatch) if a else (0, 0)
             out["embed"][t, r] = a is not None and a.kind != "W" and stage == 0
-            out["head"][t, r] = a is not None and a.kind in head_kinds and stage == last
+            out["head"][t, r] = a is not None and a.kind == "F" and stage == last
             for name, pool in SLOT_POOLS.items():
                 slot = getattr(cell, name)
                 out[name][t, r] = slot if slot >= 0 else size[pool]

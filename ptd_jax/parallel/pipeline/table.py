@@ -11,8 +11,8 @@ finished (`schedule.dependencies`). The spec's row rule says which ready ranks r
 A lockstep table is the special case of a unit table whose rows have one kind: the executor reads both alike.
 
 Slots, per rank (a slot is reused from the tick after it is freed; a pool's size is its peak):
-- act: a chunk's input, from its arrival to its F; on the last stage the chunk's output, from its F to its B or I
-  (the head's input);
+- act: a chunk's input, from its arrival to its F; on the last stage the gradient of the chunk's output, from its
+  F (which runs the head, forward and backward) to its B or I;
 - grad: an output gradient, from its arrival to its B or I;
 - record, in three pools by how long a layer's saved values live: `rec` from F to B/I (what only the backward
   needs), `hold` from F to W (what W needs too, kept in the same place), `w` from I to W (what only W needs).
@@ -49,8 +49,8 @@ class Cell:
     """What one rank does in one tick, with its buffer slots (-1: none)."""
 
     action: Action | None = None
-    in_slot: int = -1  # act: F's input (stage > 0); B/I on the last stage: the chunk's output, the head's input
-    out_slot: int = -1  # act: F on the last stage (training): where its output waits for the B/I
+    in_slot: int = -1  # act: F's input (stage > 0); B/I on the last stage: the gradient of the chunk's output
+    out_slot: int = -1  # act: F on the last stage (training): where its output's gradient waits for the B/I
     grad_slot: int = -1  # grad: B/I below the last stage: the output gradient
     rec_slot: int = -1  # record kept from F to B/I
     hold_slot: int = -1  # record kept from F to W (split backwards)
@@ -429,7 +429,7 @@ def _replay_slots(table: Table) -> None:
             if a.kind in BACKWARD:
                 read("rec", r, cell.rec_slot, key, "its record", a, t)
                 if stage == last:
-                    read("act", r, cell.in_slot, key, "the head's input", a, t)
+                    read("act", r, cell.in_slot, key, "the gradient of the last stage's output", a, t)
                 else:
                     read("grad", r, cell.grad_slot, key, "its output gradient", a, t)
             if a.kind == "I":

@@ -264,15 +264,16 @@ def _calls(eqn, name) -> bool:
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_one_tick_issues_exactly_the_expected_collectives(sp):
-    """A backward tick (recompute none, uniform; conds counted by their larger branch) holds the last stage's head
-    and, on another rank, stage 0's embedding: cross-entropy (max + 2 sums), the output layer's input gradient (1;
-    under sequence parallelism its forward all-gather too), k layers' backwards (2 each; under sequence parallelism 2
-    reduce-scatters and 2 all-gathers), the embedding's transpose (nothing; under sequence parallelism the
-    all-gather that transposes its reduce-scatter), no recomputed forward; outside the conds one ring ppermute
-    and, with scatter/gather, one all-gather re-assembling the hidden dim. Under sequence parallelism each layer's
-    two forward all-gathers run again (`model.REGATHERED_PRIMITIVES`: the stash holds their 1/t inputs). Nothing
-    over "data" and no all-reduce over "pipe" inside the loop: a stray one is the silent 2–4x gradient bug
-    of the prototype."""
+    """A forward and a backward tick (recompute none, uniform; conds counted by their larger branch). The F tick
+    holds stage 0's embedding (1: its reduction; under sequence parallelism a reduce-scatter), k layers' forwards
+    (2 each; under sequence parallelism 2 all-gathers and 2 reduce-scatters) and the last stage's head, forward and
+    backward (cross-entropy: max + 2 sums; the output layer's input gradient: 1, under sequence parallelism a
+    reduce-scatter after its forward all-gather). The B tick holds k layers' backwards (2 each; under sequence
+    parallelism 2 reduce-scatters, 2 all-gathers and the two forward all-gathers again, `model.REGATHERED_PRIMITIVES`:
+    the stash holds their 1/t inputs) and the embedding's transpose (nothing; under sequence parallelism the
+    all-gather that transposes its reduce-scatter), no recomputed forward. Outside the conds, each: one ring ppermute
+    and, with scatter/gather, one all-gather re-assembling the hidden dim. Nothing over "data" and no all-reduce over
+    "pipe" inside the loop: a stray one is the silent 2–4x gradient bug of the prototype."""
     p, v, t, k = 2, 2, 2, 1
     cfg = model_cfg(p, x64=False)
     parallel = layout(2, p, t, "interleaved", v, sp)
@@ -283,24 +284,35 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     step = make_parallel_train_step(mesh, cfg, parallel, tcfg, opt, state)
     x = jax.ShapeDtypeStruct((parallel.num_microbatches, 2, S), jnp.int32)
     jaxpr = jax.make_jaxpr(step)(state, x, x, x, jax.random.key(0))
-    bodies = [body for kinds, body in tick_bodies(jaxpr.jaxpr, pipeline_schedule(parallel)) if kinds == "B"]
-    assert len(bodies) == 2  # the steady state's first backward and the cool-down's: one B tick per scan step
-    counts = {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[-1])).items()}
-    assert counts == {key: value["count"] for key, value in summarize(jaxpr_collectives(bodies[0])).items()}
-    if sp:  # the layers' forward all-gathers are issued again (their outputs are not stashed): 2 per layer more
+    bodies = tick_bodies(jaxpr.jaxpr, pipeline_schedule(parallel))
+    backward = [body for kinds, body in bodies if kinds == "B"]
+    assert len(backward) == 2  # the steady state's first backward and the cool-down's: one B tick per scan step
+    forward = [body for kinds, body in bodies if kinds == "F"]
+    counts = {
+        kind: {key: value["count"] for key, value in summarize(jaxpr_collectives(body[-1])).items()}
+        for kind, body in (("F", forward), ("B", backward))
+    }
+    assert counts["B"] == {key: value["count"] for key, value in summarize(jaxpr_collectives(backward[0])).items()}
+    if sp:
         expected = {
-            "reduce_scatter@tensor": 1 + 2 * k,
-            "all_gather@tensor": 1 + 2 * k + 2 * k + 1,
-            "psum_invariant@tensor": 2,
-            "pmax@tensor": 1,
-            "ppermute@pipe": 1,
+            "F": {
+                "reduce_scatter@tensor": 1 + 2 * k + 1,
+                "all_gather@tensor": 2 * k + 1,
+                "psum_invariant@tensor": 2,
+                "pmax@tensor": 1,
+                "ppermute@pipe": 1,
+            },
+            "B": {"reduce_scatter@tensor": 2 * k, "all_gather@tensor": 2 * k + 2 * k + 1, "ppermute@pipe": 1},
         }
     else:
         expected = {
-            "psum_invariant@tensor": 2 + 1 + 2 * k,
-            "all_gather_invariant@tensor": 1,
-            "pmax@tensor": 1,
-            "ppermute@pipe": 1,
+            "F": {
+                "psum_invariant@tensor": 1 + 2 * k + 2 + 1,
+                "all_gather_invariant@tensor": 1,
+                "pmax@tensor": 1,
+                "ppermute@pipe": 1,
+            },
+            "B": {"psum_invariant@tensor": 2 * k, "all_gather_invariant@tensor": 1, "ppermute@pipe": 1},
         }
     assert counts == expected
 
@@ -312,8 +324,9 @@ def test_one_tick_issues_exactly_the_expected_collectives(sp):
     "schedule, p, v, m", [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("gpipe", 2, 1, 4), ("zb-v", 4, 2, 8)]
 )
 def test_the_head_and_the_embedding_run_only_where_the_table_needs_them(schedule, p, v, m):
-    """Per cell: the head only in the last virtual stage's backward cells (B or I: m of them, on the last stage's
-    rank), the embedding only in virtual stage 0's F and B/I cells (2m, on rank 0), nothing in idle or W cells."""
+    """Per cell: the head (forward and backward) only in the last virtual stage's F cells (m of them, on the last
+    stage's rank), the embedding only in virtual stage 0's F and B/I cells (2m, on rank 0), nothing in idle or W
+    cells."""
     sched = build(schedule, p, v, m)
     cols = columns(sched)
     last = p * v - 1
@@ -322,7 +335,7 @@ def test_the_head_and_the_embedding_run_only_where_the_table_needs_them(schedule
             a = cell.action
             stage = None if a is None else sched.stage(a, r)
             assert cols["embed"][t, r] == (stage == 0 and a.kind != "W")
-            assert cols["head"][t, r] == (stage == last and a.kind in "BI")
+            assert cols["head"][t, r] == (stage == last and a.kind == "F")
     head_cells = list(zip(*np.nonzero(cols["head"])))
     last_rank = 0 if sched.spec.stage_map == "v" else p - 1
     assert len(head_cells) == m and {r for _, r in head_cells} == {last_rank}
@@ -398,8 +411,9 @@ def _inputs_reached(jaxpr, var) -> set[int]:
 @pytest.mark.parametrize("branching", ["uniform", "per-rank"])
 def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
     """In the traced ticks, the output-layer matmuls (an output dim of Vp/t) and the cross-entropy's pmax appear
-    only inside the backward's `head_backward`, never in a forward tick, and that call sits in a cond whose
-    predicate is computed from the table's head column (and not from "active" or "embed")."""
+    only inside `head_backward`, in the forward ticks alone (the last stage's F runs the head forward and
+    backward), and that call sits in a cond whose predicate is computed from the table's head column and the
+    cell's kind (not from "active" or "embed")."""
     p, v, t = 2, 2, 2
     cfg = model_cfg(p, x64=False)
     parallel = layout(1, p, t, "interleaved", v, branching=branching)
@@ -419,7 +433,7 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
         outside = SimpleNamespace(eqns=[e for e in body.eqns if not _calls(e, "head_backward")])
         assert "pmax@tensor" not in summarize(jaxpr_collectives(outside)), pattern
         heads = [e for e in body.eqns if e.primitive.name == "cond" and _calls(e, "head_backward")]
-        assert len(heads) == pattern.count("B"), pattern
+        assert len(heads) == pattern.count("F"), pattern
         for cond in heads:
             reached = {names[i - first_row] for i in _inputs_reached(body, cond.invars[0]) if i >= first_row}
             assert "head" in reached and reached <= {"head", "kind"}, reached
