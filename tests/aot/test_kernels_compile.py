@@ -163,16 +163,20 @@ def test_cross_entropy_compiles(target, vocab):
     compiles(jax.value_and_grad(lambda x, y: pk.softmax_cross_entropy(x, y).sum()), logits, labels)
 
 
-@pytest.mark.parametrize("target, requested", [("a100-80gb", 196608), ("h100-sxm", 327680)])
-def test_an_oversized_block_is_refused_at_compile_time(target, requested):
+@pytest.mark.parametrize("target", ["a100-80gb", "h100-sxm"])
+def test_an_oversized_block_is_refused_at_compile_time(target):
     """256 x 256 tiles at head dim 128 ask for more shared memory than one block may have on either GPU; the
-    error names the target's own limit (`shared_memory_per_block_optin`)."""
+    error names the target's own limit (`shared_memory_per_block_optin`). Which kernel XLA compiles first, and so
+    how much the error says it requested, varies between runs (on the H100: 327,680 or 393,216 bytes): any request
+    above the limit is the refusal this test wants."""
     q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16, sharding=one_gpu(target))
     limit = TARGETS[target].chip.shared_memory_per_block_optin
     with pytest.raises(
-        Exception, match=f"Shared memory size limit exceeded: requested {requested}, available: {limit}"
-    ):
+        Exception, match=f"Shared memory size limit exceeded: requested [0-9]+, available: {limit}"
+    ) as e:
         compiles(flash_loss(pk.BlockSizes(256, 256)), q, q, q)
+    requested = int(re.search(r"requested ([0-9]+)", str(e.value)).group(1))
+    assert requested > limit
 
 
 def test_the_planner_and_the_compiler_describe_the_same_gpus():
