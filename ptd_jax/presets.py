@@ -58,16 +58,19 @@ def _paper_preset(row: PaperRow) -> ModelConfig:
     )
 
 
+LLAMA_SWITCHES = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+)
+"""Megatron's switches that make its GPT a Llama (with `num_query_groups` for grouped-query attention)."""
+
+
 def _llama(layers, hidden, heads, groups, ffn, vocab, seq, **switches) -> ModelConfig:
     """A Llama-family model: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied output, no biases (Megatron's
     switches for Llama; the shapes are the published configs' on the Hugging Face Hub)."""
-    llama = dict(
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        untie_embeddings_and_output_weights=True,
-        add_bias_linear=False,
-    )
     return ModelConfig(
         num_layers=layers,
         hidden_size=hidden,
@@ -76,7 +79,7 @@ def _llama(layers, hidden, heads, groups, ffn, vocab, seq, **switches) -> ModelC
         ffn_hidden_size=ffn,
         vocab_size=vocab,
         seq_length=seq,
-        **{**llama, **switches},
+        **{**LLAMA_SWITCHES, **switches},
     )
 
 
