@@ -1,16 +1,7 @@
 import pytest
 
-from ptd_jax.config import (
-    PAPER_TABLE_1,
-    PAPER_VOCAB_SIZE,
-    ConfigError,
-    ModelConfig,
-    ParallelConfig,
-    TrainConfig,
-    model_preset,
-    pad_vocab_size,
-    paper_parallel_config,
-)
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, pad_vocab_size
+from ptd_jax.presets import PAPER_TABLE_1, PAPER_VOCAB_SIZE, model_preset, paper_parallel_config
 from ptd_jax.perf.flops import num_params
 from ptd_jax.runtime.platform import resolve_branching
 

@@ -4,7 +4,7 @@ and bad input refused with one line and exit 2."""
 import pytest
 
 from ptd_jax.cli.train import main
-from ptd_jax.config import LLAMA_PRESETS, MODEL_PRESETS
+from ptd_jax.presets import LLAMA_PRESETS, MODEL_PRESETS
 
 PUBLISHED = {  # transformers' num_parameters() of the published configs
     "llama2-7b": 6_738_415_616,

@@ -23,7 +23,7 @@ def paper_model(name: str):
     32 heads: Figs. 14, 15), "1b" (4 layers, h 4096, 128 heads: Figs. 7, 8), "145b" (80 layers, h 12288, 96 heads:
     Fig. 17). Stand-ins whose shape the paper does not give (our choice, about the stated size by eq. 2):
     "162b-standin" (Fig. 13) and "91b-standin" (Fig. 16)."""
-    from ptd_jax.config import model_preset
+    from ptd_jax.presets import model_preset
 
     shapes = {
         "gpt3-175b": (96, 12288, 96),

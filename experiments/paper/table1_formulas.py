@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ptd_jax.config import PAPER_TABLE_1, PAPER_VOCAB_SIZE, model_preset
+from ptd_jax.presets import PAPER_TABLE_1, PAPER_VOCAB_SIZE, model_preset
 from ptd_jax.perf.flops import flops_per_iteration, model_flops_per_iteration, num_params, training_days
 
 

@@ -18,7 +18,7 @@ import io
 import json
 from pathlib import Path
 
-from ptd_jax.config import PAPER_TABLE_1
+from ptd_jax.presets import PAPER_TABLE_1
 from ptd_jax.cli import plan as cli
 from ptd_jax.perf import HARDWARE
 from ptd_jax.perf.search import search
@@ -74,7 +74,7 @@ def predict_row(row, micro_batch_size: int = 1, layers_per_virtual_stage: int | 
 
 
 def best_at_papers_t_p(row) -> dict | None:
-    from ptd_jax.config import model_preset
+    from ptd_jax.presets import model_preset
 
     cfg = model_preset(f"paper-{row.name.lower()}").replace(dtype="float16")
     result = search(cfg, row.num_gpus, row.global_batch_size, HARDWARE["a100-80gb"])

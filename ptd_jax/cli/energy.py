@@ -24,15 +24,8 @@ import sys
 from pathlib import Path
 
 from ptd_jax.cli.args import OneLineParser, positive_float, positive_int
-from ptd_jax.config import (
-    MODEL_PRESETS,
-    PIPELINE_SCHEDULES,
-    RECOMPUTE_GRANULARITIES,
-    SCHEDULE_SPECS,
-    ConfigError,
-    ParallelConfig,
-    model_preset,
-)
+from ptd_jax.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, SCHEDULE_SPECS, ConfigError, ParallelConfig
+from ptd_jax.presets import MODEL_PRESETS, model_preset
 from ptd_jax.parallel.pipeline import ScheduleError, build
 from ptd_jax.perf import energy
 from ptd_jax.perf.hardware import HARDWARE

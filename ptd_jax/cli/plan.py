@@ -28,15 +28,8 @@ from ptd_jax.cli.train.checks import cudnn_attention_problem, default_attention_
 from ptd_jax.cli.train.configs import configs_for_target, fill_defaults
 from ptd_jax.cli.train.parser import DEFAULT_TARGET
 from ptd_jax.cli.train.parser import build_parser as train_parser
-from ptd_jax.config import (
-    ATTENTION_BACKENDS,
-    MODEL_PRESETS,
-    PIPELINE_SCHEDULES,
-    RECOMPUTE_GRANULARITIES,
-    ConfigError,
-    ModelConfig,
-    model_preset,
-)
+from ptd_jax.config import ATTENTION_BACKENDS, PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, ConfigError, ModelConfig
+from ptd_jax.presets import MODEL_PRESETS, model_preset
 from ptd_jax.data import DataError
 from ptd_jax.perf.hardware import GIB, HARDWARE, allocator_fraction
 from ptd_jax.perf.search import describe, layout_record, search

@@ -19,6 +19,7 @@ pytest.importorskip("megatron.core")
 from ptd_jax import model as gpt  # noqa: E402
 from ptd_jax.config import ConfigError, ModelConfig  # noqa: E402
 from ptd_jax.interop import from_megatron, to_megatron  # noqa: E402
+from ptd_jax.presets import LLAMA_SWITCHES  # noqa: E402
 
 V, S, B = 101, 16, 3
 LLAMA = ModelConfig(
@@ -30,11 +31,7 @@ LLAMA = ModelConfig(
     ffn_hidden_size=48,
     seq_length=S,
     vocab_size=V,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    untie_embeddings_and_output_weights=True,
-    add_bias_linear=False,
+    **LLAMA_SWITCHES,
     layernorm_epsilon=1e-6,
 )
 CASES = {

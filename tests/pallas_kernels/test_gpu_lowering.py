@@ -56,7 +56,7 @@ def test_cross_entropy_lowers_to_triton(vocab):
 
 def test_a_model_gradient_with_every_kernel_lowers_to_triton(monkeypatch):
     from ptd_jax import model as gpt
-    from ptd_jax.config import model_preset
+    from ptd_jax.presets import model_preset
 
     monkeypatch.setattr(gpt, "interpret_kernels", lambda: False)  # as on a GPU host
     cfg = model_preset("tiny").replace(dtype="bfloat16", attention_backend="pallas", fused_kernels=True)

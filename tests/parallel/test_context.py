@@ -17,6 +17,7 @@ from ptd_jax.parallel.mesh import CONTEXT_MESH_AXES, MESH_AXES, make_mesh
 from ptd_jax.parallel.step import make_parallel_grad_step, make_parallel_train_step, state_specs
 from ptd_jax.train.reference import accumulate_gradients, make_train_step
 from ptd_jax.cli.train import main
+from ptd_jax.presets import LLAMA_SWITCHES
 from tests.helpers.cli import exit_code
 from tests.helpers.exactness import assert_equals_reference
 
@@ -38,11 +39,7 @@ LLAMA = ModelConfig(
     ffn_hidden_size=48,
     seq_length=S,
     vocab_size=257,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    untie_embeddings_and_output_weights=True,
-    add_bias_linear=False,
+    **LLAMA_SWITCHES,
     dtype="float64",
     param_dtype="float64",
 )

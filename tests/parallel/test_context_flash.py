@@ -19,6 +19,7 @@ from ptd_jax.parallel import context, sharding
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.step import make_parallel_grad_step, make_parallel_train_step, state_specs
 from ptd_jax.train.reference import accumulate_gradients, make_train_step
+from ptd_jax.presets import LLAMA_SWITCHES
 from tests.helpers.exactness import assert_equals_reference
 
 RTOL = 1e-5
@@ -150,11 +151,7 @@ LLAMA = ModelConfig(
     ffn_hidden_size=96,
     seq_length=64,
     vocab_size=257,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    untie_embeddings_and_output_weights=True,
-    add_bias_linear=False,
+    **LLAMA_SWITCHES,
     dtype="float32",
     param_dtype="float32",
 )

@@ -14,6 +14,7 @@ from ptd_jax.parallel import sharding
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.step import make_parallel_grad_step, make_parallel_train_step, state_specs
 from ptd_jax.train.reference import accumulate_gradients, make_train_step
+from ptd_jax.presets import LLAMA_SWITCHES
 from tests.helpers.exactness import assert_equals_reference
 
 B, S = 8, 16
@@ -34,13 +35,9 @@ LLAMA = ModelConfig(
     ffn_hidden_size=48,
     seq_length=S,
     vocab_size=257,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
     use_rope_scaling=True,
     rope_original_max_position=8,  # short enough that the scaling changes some of this model's frequencies
-    untie_embeddings_and_output_weights=True,
-    add_bias_linear=False,
+    **LLAMA_SWITCHES,
     dtype="float64",
     param_dtype="float64",
 )

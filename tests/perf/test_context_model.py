@@ -3,7 +3,8 @@ formula, the ring hides behind long blocks and not behind short ones, and the st
 
 import pytest
 
-from ptd_jax.config import ParallelConfig, model_preset
+from ptd_jax.config import ParallelConfig
+from ptd_jax.presets import model_preset
 from ptd_jax.perf.context import (
     context_bytes_per_layer,
     context_seconds_per_layer,

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from ptd_jax.config import PIPELINE_SCHEDULES, SCHEDULE_SPECS, ConfigError, ParallelConfig, model_preset
+from ptd_jax.config import PIPELINE_SCHEDULES, SCHEDULE_SPECS, ConfigError, ParallelConfig
+from ptd_jax.presets import model_preset
 from ptd_jax.parallel.pipeline import ScheduleError, build
 from ptd_jax.perf import energy
 from ptd_jax.perf.energy import Problem, StageTimes, Work

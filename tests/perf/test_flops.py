@@ -3,7 +3,7 @@ schedule and attention backend, against hand counts and the traced programs; the
 
 import pytest
 
-from ptd_jax.config import PAPER_VOCAB_SIZE, model_preset
+from ptd_jax.presets import PAPER_VOCAB_SIZE, model_preset
 from ptd_jax.perf.flops import (
     flops_per_iteration,
     hardware_flops_per_iteration,

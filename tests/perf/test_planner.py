@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig, model_preset
+from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig
+from ptd_jax.presets import model_preset
 from ptd_jax.cli import plan as cli
 from ptd_jax.perf import HARDWARE, predict
 from ptd_jax.perf.hardware import ring_allreduce_seconds
@@ -345,7 +346,7 @@ def test_table1_within_15_percent_of_the_published_throughput():
     """Not fitted: a guard that the model's constants (datasheets, NCCL's model, microbenchmarks) stay near the
     paper's measured Table 1 (b = 1, plain 1F1B, fp16)."""
     from experiments.paper.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
-    from ptd_jax.config import PAPER_TABLE_1
+    from ptd_jax.presets import PAPER_TABLE_1
 
     errors = {r.name: predict_row(r)["tflops_per_gpu"] / PUBLISHED_TFLOPS_PER_GPU[r.name] - 1 for r in PAPER_TABLE_1}
     assert max(abs(e) for e in errors.values()) <= 0.15, errors
@@ -492,7 +493,7 @@ def test_the_planner_imports_no_jax():
 
 def test_table1_script_cites_the_papers_numbers_and_predicts_through_the_cli():
     from experiments.paper.table1_plan import PUBLISHED_TFLOPS_PER_GPU, predict_row
-    from ptd_jax.config import PAPER_TABLE_1
+    from ptd_jax.presets import PAPER_TABLE_1
 
     assert {r.name: r.published_tflops_per_gpu for r in PAPER_TABLE_1} == PUBLISHED_TFLOPS_PER_GPU
     row = predict_row(PAPER_TABLE_1[0])

@@ -22,6 +22,7 @@ ALL_ROOTS = (*PACKAGES, "experiments", "tests")
 LAYERS = [
     ("pallas_kernels", 0),
     ("ptd_jax.config", 1),
+    ("ptd_jax.presets", 1),
     ("ptd_jax.analysis", 1),
     ("ptd_jax.data", 2),
     ("ptd_jax.runtime", 2),

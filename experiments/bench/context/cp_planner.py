@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from experiments.common import RESULTS, write_json
-from ptd_jax.config import model_preset
+from ptd_jax.presets import model_preset
 from ptd_jax.perf.hardware import HARDWARE
 from ptd_jax.perf.search import describe, search
 

@@ -56,7 +56,8 @@ def measure(name, model, schedule, p, v, m, t, recompute="none"):
 
     from ptd_jax import model as gpt
     from ptd_jax.analysis.jaxpr import dot_flops, named_calls
-    from ptd_jax.config import ModelConfig, ParallelConfig, model_preset
+    from ptd_jax.config import ModelConfig, ParallelConfig
+    from ptd_jax.presets import model_preset
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.sharding import place_params
     from ptd_jax.config import SCHEDULE_SPECS

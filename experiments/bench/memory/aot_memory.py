@@ -39,7 +39,8 @@ def run_case(name: str) -> dict:
     from ptd_jax.aot.compile import compile_steps
     from ptd_jax.perf.hardware import TARGETS
     from ptd_jax.aot.verify import gpu_model_config
-    from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
+    from ptd_jax.config import ParallelConfig, TrainConfig
+    from ptd_jax.presets import model_preset
     from ptd_jax.perf.memory import memory_per_gpu
 
     preset, target, n, d, p, t, k, b, B, recompute, distributed = CASES[name][:11]
@@ -94,7 +95,8 @@ def state_bytes_per_param(d: int, distributed: bool, target: str = "h100-sxm") -
     from ptd_jax.aot.compile import compile_steps
     from ptd_jax.perf.hardware import TARGETS
     from ptd_jax.aot.verify import gpu_model_config
-    from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
+    from ptd_jax.config import ParallelConfig, TrainConfig
+    from ptd_jax.presets import model_preset
     from ptd_jax.perf.memory import memory_per_gpu
 
     cfg = gpu_model_config(model_preset("1.3b").replace(dtype="bfloat16", seq_length=16))

@@ -106,7 +106,8 @@ def run_case(layout: str, schedule: str, v: int, branching: str, target: str = "
     from ptd_jax.aot.compile import compile_steps
     from ptd_jax.perf.hardware import TARGETS
     from ptd_jax.aot.verify import gpu_model_config
-    from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
+    from ptd_jax.config import ParallelConfig, TrainConfig
+    from ptd_jax.presets import model_preset
     from ptd_jax.parallel import pipeline
     from ptd_jax.parallel.pipeline import stash
 

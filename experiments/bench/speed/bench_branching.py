@@ -33,7 +33,8 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.rounds = 1
     common.fake_devices(8)
-    from ptd_jax.config import ModelConfig, model_preset
+    from ptd_jax.config import ModelConfig
+    from ptd_jax.presets import model_preset
 
     result = {"rounds": args.rounds, "timing_note": common.TIMING_NOTE, "layouts": {}}
     for name, (model, layout) in LAYOUTS.items():

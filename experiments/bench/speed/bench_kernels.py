@@ -134,7 +134,8 @@ def _training_step(preset, micro_batch, dtype, attention_backend, fused_kernels,
     import jax
     import numpy as np
 
-    from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
+    from ptd_jax.config import ParallelConfig, TrainConfig
+    from ptd_jax.presets import model_preset
     from ptd_jax.optimizer import make_optimizer
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step
@@ -192,7 +193,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     from pallas_kernels.self_check import self_check_model
-    from ptd_jax.config import model_preset
+    from ptd_jax.presets import model_preset
 
     on_gpu = jax.default_backend() == "gpu"
     smoke = args.smoke or not on_gpu

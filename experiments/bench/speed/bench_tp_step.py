@@ -30,7 +30,8 @@ def main(argv=None) -> None:
     import jax
     import numpy as np
 
-    from ptd_jax.config import ParallelConfig, TrainConfig, model_preset
+    from ptd_jax.config import ParallelConfig, TrainConfig
+    from ptd_jax.presets import model_preset
     from ptd_jax.optimizer import make_optimizer
     from ptd_jax.parallel.mesh import make_mesh
     from ptd_jax.parallel.step import init_sharded_state, make_parallel_train_step

@@ -11,7 +11,8 @@ import sys
 
 from ptd_jax.cli.train import checks
 from ptd_jax.cli.train.parser import DEFAULT_SPLIT, DEFAULT_TARGET, PER_SPLIT
-from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig, TrainConfig, model_preset
+from ptd_jax.config import SCHEDULE_SPECS, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ptd_jax.presets import model_preset
 from ptd_jax.data.tokenizer import ByteTokenizer
 from ptd_jax.perf import auto_schedule
 from ptd_jax.perf.hardware import TARGETS

@@ -11,7 +11,6 @@ from ptd_jax.cli.args import OneLineParser, add_tokenizer_args, finite_float, po
 from ptd_jax.config import (
     CP_COMM_TYPES,
     LR_DECAY_STYLES,
-    MODEL_PRESETS,
     NORMALIZATIONS,
     PIPELINE_BRANCHINGS,
     POSITION_EMBEDDINGS,
@@ -19,6 +18,7 @@ from ptd_jax.config import (
     RECOMPUTE_GRANULARITIES,
     TrainConfig,
 )
+from ptd_jax.presets import MODEL_PRESETS
 from ptd_jax.perf.hardware import TARGETS
 from ptd_jax.runtime.multiprocess import DEFAULT_HEARTBEAT_TIMEOUT_S
 
