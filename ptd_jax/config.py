@@ -1,4 +1,4 @@
-"""Configuration: frozen dataclasses validated on construction, and the paper's presets.
+"""Configuration: frozen dataclasses validated on construction (the named models are in `presets.py`).
 
 Three configs travel through the whole system (docs/architecture.md, "Data flow"):
 - `ModelConfig`: the GPT architecture (Megatron GPT = GPT-2: learned positions, pre-LayerNorm, tied output).

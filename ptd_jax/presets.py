@@ -5,6 +5,7 @@ in `config.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ptd_jax.config import ConfigError, ModelConfig, ParallelConfig
 
@@ -58,12 +59,14 @@ def _paper_preset(row: PaperRow) -> ModelConfig:
     )
 
 
-LLAMA_SWITCHES = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    untie_embeddings_and_output_weights=True,
-    add_bias_linear=False,
+LLAMA_SWITCHES = MappingProxyType(
+    dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        add_bias_linear=False,
+    )
 )
 """Megatron's switches that make its GPT a Llama (with `num_query_groups` for grouped-query attention)."""
 

@@ -77,9 +77,9 @@ class Work:
 @dataclass(frozen=True)
 class StageTimes:
     """A whole stage's F, I (the input-gradient backward) and W at full clock, as `ptd-schedule`'s f, b, w (a
-    chunk runs 1/v of them; a fused B = I + W); what the last virtual stage's backward adds (the output layer and
-    the loss); and the step's tail after the pipeline: the optimizer (busy) and the data-parallel all-reduce
-    (waiting, at bubble power)."""
+    chunk runs 1/v of them; a fused B = I + W); what the last virtual stage's forward adds (the output layer and
+    the loss, forward and backward); and the step's tail after the pipeline: the optimizer (busy) and the
+    data-parallel all-reduce (waiting, at bubble power)."""
 
     f: Work
     b: Work
@@ -143,11 +143,11 @@ class Problem:
 
     def work(self, rank: int, action: Action) -> Work:
         """One cell's work at full clock: its kind's stage time / v, and the head on the last virtual stage's
-        backward (the executor runs the output layer and the loss there)."""
+        forward (the executor runs the output layer and the loss, forward and backward, right after it)."""
         t, v = self.times, self.table.v
         base = {"F": t.f, "B": t.b + t.w, "I": t.b, "W": t.w}[action.kind].scaled(1 / v)
         last = self.table.stage(action, rank) == self.table.p * v - 1
-        return base + t.head if last and action.kind in "BI" else base
+        return base + t.head if last and action.kind == "F" else base
 
     def duration(self, clocks: list[float]):
         """(rank, action) -> seconds at the ranks' `clocks` (MHz): what `Table.simulate` times the cells with."""

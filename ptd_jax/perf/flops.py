@@ -175,9 +175,9 @@ def hardware_flops_per_iteration(
     """FLOPs executed by all devices in one iteration, with the attention core as `cfg.attention_backend` runs it
     (`layer_executed_flops`). Without a pipeline schedule (p = 1): each layer's forward and backward (with what
     `recompute` recomputes) and the output layer's (3× its forward). With one (a `parallel.pipeline.Table`):
-    summed over its ticks as the lockstep executor runs them — a forward cell runs its chunk's forwards; a backward
-    cell its layers' backwards, each layer checkpointed as in the reference, plus the output layer (forward and
-    backward) on the last virtual stage (a split schedule's B all but the kernels' gradients, its W those);
+    summed over its ticks as the lockstep executor runs them — a forward cell runs its chunk's forwards, plus the
+    output layer (forward and backward) on the last virtual stage; a backward cell its layers' backwards, each layer
+    checkpointed as in the reference (a split schedule's I all but the kernels' gradients, its W those);
     under "uniform" every rank runs its tick's chunk work, idle ones on a
     dummy, and the head on the ticks where some rank needs it."""
     V = cfg.padded_vocab_size() if vocab_size is None else vocab_size
@@ -197,7 +197,7 @@ def hardware_flops_per_iteration(
     total = 0.0
     for row in sched.cells:
         busy = [(r, c.action) for r, c in enumerate(row) if c.action is not None]
-        heads = sum(1 for r, a in busy if a.kind in ("B", "I") and sched.stage(a, r) == last)
+        heads = sum(1 for r, a in busy if a.kind == "F" and sched.stage(a, r) == last)
         if branching == "uniform":  # one kind a tick: every rank runs it (split tables run per-rank only)
             total += sched.p * (cost[busy[0][1].kind] + (head_b if heads else 0.0))
         else:

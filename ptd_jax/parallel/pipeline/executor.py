@@ -120,7 +120,8 @@ class Cell(NamedTuple):
 
 
 class Carry(NamedTuple):
-    act: jax.Array  # [act slots, B, S or S/t, D]: chunk inputs from arrival to F; the last stage's outputs
+    act: jax.Array  # [act slots, B, S or S/t, D]: chunk inputs from arrival to F; on the last stage, the gradients of
+    # its outputs from its F (which runs the head) to its B or I
     grad: jax.Array  # [grad slots, B, S or S/t, D]: output gradients from arrival to B/I
     record: list  # per buffer [slots of its pool, k, ...] (`stash.Record`); empty in evaluation
     grads_chunks: dict | None  # float32 accumulators [v, k, ...] of this rank's chunks; None in evaluation
@@ -421,7 +422,7 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = Fal
     kinds, directions = pattern
     cell = read_cell(ctx, row, kinds)
     training = carry.grads_chunks is not None
-    x_in = carry.act[cell.slots["in_slot"]]  # F: its input; B/I on the last stage: the head's output gradient
+    x_in = carry.act[cell.slots["in_slot"]]  # F: its input; B/I on the last stage: dL/d(its output)
     grads_shared, loss = carry.grads_shared, carry.loss
     h = ctx.act_like
     if "F" in kinds:
@@ -433,7 +434,7 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = Fal
         ct = jnp.where(is_last(ctx, cell), mark_like(x_in, h), ct)
         h = jnp.where(cell.kind == F_, h, ct) if "F" in kinds else ct
     record, grads_chunks = carry.record, carry.grads_chunks
-    kept = None  # the last stage's F: the head's output gradient, kept for its B or I
+    kept = None  # the last stage's F: dL/d(its output) from the head, kept for its B or I
     if training:
         direct = len(kinds) == 1 and (ctx.uniform or busy)
         out, record, grads_chunks = run_layers(ctx, cell, kinds, h, record, grads_chunks, direct)
