@@ -7,6 +7,8 @@
     plot.py       the timeline as a PNG (paper Figure 4).
     lowering.py   the table as the executor's integer columns, its ticks cut into runs of a static pattern (numpy).
     stash.py      what a layer saves for its backward and its W (`jax.vjp` residuals, matmul taps) in slot buffers.
+    cells.py      one rank's cell of a tick: the step's context, and each kind's work (a layer's F/B/I/W, the
+                  embedding, the head) (JAX).
     executor.py   one SPMD program: `lax.scan` over the ticks inside the step's shard_map (JAX).
 
 The CLI is `ptd_jax/cli/schedule.py` (`ptd-schedule`); `--pipeline-schedule auto` is
