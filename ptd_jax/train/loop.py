@@ -13,7 +13,6 @@ consumed samples and the dropout key it saved; `--save D --load D` on an empty D
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from ptd_jax.data.corpus import default_corpus
 from ptd_jax.data.loader import prefetch
 from ptd_jax.loss_scale import to_meta as loss_scale_meta
 from ptd_jax.optimizer import make_optimizer
-from ptd_jax.runtime import clocks, energy, multiprocess
+from ptd_jax.runtime import multiprocess
 from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.sharding import BATCH_SPEC, param_specs
 from ptd_jax.parallel.step import (
@@ -37,8 +36,8 @@ from ptd_jax.parallel.step import (
     make_parallel_train_step,
     pipeline_schedule,
 )
-from ptd_jax.train import bubble, checkpoint
-from ptd_jax.perf.hardware import device_peak_tflops, for_device_kind
+from ptd_jax.train import bubble, checkpoint, power
+from ptd_jax.perf.hardware import device_peak_tflops
 from ptd_jax.perf.memory import check_fits
 from ptd_jax.perf.flops import (
     flops_per_iteration,
@@ -151,18 +150,22 @@ def train(
     5. Summarise: medians over the timed records (`_summary`)."""
     options = options or RunOptions()
     parallel.check_model(model_cfg)
-    plan = _read_clock_plan(options.gpu_clock_plan, parallel)
+    plan = power.read_clock_plan(options.gpu_clock_plan, parallel)
     if options.check_memory:
         check_fits(
             model_cfg, parallel, train_cfg.recompute_granularity, jax.local_devices()[0], jax.local_device_count()
         )
     run, progress = _prepare(model_cfg, parallel, train_cfg, options)
     _announce(run)
-    timer = StepTimer(jax.block_until_ready, meter=_JobMeter.open([d for _, d in _local_mesh_devices(run.mesh)]))
-    with _gpu_clocks(run, plan) as governor:  # locked before the first step, reset on every way out
+    meter = power.JobMeter.open([device for _, device in power.local_mesh_devices(run.mesh)])
+    timer = StepTimer(jax.block_until_ready, meter=meter)
+    # the clocks are locked before the first step and reset on every way out
+    with power.gpu_clocks(run.mesh, plan, run.logger.message) as governor:
         hooks = _hooks(run, progress, timer)
         if governor is not None:
-            hooks.add_hook(lambda info: _govern(governor, progress), every=run.train_cfg.log_interval, final=True)
+            hooks.add_hook(
+                lambda info: power.govern(governor, progress.records[-1]), every=run.train_cfg.log_interval, final=True
+            )
         _loop(run, progress, hooks, timer)
     summary = _summary(run, progress, timer)
     if governor is not None:
@@ -560,99 +563,6 @@ def _stop_if_asked(run: _Run, progress: _Progress, stop: StopSignals, iteration:
         raise KeyboardInterrupt
     if stop.requested:
         raise KeyboardInterrupt
-
-
-class _JobMeter:
-    """The energy meter of this process's devices (`runtime/energy.py`), summed over the job's processes."""
-
-    def __init__(self, meter):
-        self._meter = meter
-        n = jax.process_count()
-        self.source = meter.source + (f", summed over {n} processes" if n > 1 else "")
-        # several processes: one gather now says whether every process has a counter; if one has none, the job's
-        # energy is unknown and no process gathers again
-        self._gather = n > 1 and self._gathered(meter.read()) is not None
-        if n > 1 and not self._gather:
-            self.source = "unavailable: a process of the job has no energy counter"
-
-    @classmethod
-    def open(cls, devices: list) -> _JobMeter:
-        """The meter of `devices` (this process's devices of the mesh)."""
-        platform = devices[0].platform
-        indices = [clocks.nvml_index(d.local_hardware_id or 0) for d in devices] if platform == "gpu" else None
-        return cls(energy.open_meter(platform, indices))
-
-    def read(self) -> float | None:
-        if jax.process_count() == 1:
-            return self._meter.read()
-        return self._gathered(self._meter.read()) if self._gather else None
-
-    def _gathered(self, local: float | None) -> float | None:
-        from jax.experimental import multihost_utils
-
-        row = np.array([energy.host_id(), np.nan if local is None else local], dtype=np.float64)
-        return energy.job_total(np.asarray(multihost_utils.process_allgather(row)), self._meter.per_host)
-
-
-def _read_clock_plan(path: str | None, parallel: ParallelConfig) -> clocks.ClockPlan | None:
-    """--gpu-clock-plan, refused before anything is read when it is for another p or another GPU."""
-    if path is None:
-        return None
-    try:
-        plan = clocks.read_plan(path)
-    except clocks.ClockError as err:
-        raise ConfigError(str(err)) from None
-    p = parallel.pipeline_model_parallel_size
-    if plan.p != p:
-        raise ConfigError(
-            f"--gpu-clock-plan {path!r} holds {plan.p} clocks (p={plan.p}) but the run has "
-            f"pipeline_model_parallel_size={p}"
-        )
-    device = jax.local_devices()[0]
-    hw = for_device_kind(device.device_kind)  # None on CPUs and GPUs outside the catalogue
-    if hw is None or hw.name != plan.hardware:
-        raise ConfigError(
-            f"--gpu-clock-plan {path!r} is for hardware={plan.hardware!r} but this run's devices are "
-            f"{device.device_kind!r} ({hw.name if hw else 'not a GPU of perf/hardware.py'})"
-        )
-    return plan
-
-
-@contextlib.contextmanager
-def _gpu_clocks(run: _Run, plan: clocks.ClockPlan | None):
-    """Each local GPU locked at full clock, then (the governor) at its pipeline rank's clock; reset on exit."""
-    if plan is None:
-        yield None
-        return
-    nvml = energy.load_nvml()
-    if nvml is None:
-        raise ConfigError("--gpu-clock-plan needs NVML: pip install 'ptd_jax[energy]' (nvidia-ml-py) and a driver")
-    pipe = run.mesh.axis_names.index("pipe")
-    planned = {
-        clocks.nvml_index(device.local_hardware_id or 0): plan.clocks_mhz[where[pipe]]
-        for where, device in _local_mesh_devices(run.mesh)
-    }
-    try:
-        locks = clocks.ClockLocks(nvml, dict.fromkeys(planned, plan.max_clock_mhz), run.logger.message)
-        with locks:
-            yield clocks.Governor(locks, planned, plan, run.logger.message)
-    except clocks.ClockError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _local_mesh_devices(mesh) -> list[tuple[tuple[int, ...], object]]:
-    """(mesh coordinates, device) of this process's devices in the mesh (a run may use fewer than are here)."""
-    here = jax.process_index()
-    return [
-        (where, mesh.devices[where])
-        for where in np.ndindex(mesh.devices.shape)
-        if mesh.devices[where].process_index == here
-    ]
-
-
-def _govern(governor: clocks.Governor, progress: _Progress) -> None:
-    record = progress.records[-1]
-    governor.observe(record["step_time_s"], record["includes_compile"], record["iteration"])
 
 
 def _close(batches, saver, logger) -> None:
