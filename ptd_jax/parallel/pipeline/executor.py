@@ -115,24 +115,31 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads, dir
             h, values, d = branches[1](params_j, h, bufs, slots, jl)
         else:
             h, values, d = jax.lax.switch(which, branches, params_j, h, bufs, slots, jl)
-        # a buffer or accumulator that no kind of this pattern writes is left alone (statically: no zeros made, no
-        # masked write of a whole layer's gradient in an F tick)
+        # a buffer or accumulator that no kind of this pattern writes is left alone (statically: no zeros made)
         bufs = [
             buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop") if _any(w, kinds) else buf
             for buf, slot, val, w in zip(bufs, slots, values, writes)
         ]
-        acc = {
+        for adders in ("BW", "BI"):  # the kernels' gradients, then the other parameters'
+            if not _any(adders, kinds):
+                continue
+            if direct:
+                acc = add_grads(acc, d, jl, adders)
+            else:  # only where the cell's kind adds them: no read-modify-write of a whole layer's zeros elsewhere
+                (acc,) = run_if(_writes(cell, adders), lambda acc, a=adders: (add_grads(acc, d, jl, a),), acc)
+        return (h, bufs, acc), None
+
+    def add_grads(acc: dict, d: dict, jl, adders: str) -> dict:
+        # masked: under "uniform", an idle cell runs the tick's kind and its gradients are dropped
+        return {
             g: {
-                n: a.at[jnp.where(_writes(cell, _adders(g, n)), c, a.shape[0]), jl].add(
-                    d[g][n].astype(a.dtype), mode="drop"
-                )
-                if _any(_adders(g, n), kinds)
+                n: a.at[jnp.where(cell.active, c, a.shape[0]), jl].add(d[g][n].astype(a.dtype), mode="drop")
+                if _adders(g, n) == adders
                 else a
                 for n, a in leaves.items()
             }
             for g, leaves in acc.items()
         }
-        return (h, bufs, acc), None
 
     (h, record, grads), _ = jax.lax.scan(body, (h, record, grads), jnp.arange(k))
     return h, record, grads
