@@ -284,12 +284,3 @@ def branch_index(cell: Cell, index: dict):
     for code, i in index.items():
         out = jnp.where(cell.kind == code, i, out)
     return out
-
-
-def run_if(pred, fn, *operands):
-    """`fn(*operands)` where `pred`, else the operands unchanged, as a loop of 0 or 1 trips: XLA updates a loop's
-    carry in place, where a conditional's outputs are new buffers and its pass-through branch copies what it returns
-    (here the embedding and output-layer gradient accumulators, V·h in float32, on every rank in every tick).
-    Compiled for XLA:GPU at 1.3B, p = 4: 0.37 GiB fewer temporaries in every schedule (docs/architecture.md,
-    "Pipeline", step 7)."""
-    return jax.lax.fori_loop(0, pred.astype(jnp.int32), lambda _, ops: fn(*ops), operands)

@@ -8,7 +8,8 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
    branch;
 2. prepares the layers' input: an F's activation (on virtual stage 0 the embedding, in a `lax.cond`), or a B's or
    I's output gradient (on the last stage the one its F left in the act slot);
-3. runs the chunk's layers in one `lax.scan`, each layer's work one `lax.switch` on the cell's kind (`layer_step`):
+3. runs the chunk's layers in one `lax.scan`, each layer's work one `lax.switch` on the cell's kind
+   (`cells.LayerStep`):
    - F: the layer under `jax.vjp`, its residuals to the record (`stash.Record`) at (slot, j);
    - B: the layer's vjp from its record: the input gradient passed down, every parameter gradient added;
    - I: the same with taps beside the matmuls: the input gradient and the small parameters' gradients, the taps
@@ -18,9 +19,9 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
    that drops an out-of-bounds row (no write where the rank runs another kind); the gradients are added the same
    way, in place, into float32 accumulators; F runs the layers forwards, B and I backwards. No conditional writes a
    buffer: XLA:GPU copied buffers written inside conditionals (measured: 1.3B at p = 4, several GiB);
-4. on stage 0 after a B or I, the embedding's transpose; on the last stage after an F, the head's forward and
-   backward (the loss added, the output layer's gradients added, and dL/d(output) kept in the act slot for the
-   chunk's B or I); each in a loop of 0 or 1 trips (`run_if`), which XLA updates in place;
+4. on stage 0 after a B or I, the embedding's transpose (a `lax.cond`); on the last stage after an F, the head's
+   forward and backward (a `lax.cond`: the loss added, the output layer's gradients added, and dL/d(output) kept
+   in the act slot for the chunk's B or I);
 5. sends its output (an F's activation, a B's or I's input gradient) over "pipe" in each direction the tick's
    pattern uses, issued by every rank outside every branch, and writes what arrived to the slot the table names.
 
@@ -65,7 +66,6 @@ from ptd_jax.parallel.pipeline.cells import (
     layer_function,
     named,
     read_cell,
-    run_if,
     stage_id,
 )
 from ptd_jax.parallel.pipeline.lowering import KIND_CODES, SIDES, columns, tick_runs
@@ -115,31 +115,24 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads, dir
             h, values, d = branches[1](params_j, h, bufs, slots, jl)
         else:
             h, values, d = jax.lax.switch(which, branches, params_j, h, bufs, slots, jl)
-        # a buffer or accumulator that no kind of this pattern writes is left alone (statically: no zeros made)
+        # a buffer or accumulator that no kind of this pattern writes is left alone (statically: no zeros made, no
+        # masked write of a whole layer's gradient in an F tick)
         bufs = [
             buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop") if _any(w, kinds) else buf
             for buf, slot, val, w in zip(bufs, slots, values, writes)
         ]
-        for adders in ("BW", "BI"):  # the kernels' gradients, then the other parameters'
-            if not _any(adders, kinds):
-                continue
-            if direct:
-                acc = add_grads(acc, d, jl, adders)
-            else:  # only where the cell's kind adds them: no read-modify-write of a whole layer's zeros elsewhere
-                (acc,) = run_if(_writes(cell, adders), lambda acc, a=adders: (add_grads(acc, d, jl, a),), acc)
-        return (h, bufs, acc), None
-
-    def add_grads(acc: dict, d: dict, jl, adders: str) -> dict:
-        # masked: under "uniform", an idle cell runs the tick's kind and its gradients are dropped
-        return {
+        acc = {
             g: {
-                n: a.at[jnp.where(cell.active, c, a.shape[0]), jl].add(d[g][n].astype(a.dtype), mode="drop")
-                if _adders(g, n) == adders
+                n: a.at[jnp.where(_writes(cell, _adders(g, n)), c, a.shape[0]), jl].add(
+                    d[g][n].astype(a.dtype), mode="drop"
+                )
+                if _any(_adders(g, n), kinds)
                 else a
                 for n, a in leaves.items()
             }
             for g, leaves in acc.items()
         }
+        return (h, bufs, acc), None
 
     (h, record, grads), _ = jax.lax.scan(body, (h, record, grads), jnp.arange(k))
     return h, record, grads
@@ -201,9 +194,10 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = Fal
         direct = len(kinds) == 1 and (ctx.uniform or busy)
         out, record, grads_chunks = run_layers(ctx, cell, kinds, h, record, grads_chunks, direct)
         if "F" in kinds:
-            kept, grads_shared, loss = run_if(
+            kept, grads_shared, loss = jax.lax.cond(
                 cell.head & (cell.kind == F_),
                 named("head_backward", head_backward, ctx, cell),
+                lambda y, g, loss: (y, g, loss),
                 out,
                 grads_shared,
                 loss,
@@ -213,9 +207,10 @@ def tick(ctx: Context, pattern: tuple, carry: Carry, row: dict, busy: bool = Fal
         loss = jax.lax.cond(cell.head, partial(head_loss_add, ctx, cell), lambda y, loss: loss, out, loss)
     act, grad = carry.act, carry.grad
     if ("B" in kinds or "I" in kinds) and training:
-        (grads_shared, _) = run_if(
+        grads_shared = jax.lax.cond(
             cell.embed & (cell.kind != F_),
-            lambda g, dx: (named("embed_backward", embed_backward, ctx, cell)(g, dx), dx),
+            named("embed_backward", embed_backward, ctx, cell),
+            lambda g, dx: g,
             grads_shared,
             out,
         )

@@ -413,8 +413,8 @@ def _inputs_reached(jaxpr, var) -> set[int]:
 def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
     """In the traced ticks, the output-layer matmuls (an output dim of Vp/t) and the cross-entropy's pmax appear
     only inside `head_backward`, in the forward ticks alone (the last stage's F runs the head forward and
-    backward), and that call sits in a loop (`cells.run_if`) whose trip count is computed from the table's head
-    column and the cell's kind (not from "active" or "embed")."""
+    backward), and that call sits in a cond whose predicate is computed from the table's head column and the
+    cell's kind (not from "active" or "embed")."""
     p, v, t = 2, 2, 2
     cfg = model_cfg(p, x64=False)
     parallel = layout(1, p, t, "interleaved", v, branching=branching)
@@ -433,16 +433,14 @@ def test_no_output_layer_in_a_branch_without_the_last_stage(branching):
         assert vocab_local not in set(_dot_output_dims(body, skip="head_backward")), pattern
         outside = SimpleNamespace(eqns=[e for e in body.eqns if not _calls(e, "head_backward")])
         assert "pmax@tensor" not in summarize(jaxpr_collectives(outside)), pattern
-        # `cells.run_if`: a while loop of 0 or 1 trips, its carry (lower, upper, operands) after the consts
-        heads = [e for e in body.eqns if e.primitive.name == "while" and _calls(e, "head_backward")]
+        heads = [e for e in body.eqns if e.primitive.name == "cond" and _calls(e, "head_backward")]
         assert len(heads) == pattern.count("F"), pattern
-        for loop in heads:
-            trips = loop.invars[loop.params["cond_nconsts"] + loop.params["body_nconsts"] + 1]
-            reached = {names[i - first_row] for i in _inputs_reached(body, trips) if i >= first_row}
+        for cond in heads:
+            reached = {names[i - first_row] for i in _inputs_reached(body, cond.invars[0]) if i >= first_row}
             assert "head" in reached and reached <= {"head", "kind"}, reached
-            head_body = loop.params["body_jaxpr"]
-            assert vocab_local in set(_dot_output_dims(head_body.jaxpr))
-            assert "pmax@tensor" in summarize(jaxpr_collectives(head_body))
+            (head_branch,) = [br for br in cond.params["branches"] if any(named_calls(br.jaxpr, "head_backward"))]
+            assert vocab_local in set(_dot_output_dims(head_branch.jaxpr))
+            assert "pmax@tensor" in summarize(jaxpr_collectives(head_branch))
 
 
 # --- dropout ------------------------------------------------------------------------------------------------------
