@@ -3,7 +3,7 @@
 
 - GPUs: NVML's total-energy counter of each local device (`nvmlDeviceGetTotalEnergyConsumption`, millijoules since
   the driver loaded; Volta and later), through nvidia-ml-py (the `energy` extra), imported only here and only when
-  asked. The loop sums the processes' readings (`train/loop.py`).
+  asked. The run sums the processes' readings (`train/power.JobMeter`).
 - CPU hosts: Linux powercap/RAPL (`/sys/class/powercap/intel-rapl:N/energy_uj`, one counter per CPU package, the
   same files on AMD). A counter wraps at its `max_energy_range_uj` (commonly 262,143 J: 17 minutes at 250 W); a
   reader that looks at least once per wrap counts every joule (the loop reads at each log interval). The packages'

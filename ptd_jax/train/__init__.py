@@ -3,6 +3,7 @@
 reference.py   the single-device oracle step (every parallel path is compared against it)
 loop.py        train(): data -> step -> hooks (`RunOptions` says where things go)
 hooks.py       what runs after a step (log, evaluate, save, the bubble): `Hooks.add_hook`, `StepTimer`
+power.py       the job's energy meter, --gpu-clock-plan's clock locks and governor
 resume.py      --load: the step to resume from and the refusals before anything starts
 interrupt.py   Ctrl-C: stop after the current step, checkpoints intact
 checkpoint.py  orbax checkpoints of the training state

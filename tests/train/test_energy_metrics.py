@@ -1,4 +1,4 @@
-"""Energy in the loop (`train/hooks.StepTimer`, `train/metrics.energy_fields`, `train/loop.py`): each log record
+"""Energy in the loop (`train/hooks.StepTimer`, `train/metrics.energy_fields`, `train/power.py`): each log record
 carries joules per iteration, per token and the mean power over the same window as its step time, with their
 source; an unavailable meter gives None, never a number; a clock plan for another p or GPU is refused before
 anything runs."""
@@ -111,12 +111,12 @@ def test_a_clock_plan_is_locked_governed_and_reset_through_the_loop(small_corpus
     """With a fake NVML standing in for the driver and the CPU taken for an H200: full clock for the first windows,
     then the plan's clock, reset at the end and when the run fails."""
     from ptd_jax.perf.hardware import HARDWARE
-    from ptd_jax.train import loop
+    from ptd_jax.train import power
     from tests.helpers.nvml import FakeNvml
 
     nvml = FakeNvml(gpus=8)
     monkeypatch.setattr(energy, "load_nvml", lambda: nvml)
-    monkeypatch.setattr(loop, "for_device_kind", lambda kind: HARDWARE["h200"])
+    monkeypatch.setattr(power, "for_device_kind", lambda kind: HARDWARE["h200"])
     path = tmp_path / "plan.json"
     plan = {"format": clocks.PLAN_FORMAT, "hardware": "h200", "epsilon": 0.5, "max_clock_mhz": 1980}
     path.write_text(json.dumps({**plan, "clocks_mhz": [1500]}))

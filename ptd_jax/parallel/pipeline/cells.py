@@ -46,7 +46,7 @@ class Options:
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What every tick of one step reads: built once per step (`_context`), before the scans."""
+    """What every tick of one step reads: built once per step (`executor._context`), before the scans."""
 
     opts: Options
     table: Table
@@ -217,10 +217,10 @@ def is_kernel(group: str, name: str) -> bool:
 
 
 class LayerStep:
-    """One layer's work for each kind, as the branches of one `lax.switch` (module docstring, step 3). Every branch
-    takes (layer parameters, h, the record's buffers, their slots, the layer index) and returns (h, a new row for
-    every record buffer (zeros where it writes none: dropped after the switch), the layer's parameter gradients in
-    the accumulators' dtype). A branch reads only the rows it needs: an F reads none."""
+    """One layer's work for each kind, as the branches of one `lax.switch` (executor's module docstring, step 3).
+    Every branch takes (layer parameters, h, the record's buffers, their slots, the layer index) and returns (h, a new
+    row for every record buffer (zeros where it writes none: dropped after the switch), the layer's parameter
+    gradients in the accumulators' dtype). A branch reads only the rows it needs: an F reads none."""
 
     def __init__(self, ctx: Context, cell: Cell, zero_grads: dict):
         self.ctx, self.cell, self.zero = ctx, cell, zero_grads
