@@ -157,8 +157,7 @@ def train(
         )
     run, progress = _prepare(model_cfg, parallel, train_cfg, options)
     _announce(run)
-    meter = power.JobMeter.open([device for _, device in power.local_mesh_devices(run.mesh)])
-    timer = StepTimer(jax.block_until_ready, meter=meter)
+    timer = StepTimer(jax.block_until_ready, meter=power.JobMeter.open(run.mesh))
     # the clocks are locked before the first step and reset on every way out
     with power.gpu_clocks(run.mesh, plan, run.logger.message) as governor:
         hooks = _hooks(run, progress, timer)

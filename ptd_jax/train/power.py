@@ -28,8 +28,9 @@ class JobMeter:
             self.source = "unavailable: a process of the job has no energy counter"
 
     @classmethod
-    def open(cls, devices: list) -> JobMeter:
-        """The meter of `devices` (this process's devices of the mesh)."""
+    def open(cls, mesh) -> JobMeter:
+        """The meter of this process's devices in `mesh`."""
+        devices = [device for _, device in local_mesh_devices(mesh)]
         platform = devices[0].platform
         indices = [clocks.nvml_index(d.local_hardware_id or 0) for d in devices] if platform == "gpu" else None
         return cls(energy.open_meter(platform, indices))
