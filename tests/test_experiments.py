@@ -48,7 +48,10 @@ def test_bench_interleaving_smoke_runs_every_case(tmp_path):
     }
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize(
+    "recompute",
+    [pytest.param("none", marks=pytest.mark.slow), "selective", pytest.param("full", marks=pytest.mark.slow)],
+)
 def test_per_rank_pipeline_runs_exactly_megatrons_matmuls(recompute):
     """The traced executor's matmul FLOPs (its named pieces of work times the table's counts) equal the analytic
     count of Megatron's schedule on every rank, for per-rank branching, less what JAX's checkpoint does not

@@ -95,7 +95,9 @@ def run_parallel(corpus, model_cfg, train_cfg, parallel, n, poison_steps=()):
 TRAIN = TrainConfig(train_iters=20, lr=3e-3, lr_warmup_iters=0, lr_decay_iters=20)
 
 
-@pytest.mark.parametrize("d, p, t", [(2, 1, 2), pytest.param(2, 2, 2, marks=pytest.mark.slow)])
+# -m slow: the default run skips a poisoned float16 step in the parallel step like the reference (below)
+@pytest.mark.slow
+@pytest.mark.parametrize("d, p, t", [(2, 1, 2), (2, 2, 2)])
 def test_float32_guard_skips_the_poisoned_step_like_the_reference(small_corpus, d, p, t):
     """An injected NaN loss / inf gradient at step 1 skips exactly that update, in the parallel step as in the
     reference; the loss traces around it agree."""

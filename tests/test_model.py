@@ -139,6 +139,7 @@ def _layer_residuals(layer_fn, p, x, key):
     return sorted(tuple(r.shape) for r in jax.tree.leaves(vjp) if id(r) not in weights and r.ndim > 0)
 
 
+@pytest.mark.slow  # 24 s of eager float64; each policy's gradients above, its matmuls and stash in tests/parallel/
 def test_layer_keeps_matmul_outputs_and_recomputes_the_elementwise_work():
     """remat_layer's policies: none keeps the layer input, its matmuls' outputs (the context by name) and its
     dropout masks, nothing of the LayerNorms, softmax or GeLU (autodiff alone keeps 38 arrays, six [B, S, F] for the

@@ -47,8 +47,9 @@ def compile_only(argv, capsys):
 
 @pytest.mark.parametrize(
     "target",
-    # the h200 is the h100's chip (sm_90, `test_the_planner_and_the_compiler_describe_the_same_gpus`): -m slow
-    [pytest.param(name, marks=[pytest.mark.slow] * (name == "h200")) for name in sorted(TARGETS)],
+    # the default run compiles for the A100 (sm_80); the H100 (sm_90) and the h200 (the h100's chip,
+    # `test_the_planner_and_the_compiler_describe_the_same_gpus`): -m slow
+    [pytest.param(name, marks=[pytest.mark.slow] * (name != "a100-80gb")) for name in sorted(TARGETS)],
 )
 def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
     code, out, _ = compile_only([*ISSUE_COMMAND, "--target", target], capsys)
@@ -74,6 +75,7 @@ def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
     assert summary["collectives"]["collective-permute"]["count"] > 0
 
 
+@pytest.mark.slow  # 20 s: another 3-D compile
 def test_per_rank_branching_compiles_for_8_h100s(capsys):
     """Per-rank branching puts tensor collectives in pipe-divergent conditionals: XLA:GPU compiles them."""
     code, out, _ = compile_only([*ISSUE_COMMAND, "--target", "h100-sxm", "--pipeline-branching", "per-rank"], capsys)
@@ -82,6 +84,7 @@ def test_per_rank_branching_compiles_for_8_h100s(capsys):
     assert summary["collectives"]["all-reduce"]["count"] > 0
 
 
+@pytest.mark.slow  # a 1.3B compile
 def test_a_step_that_does_not_fit_exits_1_with_the_bytes(capsys):
     code, out, err = compile_only(
         [
@@ -126,6 +129,7 @@ def test_compile_flags_need_compile_only(capsys):
     assert code == 2 and out == "" and err == "ptd-train: error: --target, --json need --compile-only\n"
 
 
+@pytest.mark.slow  # a GPT-2 small compile
 def test_the_preset_decides_the_vocabulary(capsys):
     code, out, _ = compile_only(
         [
@@ -234,6 +238,7 @@ def _predicted_and_compiled(command: str, capsys) -> tuple[dict, dict]:
     return predicted, compiled
 
 
+@pytest.mark.slow  # a 1.3B compile, 20 s
 def test_plan_predict_with_ptd_trains_command_line_is_within_10_percent_of_the_compiled_step(capsys):
     """One case of `experiments/bench/memory/plan_vs_compiled.py` (the issue's 1.3B at t = 4, p = 2, b = 2 on 8
     H200s): the same flags, the same resolved layout and kernels, and the predicted bytes per GPU within 10% of

@@ -13,6 +13,7 @@ TINY += ["--num-query-groups", "2"]
 TINY += ["--seq-length", "512", "--micro-batch-size", "1", "--global-batch-size", "1", "--bf16"]
 
 
+@pytest.mark.slow  # 22 s each; the default run compiles the 3-D step and the kernels alone for the GPU
 @pytest.mark.parametrize("target", ["a100-80gb", "h100-sxm"])  # sm_80, sm_90
 def test_the_kernel_ring_compiles_for_the_gpu(target, capsys):
     argv = [*TINY, "--context-parallel-size", "2", "--attention-backend", "pallas", "--tensor-model-parallel-size"]

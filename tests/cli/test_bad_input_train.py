@@ -285,6 +285,7 @@ def test_ctrl_c_before_training_says_so(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == "ptd-train: interrupted (Ctrl-C) before training started"
 
 
+@pytest.mark.slow  # 21 s; the default run stops a training process by SIGTERM (tests/train/test_interrupt.py)
 def test_ctrl_c_stops_cleanly_with_exit_130_and_keeps_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     metrics = tmp_path / "m.jsonl"

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ptd_jax.runtime import platform
 from tests.helpers.cli import run_train
 
@@ -136,6 +138,7 @@ def test_failing_default_kernels_fall_back_with_a_warning(capsys):
     assert cli.apply_self_check(cfg, bad_attention, attention=False, fused=False) == cfg
 
 
+@pytest.mark.slow  # the default run has the self-check at the model's window (tests/pallas_kernels/)
 def test_kernel_self_check_at_odd_model_widths_passes_in_interpret_mode():
     """hidden 48 (masked LayerNorm columns), head_dim 12 (padded), seq 40 (padded), vocab shard 512 of which 357
     real: every padded and masked path, forward and all gradients (weights and biases included)."""

@@ -23,6 +23,7 @@ def params():
     return jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x, p)
 
 
+@pytest.mark.slow  # 29 s of eager forwards; cached greedy decoding against transformers' runs by default
 def test_cached_greedy_equals_the_full_forward_every_step(params):
     prompt = np.random.RandomState(0).randint(0, 256, size=(2, 5))
     got = generate(params, prompt, CFG, 6)

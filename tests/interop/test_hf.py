@@ -62,6 +62,7 @@ def test_logits_equal_transformers_gpt2(hf_dir):
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow  # 12 s; the default run has the float64 logits against transformers and our gradients exact
 def test_loss_gradients_equal_transformers_gpt2(hf_dir, tmp_path):
     """d(mean next-token loss)/d(every weight): ours (jax.grad, mapped to HF names by to_hf) vs torch autograd."""
     import dataclasses
@@ -107,6 +108,7 @@ def test_to_hf_round_trips_bitwise_and_loads_in_transformers(hf_dir, tmp_path):
         assert torch.equal(original[name], back[name]), name
 
 
+@pytest.mark.slow  # 39 s end to end; its conversions and the 3-D step are checked by faster tests in the default run
 def test_ptd_convert_from_hf_then_train_at_3d_then_to_hf(hf_dir, tmp_path, capsys):
     """from-hf writes a checkpoint that ptd-train fine-tunes at (d,p,t) = (2,2,2); to-hf of the trained checkpoint
     loads in transformers with every key matched and gives our logits; HF -> ptd_jax -> HF is bit-exact."""

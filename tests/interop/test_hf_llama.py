@@ -346,14 +346,21 @@ LLAMA_CFG = ModelConfig(
 )
 
 
+# The default run: the first (Meta's rotation); -m slow: the rest (each architecture's to_hf runs by default in
+# test_to_hf_loads_in_transformers_with_the_same_weights_and_logits above)
 @pytest.mark.parametrize(
     "changes, architecture",
     [
         ({"rotary_interleaved": True}, "LlamaForCausalLM"),  # Meta's pairs, permuted into HF's halves
-        ({"rotary_interleaved": True, "add_qkv_bias": True, "window_size": 7}, "Qwen2ForCausalLM"),
-        ({"add_bias_linear": True}, "LlamaForCausalLM"),  # attention_bias and mlp_bias
-        ({"add_bias_linear": True, "add_qkv_bias": False}, "LlamaForCausalLM"),  # q, k, v biases written as zero
-        ({"window_size": 7, "kv_channels": 12}, "MistralForCausalLM"),
+        pytest.param(
+            {"rotary_interleaved": True, "add_qkv_bias": True, "window_size": 7},
+            "Qwen2ForCausalLM",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param({"add_bias_linear": True}, "LlamaForCausalLM", marks=pytest.mark.slow),  # attention and mlp bias
+        # q, k, v biases written as zero
+        pytest.param({"add_bias_linear": True, "add_qkv_bias": False}, "LlamaForCausalLM", marks=pytest.mark.slow),
+        pytest.param({"window_size": 7, "kv_channels": 12}, "MistralForCausalLM", marks=pytest.mark.slow),
     ],
 )
 def test_to_hf_of_ptd_jax_models(tmp_path, changes, architecture):

@@ -16,6 +16,9 @@ SHAPES = [
 ]  # head_dims 8 and 12 run at width 16 (Triton's smallest dot)
 
 
+DEFAULT_SHAPES = ((2, 64, 3, 16), (1, 40, 2, 8))
+
+
 def inputs(shape, dtype, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
@@ -36,8 +39,9 @@ def rel(a, b):
             tol,
             id=f"{shape}-{name}",
             # bfloat16 runs each blocking and padding path the float32 case runs, at a looser tolerance: the default
-            # run keeps it on the padded shape only (-m slow: every shape)
-            marks=[pytest.mark.slow] * (name == "bf16" and shape != (1, 40, 2, 8)),
+            # run keeps it on the padded shape only; float32 on the multi-block shape and the padded one (-m slow:
+            # every shape)
+            marks=[pytest.mark.slow] * (shape not in DEFAULT_SHAPES or (name == "bf16" and shape != (1, 40, 2, 8))),
         )
         for shape, blocks in SHAPES
         for dtype, tol, name in ((jnp.float32, 1e-5, "f32"), (jnp.bfloat16, 1e-2, "bf16"))
@@ -60,7 +64,7 @@ def test_forward_and_gradients_match_the_reference(shape, blocks, dtype, tol):
         assert rel(g, w) <= tol * 2, f"d{name}"
 
 
-@pytest.mark.parametrize("seq", [32, 40], ids=["blocks", "padded-keys-masked"])
+@pytest.mark.parametrize("seq", [pytest.param(32, marks=pytest.mark.slow), 40], ids=["blocks", "padded-keys-masked"])
 def test_non_causal_mode(seq):
     q, k, v, do = inputs((1, seq, 2, 8), jnp.float32)
     attend = lambda q, k, v: flash_attention(
@@ -88,7 +92,11 @@ def test_causal_masking_future_keys_do_not_leak():
     assert not np.allclose(np.asarray(changed[:, j:]), np.asarray(base[:, j:]))
 
 
-@pytest.mark.parametrize("shape, groups", [((2, 40, 4, 8), 2), ((1, 64, 6, 16), 1)], ids=["R2-padded", "R6"])
+@pytest.mark.parametrize(
+    "shape, groups",
+    [pytest.param((2, 40, 4, 8), 2, marks=pytest.mark.slow), ((1, 64, 6, 16), 1)],
+    ids=["R2-padded", "R6"],
+)
 def test_grouped_query_attention_reads_each_key_value_head_in_place(shape, groups):
     """k, v with G heads for H = R·G query heads: the kernel (query head h reads key/value head h // R, no repeated
     copy) equals the reference on K and V repeated R times, value and gradients (dK, dV summed over each group)."""
@@ -131,6 +139,7 @@ def _loss_trace(cfg, parallel, data, path, iters=4):
     return [json.loads(line)["lm_loss"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # 24 s: two 4-iteration training runs; each kernel alone here and in shard_map is in the default run
 def test_pallas_kernels_inside_a_tensor_parallel_training_step(small_corpus, tmp_path):
     """The same 4 iterations of a (d, t) = (2, 2) shard_map step with XLA and with the Pallas kernels
     (interpret mode): flash attention on local heads, LayerNorm, vocab-parallel loss on each vocabulary shard."""
@@ -202,6 +211,7 @@ def test_attention_dropout_needs_xla_and_float64_no_kernels():
         ModelConfig(dtype="float64", fused_kernels=True)
 
 
+@pytest.mark.slow  # 23 s; the kernels' own bf16 cases run by default
 def test_bf16_kernels_are_as_close_to_float32_as_xla_bf16_is():
     """One bfloat16 loss and gradient of the reference model with every kernel (bf16 logits read by the loss
     kernel) against the float32 model: the error is bf16 roundoff, no larger than XLA's bf16 path has
@@ -240,9 +250,11 @@ def _model_attention(q_BxSxHxK, k, v, window):
 @pytest.mark.parametrize(
     "shape, groups, window, blocks",
     [
-        ((1, 40, 4, 8), 2, 5, BlockSizes(16, 16)),  # window inside one block; padded to 48
+        # window inside one block; padded to 48 (-m slow)
+        pytest.param((1, 40, 4, 8), 2, 5, BlockSizes(16, 16), marks=pytest.mark.slow),
         ((2, 64, 2, 16), 1, 21, BlockSizes(32, 16)),  # window across blocks, not a multiple of either
-        ((1, 48, 6, 12), 3, 16, BlockSizes(16, 32)),  # key blocks larger than query blocks; head_dim padded to 16
+        # key blocks larger than query blocks; head_dim padded to 16 (-m slow)
+        pytest.param((1, 48, 6, 12), 3, 16, BlockSizes(16, 32), marks=pytest.mark.slow),
     ],
     ids=["w5-gqa-padded", "w21-mha", "w16-gqa-bk32"],
 )

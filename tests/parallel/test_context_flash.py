@@ -97,6 +97,9 @@ def test_the_sub_block_plan_is_the_causal_mask_of_the_layout(c):
 # --- attention alone ----------------------------------------------------------------------------------------------
 
 
+# -m slow (11-17 s each): the default run checks the kernel ring against single-device attention at c = 2 in
+# test_the_backward_needs_the_final_log_sum_exp below
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "c, shape",
     [
@@ -164,7 +167,10 @@ def batch(m, S):
     return [x.reshape(m, 2 // m, S) for x in (toks[:, :-1], toks[:, 1:], mask)]
 
 
-@pytest.mark.parametrize("c", [2, pytest.param(4, marks=pytest.mark.slow)])
+# The whole steps with the kernel ring: -m slow (20-35 s each); the default run has the ring alone above and the
+# XLA ring's whole steps in test_context.py
+@pytest.mark.slow
+@pytest.mark.parametrize("c", [2, 4])
 def test_the_parallel_gradients_with_the_kernel_equal_the_reference(c):
     """Loss and every gradient of `make_parallel_grad_step` (attention by the kernel ring) against the single-device
     reference with XLA attention, float32."""
@@ -179,7 +185,8 @@ def test_the_parallel_gradients_with_the_kernel_equal_the_reference(c):
     assert_equals_reference((loss, sharding.reference_layout(grads, parallel), norm), reference, RTOL)
 
 
-@pytest.mark.parametrize("recompute", ["selective", pytest.param("full", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_the_kernel_ring_under_recomputation_in_a_pipeline(recompute):
     """c = 2 x p = 2 (1F1B's lockstep table, run uniform), 4 layers: the kernel ring recomputed by the policy inside
     the pipeline's ticks, loss and every gradient against the single-device reference with XLA attention."""
@@ -198,6 +205,7 @@ def test_the_kernel_ring_under_recomputation_in_a_pipeline(recompute):
     assert_equals_reference((loss, sharding.reference_layout(grads, parallel), norm), reference, RTOL)
 
 
+@pytest.mark.slow
 def test_the_parallel_train_step_at_c2_with_the_kernel_equals_the_reference_step():
     """One step of `make_parallel_train_step`, c = 2, attention by the kernel ring, against the single-device
     reference step with XLA attention: loss, grad norm and every parameter after the update. Adam with eps = 1 and

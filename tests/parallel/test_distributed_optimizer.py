@@ -64,7 +64,9 @@ def loss_trace(corpus, parallel, n=20):
     return np.array(trace)
 
 
-@pytest.mark.parametrize("d, p, t", [(4, 1, 2), pytest.param(2, 2, 2, marks=pytest.mark.slow)])
+# 20 iterations twice: -m slow; the default run checks one step exactly in float64 (pipeline/test_executor.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("d, p, t", [(4, 1, 2), (2, 2, 2)])
 def test_loss_trace_equals_the_plain_optimizer(small_corpus, d, p, t):
     """20 float32 iterations: loss and grad norm of the distributed optimizer equal the plain one's to 1e-5."""
     plain = loss_trace(small_corpus, layout(d, p, t, False))
@@ -73,7 +75,7 @@ def test_loss_trace_equals_the_plain_optimizer(small_corpus, d, p, t):
     np.testing.assert_allclose(distributed, plain, rtol=1e-5)
 
 
-@pytest.mark.parametrize("save_distributed", [True, False])
+@pytest.mark.parametrize("save_distributed", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_checkpoints_load_into_either_optimizer(tmp_path, save_distributed):
     """A state saved under one optimizer restores, array for array, under the other (the canonical form is
     unsharded)."""

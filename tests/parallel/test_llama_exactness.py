@@ -85,24 +85,29 @@ def test_the_llama_config_has_every_switch():
     assert gpt.rotary_frequencies(LLAMA)[-1] < LLAMA.rotary_base ** (-6 / 8)  # scaled down at long wavelengths
 
 
+# The default run: the switches under tensor + sequence parallelism and in a pipeline (interleaved, t = 2); each
+# schedule, recompute policy and the distributed optimizer with the GPT-2 switches in pipeline/test_executor.py; the
+# other layouts here, each recompute policy and the distributed optimizer with the Llama switches: -m slow.
 @pytest.mark.parametrize(
     "parallel",
     [
         pytest.param(layout(1, 1, 2, sequence_parallel=True), id="t2-sp"),
         pytest.param(layout(1, 2, 2, "interleaved", 2), id="p2t2-interleaved"),
-        pytest.param(layout(1, 2, 1, "zb-v", 2), id="p2-zb-v"),
-        pytest.param(layout(2, 2, 2, "zb-h1", sequence_parallel=True), id="d2p2t2-zb-h1-sp"),
+        pytest.param(layout(1, 2, 1, "zb-v", 2), id="p2-zb-v", marks=pytest.mark.slow),
+        pytest.param(layout(2, 2, 2, "zb-h1", sequence_parallel=True), id="d2p2t2-zb-h1-sp", marks=pytest.mark.slow),
     ],
 )
 def test_llama_equals_the_reference(parallel):
     compare(parallel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_llama_recompute_equals_the_reference(recompute):
     compare(layout(1, 2, 2, "1f1b"), recompute=recompute)
 
 
+@pytest.mark.slow  # 34 s; Qwen2's and Mistral's logits against transformers' run by default (tests/interop/)
 def test_qwen2_qkv_bias_and_mistral_window_equal_the_reference():
     """Qwen2's biases on the QKV projection only; Mistral's sliding window (shorter than the sequence) with a head
     dim of its own and the interleaved (Meta) rotation."""
@@ -124,6 +129,7 @@ def test_a_sliding_window_changes_the_loss():
     assert windowed != pytest.approx(full, rel=1e-6) and whole == pytest.approx(full, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_llama_distributed_optimizer_step_equals_the_reference_step():
     """One AdamW step under the distributed optimizer (d = 2, t = 2, p = 2, ZB-H1) against the reference step."""
     parallel = layout(2, 2, 2, "zb-h1", use_distributed_optimizer=True)

@@ -18,9 +18,10 @@ from ptd_jax.train.reference import accumulate_gradients
 B, S, M = 4, 8, 4
 
 
-# none under -m slow: the table at p = 1 without recomputation is exact in tests/parallel/test_tensor.py's float64
-# cases, and "full" draws the same dropout masks in its forwards (and again when it recomputes them)
-@pytest.mark.parametrize("recompute", [pytest.param("none", marks=pytest.mark.slow), "full"])
+# Both under -m slow (about 30 s each): the table at p = 1 without dropout is exact in tests/parallel/test_tensor.py's
+# float64 cases, and dropout through the executor's tables in pipeline/test_executor.py's ZB-V training step
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "full"])
 def test_p1_microbatch_table_with_dropout_equals_the_reference(recompute):
     with jax.enable_x64(True):
         cfg = ModelConfig(

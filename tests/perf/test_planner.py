@@ -271,6 +271,7 @@ def _ranks_first(cfg, num_gpus, batch, hw, t) -> bool:
     )
 
 
+@pytest.mark.slow  # 13 s of repeated searches
 def test_break_even_of_t_is_exact_and_in_the_json(capsys):
     """At Fig. 13's shape, batch 128, t = 8 is first and t = 4 would be at a lower NVLink bus bandwidth: at the
     reported value t = 4 ranks first (the whole search re-run), a hair on the preset's side of it, not; the same for

@@ -48,6 +48,7 @@ def outputs(nb, kind):
                 yield out["data"][kind]
 
 
+@pytest.mark.slow  # about 50 s: the whole notebook in a kernel
 def test_quickstart_notebook_runs_and_shows_what_it_promises(tmp_path, monkeypatch):
     nb = execute(NOTEBOOK, tmp_path, monkeypatch)
     text = "".join(outputs(nb, "text"))

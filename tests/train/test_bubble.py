@@ -35,6 +35,7 @@ def test_the_two_point_figure_of_the_simulated_table_is_its_bubble(schedule, v, 
     assert bubble.simulated_two_point(parallel) == pytest.approx(simulated, rel=0.02)
 
 
+@pytest.mark.slow  # 20 s: a p = 2 run that compiles and times the step twice
 def test_the_loop_logs_the_measured_bubble_after_the_first_step(small_corpus, capsys):
     parallel = ParallelConfig(pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=8)
     summary = train(
@@ -55,6 +56,7 @@ def test_the_loop_logs_the_measured_bubble_after_the_first_step(small_corpus, ca
     assert "train step timed at m=4" in err and "m=8" in err
 
 
+@pytest.mark.slow  # a p = 2 training run, 15-20 s without the one above (also -m slow) to compile its step
 def test_short_runs_and_p1_do_not_measure(small_corpus):
     run = RunOptions(data_path=small_corpus, progress=False)
     tcfg = TrainConfig(train_iters=2, lr=3e-3, log_interval=1, eval_iters=0)

@@ -45,7 +45,14 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("target", [(1, 4, 2, 2), pytest.param((8, 1, 1, 1), marks=pytest.mark.slow), (1, 2, 4, 1)])
+@pytest.mark.parametrize(
+    "target",
+    [
+        pytest.param((1, 4, 2, 2), marks=pytest.mark.slow),
+        pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
+        (1, 2, 4, 1),  # the default run: another p and t
+    ],
+)
 def test_a_checkpoint_of_one_layout_restores_exactly_into_another(tmp_path, target):
     """Saved at (d,p,t,v) = (2,2,2,1), restored at `target`: the canonical state (params and Adam moments) is
     bitwise the saved one, and the padded vocabulary rows are zero."""
@@ -73,7 +80,14 @@ def test_a_checkpoint_of_one_layout_restores_exactly_into_another(tmp_path, targ
     assert not mu_word[MODEL.vocab_size :].any()
 
 
-@pytest.mark.parametrize("target", [(2, 2, 2, 1, False), (1, 1, 2, 4, True), (2, 1, 1, 4, False)])
+@pytest.mark.parametrize(
+    "target",
+    [
+        pytest.param((2, 2, 2, 1, False), marks=pytest.mark.slow),
+        (1, 1, 2, 4, True),  # the default run: another c, under the distributed optimizer
+        pytest.param((2, 1, 1, 4, False), marks=pytest.mark.slow),
+    ],
+)
 def test_the_context_axis_does_not_change_the_canonical_form(tmp_path, target):
     """Saved at (d,p,t,c) = (2,1,2,2) with the distributed optimizer (its shards over data), restored at
     c = 1 and c = 4, with and without it: the canonical state is bitwise the saved one (issue #36: save at c = 2,
@@ -124,7 +138,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param("1x1x1"), pytest.param("3d-interleaved", marks=pytest.mark.slow)])
+# Three training processes each (about 35 s): -m slow. The default run resumes bitwise in this process
+# (tests/cli/test_blends.py) and restores across layouts above.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["1x1x1", "3d-interleaved"])
 def test_resume_in_a_new_process_is_bitwise_an_uninterrupted_run(small_corpus, tmp_path, name):
     """20 iterations straight == 10 + save + a new process that loads and runs 10 more, bitwise (float32),
     though the second process asks for 40 iterations (stopped at 20 by --exit-interval; --lr-decay-iters fixed)."""
@@ -190,14 +207,8 @@ def straight_run(small_corpus, tmp_path_factory):
 RESHARD_TRAIN = TrainConfig(train_iters=8, lr=1e-3, lr_warmup_iters=2, log_interval=1, eval_iters=0)
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        (1, 4, 2, 2),
-        pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
-        pytest.param((1, 2, 4, 1), marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.slow  # two training runs (about 30 s); the default run restores across layouts bitwise above
+@pytest.mark.parametrize("target", [(1, 4, 2, 2), (8, 1, 1, 1), (1, 2, 4, 1)])
 def test_resharded_training_continues_as_if_the_layout_never_changed(small_corpus, straight_run, tmp_path, target):
     """Load step 3 of the (2,2,2,1) run at `target` and train 5 more: the losses equal the unchanged run's
     (rtol 1e-5) — parameters and optimizer state were carried over."""

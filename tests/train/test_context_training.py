@@ -4,6 +4,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from ptd_jax.config import ModelConfig, ParallelConfig, TrainConfig
 from ptd_jax.train import RunOptions, train
@@ -20,6 +21,9 @@ def losses(corpus, tmp_path, name, **context) -> list[float]:
     return [r["lm_loss"] for r in records if r.get("kind") == "train"]
 
 
+# Four training runs (about 33 s): -m slow. The default run checks the context-parallel step exactly against the
+# reference (tests/parallel/test_context.py), p2p and all-gather.
+@pytest.mark.slow
 def test_the_loss_trace_at_c2_follows_c1_and_repeats_bitwise(small_corpus, tmp_path):
     straight = losses(small_corpus, tmp_path, "c1")
     ring = losses(small_corpus, tmp_path, "ring", context_parallel_size=2, cp_comm_type="p2p")

@@ -61,6 +61,7 @@ def test_a_diverged_run_exits_1_with_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and err.startswith("ptd-train: error: stopping at iteration 8")
 
 
+@pytest.mark.slow  # 40 iterations; the default run checks the scaler's steps against the reference (test_loss_scale.py)
 def test_fp16_with_the_dynamic_scaler_trains(small_corpus, tmp_path):
     """From 2^32 the scale falls by overflows (skipped, logged) until float16 holds the gradients; the loss falls as
     in float32, and the checkpoint carries the scaler's state."""
@@ -85,7 +86,9 @@ def test_fp16_with_the_dynamic_scaler_trains(small_corpus, tmp_path):
     assert meta["loss_scale"]["scale"] == records[-1]["loss_scale"]
 
 
-@pytest.mark.parametrize("reference_step", [False, True], ids=["parallel", "reference"])
+@pytest.mark.parametrize(
+    "reference_step", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["parallel", "reference"]
+)
 def test_the_logged_learning_rate_is_the_applied_one_after_skipped_steps(small_corpus, tmp_path, reference_step):
     """Iterations 1 and 2 are skipped in the warm-up (lr = 4e-4 · k / 4 at the k-th update): the rate logged is the
     one the update applied (optax's counter, which a skip does not advance), not the iteration's."""
@@ -108,6 +111,7 @@ def test_the_logged_learning_rate_is_the_applied_one_after_skipped_steps(small_c
     assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 0.0, 1e-4, 2e-4], rel=1e-6, abs=1e-12)  # float32
 
 
+@pytest.mark.slow  # three training runs, 16 s
 def test_no_load_optim_restarts_the_schedule_at_the_updates_applied_not_the_iteration(small_corpus, tmp_path):
     """Megatron steps its learning-rate scheduler only after a successful update: after 2 skips in 4 iterations the
     schedule is at 2, which the checkpoint records and --no-load-optim restarts from (as a full resume goes on)."""

@@ -28,6 +28,7 @@ def test_loss_falls_on_a_tiny_corpus(small_corpus, tmp_path):
 # Checkpoint save, resume, resharding and their refusals: tests/train/test_checkpoint.py.
 
 
+@pytest.mark.slow  # two training runs, 13 s; pipeline/test_executor.py checks parallel evaluation against the reference
 def test_test_split_is_evaluated_at_the_end_as_the_reference_does(small_corpus, tmp_path):
     """A split with a test share logs `test_lm_loss` once, at the end (Megatron's test evaluation); the parallel
     step's equals the single-device reference's. Validation moves on: its two evaluations read different batches."""

@@ -122,7 +122,8 @@ def test_float64_pipeline_equals_the_reference(d, p, t, schedule, v, branching):
 
 
 # Tables the layouts above do not reach: an uneven microbatch group (G = 3 ≠ p, m % G = 2), fewer microbatches
-# than stages (m = 2 < p = 4), three chunks per rank; each under every recompute policy (none by default).
+# than stages (m = 2 < p = 4), three chunks per rank; each under every recompute policy, all under -m slow (the
+# default run has the executor's regular tables above).
 ODD_TABLES = {
     "uneven-group": (
         dict(
@@ -141,7 +142,7 @@ ODD_TABLES = {
 @pytest.mark.parametrize(
     "table, recompute",
     [
-        pytest.param(name, r, id=f"{name}-{r}", marks=() if (name, r) == ("v3", "none") else pytest.mark.slow)
+        pytest.param(name, r, id=f"{name}-{r}", marks=pytest.mark.slow)
         for name in ODD_TABLES
         for r in ("none", "selective", "full")
     ],
@@ -153,8 +154,8 @@ def test_float64_pipeline_on_odd_tables(table, recompute):
         compare(parallel, model_cfg(2).replace(num_layers=num_layers), rtol=1e-12, recompute=recompute)
 
 
-# Each recompute policy on a split schedule (with sequence parallelism once) in the default run; the fused ones'
-# full recomputation below; the rest under -m slow.
+# Each recompute policy on a split schedule (with sequence parallelism once) in the default run; the rest, and the
+# fused backwards' recomputation below, under -m slow.
 RECOMPUTE_QUICK = {((2, 2, 2), "1f1b", "selective", True), ((1, 4, 2), "zb-v", "full", False)}
 RECOMPUTE_CASES = sorted(
     RECOMPUTE_QUICK
@@ -191,7 +192,9 @@ def test_float64_pipeline_recompute_policies(dpt, schedule, recompute, sp):
 @pytest.mark.parametrize(
     "sp, scatter_gather, branching",
     [
-        pytest.param(True, True, "uniform", id="sequence-parallel-uniform"),
+        # sequence parallelism inside the pipeline stays in the default run through the recompute policies' d2p2t2
+        # 1F1B case above
+        pytest.param(True, True, "uniform", id="sequence-parallel-uniform", marks=pytest.mark.slow),
         pytest.param(False, False, "uniform", id="no-scatter-gather-uniform", marks=pytest.mark.slow),
         pytest.param(True, True, "per-rank", id="sequence-parallel-per-rank", marks=pytest.mark.slow),
         pytest.param(False, False, "per-rank", id="no-scatter-gather-per-rank", marks=pytest.mark.slow),
@@ -202,6 +205,7 @@ def test_float64_pipeline_variants(sp, scatter_gather, branching):
         compare(layout(1, 2, 2, "interleaved", 2, sp, scatter_gather, branching), model_cfg(2), rtol=1e-12)
 
 
+@pytest.mark.slow  # 30 s; the default run checks the pipeline's arithmetic exactly in float64
 def test_bf16_pipeline_equals_the_bf16_reference():
     """--bf16 (bfloat16 compute, float32 master weights): the stashed residuals, cotangents and the embedding's
     transpose in bfloat16, gradients accumulated in float32; against the reference step in the same precision
@@ -210,7 +214,7 @@ def test_bf16_pipeline_equals_the_bf16_reference():
     compare(layout(1, 2, 2, "1f1b", 1, branching="per-rank"), cfg, rtol=2e-2)
 
 
-@pytest.mark.parametrize("branching", ["uniform", "per-rank"])
+@pytest.mark.parametrize("branching", ["uniform", pytest.param("per-rank", marks=pytest.mark.slow)])
 def test_pipeline_evaluation_equals_the_reference(branching):
     cfg = model_cfg(2, x64=False)
     parallel = layout(2, 2, 2, "interleaved", 2, branching=branching)
@@ -222,7 +226,14 @@ def test_pipeline_evaluation_equals_the_reference(branching):
     assert got == pytest.approx(ref, rel=1e-6)
 
 
-@pytest.mark.parametrize("schedule, v", [("interleaved", 2), ("1f1b", 1), ("zb-v", 2)])
+@pytest.mark.parametrize(
+    "schedule, v",
+    [
+        pytest.param("interleaved", 2, marks=pytest.mark.slow),
+        ("1f1b", 1),
+        pytest.param("zb-v", 2, marks=pytest.mark.slow),
+    ],
+)
 def test_float64_pipeline_evaluation_equals_the_reference(schedule, v):
     """Evaluation's table reuses its two slots per rank (m = 8 microbatches through p = 4): every forward still
     reads its own input, so the loss equals the reference's to 1e-12."""
@@ -516,9 +527,9 @@ def test_dropout_training_at_p2_lowers_the_loss(small_corpus):
 # --- end to end: float32 loss traces ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "d, p, t, schedule, v", [(1, 2, 2, "interleaved", 2), pytest.param(2, 2, 2, "1f1b", 1, marks=pytest.mark.slow)]
-)
+# 20 training iterations each (about 30 s): the default run checks single steps exactly in float64 instead
+@pytest.mark.slow
+@pytest.mark.parametrize("d, p, t, schedule, v", [(1, 2, 2, "interleaved", 2), (2, 2, 2, "1f1b", 1)])
 def test_20_iteration_trace_matches_the_reference(small_corpus, tmp_path, d, p, t, schedule, v):
     from ptd_jax.train import RunOptions, train
 
@@ -607,7 +618,9 @@ def test_sequence_parallel_backward_gathers_again_and_recomputes_no_matmul():
     assert {r: counts[r]["backward"][1] for r in counts} == {"none": 4 + 2, "selective": 4 + 2}
 
 
-@pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+# Fused backwards under recomputation; the default run has each policy on the split schedules above
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_float64_pipeline_with_recomputation_equals_the_reference(recompute):
     with jax.enable_x64(True):
         compare(layout(1, 2, 2, "interleaved", 2), model_cfg(2), rtol=1e-12, recompute=recompute)
@@ -635,7 +648,6 @@ def test_float64_distributed_optimizer_step_equals_the_unpipelined_step(schedule
             np.testing.assert_allclose(got, np.asarray(want), rtol=1e-11, atol=1e-13)
 
 
-@pytest.mark.slow
 def test_float64_pipeline_of_the_auto_schedule_equals_the_reference():
     """`--pipeline-schedule auto` at p = 4 (8 layers, m = 8): the layout ptd-train builds from its choice runs
     exactly."""

@@ -99,6 +99,7 @@ def test_zb_v_gets_two_chunks_per_rank_in_ptd_train():
     assert parallel.pipeline_schedule == "zb-v" and parallel.virtual_pipeline_stages == 2
 
 
+@pytest.mark.slow  # 18 s, a training process; the default run checks auto's layout exactly (test_executor.py)
 def test_ptd_train_auto_prints_its_choice():
     proc = subprocess.run(
         [
