@@ -107,8 +107,7 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads, dir
     ]
 
     def write_rows(bufs: dict, rows: dict, jl) -> dict:
-        # the masks drop the writes of an idle cell under "uniform" branching (its slots are out of bounds too) and
-        # a pending row that is not there yet (layer index k)
+        # the masks drop the writes of an idle cell under "uniform" branching (its slots are out of bounds too)
         return {
             b: buf.at[jnp.where(_writes(cell, writers[b]), slots[b], buf.shape[0]), jl].set(rows[b], mode="drop")
             if b in rows
@@ -148,7 +147,10 @@ def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads, dir
 
         mine = {b: buf for b, buf in enumerate(record) if kind in writers[b]}
         acc = {g: {n: a for n, a in leaves.items() if kind in _adders(g, n)} for g, leaves in grads.items()}
-        none_yet = ({b: jnp.zeros_like(record[b][0, 0]) for b in held}, jnp.asarray(k))  # dropped: layer k
+        # before the first layer, the "pending" rows are the first layer's own (written back unchanged): read from the
+        # buffers here, XLA schedules them with the loop, where zero rows were hoisted and all kept at once
+        first = k - 1 if kind in "BI" else 0
+        none_yet = ({b: record[b][slots[b], first] for b in held}, jnp.asarray(first))
         trips = k if direct else jnp.where(cell.kind == KIND_CODES[kind], k, 0)
         h, mine, acc, (pending, pending_jl) = jax.lax.fori_loop(0, trips, body, (h, mine, acc, none_yet))
         mine = write_rows(mine, pending, pending_jl)
