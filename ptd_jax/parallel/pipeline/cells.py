@@ -217,10 +217,11 @@ def is_kernel(group: str, name: str) -> bool:
 
 
 class LayerStep:
-    """One layer's work for each kind, as the branches of one `lax.switch` (executor's module docstring, step 3).
-    Every branch takes (layer parameters, h, the record's buffers, their slots, the layer index) and returns (h, a new
-    row for every record buffer (zeros where it writes none: dropped after the switch), the layer's parameter
-    gradients in the accumulators' dtype). A branch reads only the rows it needs: an F reads none."""
+    """One layer's work for each kind (executor's module docstring, step 3), as the body of that kind's loop over the
+    chunk's layers. Each takes (layer parameters, h, the record's buffers, their slots, the layer index) and returns
+    (h, a new row for every record buffer (zeros where it writes none), the layer's parameter gradients in the
+    compute dtype (zeros where it adds none)); the loop writes only the rows and adds only the gradients its kind
+    writes, so the zeros are never made. A kind reads only the rows it needs: an F reads none."""
 
     def __init__(self, ctx: Context, cell: Cell, zero_grads: dict):
         self.ctx, self.cell, self.zero = ctx, cell, zero_grads
@@ -240,9 +241,6 @@ class LayerStep:
     @staticmethod
     def _blank(bufs):
         return [jnp.zeros_like(buf[0, 0]) for buf in bufs]
-
-    def idle(self, params_j, h, bufs, slots, j):
-        return h, self._blank(bufs), self.zero
 
     def forward(self, params_j, h, bufs, slots, j):
         y, vjp = jax.vjp(lambda prm, h: self.layer(prm, h, j), params_j, h)
@@ -271,16 +269,7 @@ class LayerStep:
         d = tp.tap_weight_grads(params_j, taps, self.ctx.cfg, TAP_GROUPS)
         return h, self._blank(bufs), self._grads(d, is_kernel)
 
-    def branches(self, kinds: str):
-        """(the switch's branches, each kind's code -> its branch index) for the kinds a pattern runs."""
-        by_kind = {"F": self.forward, "B": self.backward, "I": self.input_backward, "W": self.weight_backward}
-        fns = [self.idle] + [by_kind[k] for k in kinds]
-        index = {KIND_CODES[k]: i + 1 for i, k in enumerate(kinds)}
-        return [named(f"layer_{fn.__name__}", fn) if fn != self.idle else fn for fn in fns], index
-
-
-def branch_index(cell: Cell, index: dict):
-    out = jnp.zeros((), jnp.int32)
-    for code, i in index.items():
-        out = jnp.where(cell.kind == code, i, out)
-    return out
+    def of_kind(self, kind: str):
+        """The kind's work, as one call named `layer_<method>` in the jaxpr (tests and experiments/ count them)."""
+        fn = {"F": self.forward, "B": self.backward, "I": self.input_backward, "W": self.weight_backward}[kind]
+        return named(f"layer_{fn.__name__}", fn)

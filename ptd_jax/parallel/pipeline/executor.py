@@ -8,25 +8,28 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
    branch;
 2. prepares the layers' input: an F's activation (on virtual stage 0 the embedding, in a `lax.cond`), or a B's or
    I's output gradient (on the last stage the one its F left in the act slot);
-3. runs the chunk's layers in one `lax.scan`, each layer's work one `lax.switch` on the cell's kind
+3. runs the chunk's layers, one loop over them per kind the tick's pattern runs (`run_layers`): k trips where the
+   cell runs that kind, none elsewhere, so a rank does only its own cell's work and an idle cell none
    (`cells.LayerStep`):
    - F: the layer under `jax.vjp`, its residuals to the record (`stash.Record`) at (slot, j);
    - B: the layer's vjp from its record: the input gradient passed down, every parameter gradient added;
    - I: the same with taps beside the matmuls: the input gradient and the small parameters' gradients, the taps
      to the record for the W;
    - W: the kernels' gradients from the taps;
-   each branch reads the record rows it needs (an F none), and the rows are written after the switch by a scatter
-   that drops an out-of-bounds row (no write where the rank runs another kind); the gradients are added the same
-   way, in place, into float32 accumulators; F runs the layers forwards, B and I backwards. No conditional writes a
-   buffer: XLA:GPU copied buffers written inside conditionals (measured: 1.3B at p = 4, several GiB);
+   F and W run the layers forwards, B and I backwards. A kind's loop carries only the record buffers and the
+   float32 accumulators it writes, updated in place, and reads the rest as constants. Loops, not conditionals:
+   XLA gives a conditional's outputs new buffers, so a `lax.switch` on the kind made every rank write a layer's
+   worth of zero gradients and blank rows that its kind does not produce, and conditionals that write the stash
+   copied it (docs/architecture.md, "Conditionals against loops, measured");
 4. on stage 0 after a B or I, the embedding's transpose (a `lax.cond`); on the last stage after an F, the head's
    forward and backward (a `lax.cond`: the loss added, the output layer's gradients added, and dL/d(output) kept
    in the act slot for the chunk's B or I);
 5. sends its output (an F's activation, a B's or I's input gradient) over "pipe" in each direction the tick's
    pattern uses, issued by every rank outside every branch, and writes what arrived to the slot the table names.
 
-"per-rank" branching (`ParallelConfig.pipeline_branching`) switches on each cell's own kind: an idle cell runs no
-layer, only the rank that needs it embeds or runs the head; tensor collectives then sit in pipe-divergent branches,
+"per-rank" branching (`ParallelConfig.pipeline_branching`) follows each cell's own kind: an idle cell runs no
+layer, only the rank that needs it embeds or runs the head; tensor collectives then sit in loops and branches whose
+trip counts and predicates differ over "pipe" (never within a tensor group),
 which XLA:CPU runs correctly (docs/architecture.md, "Pipeline"). "uniform" (lockstep tables only: one kind per row)
 runs every rank through its tick's kind, idle cells on whatever their slots hold, their writes dropped: no
 collective in a pipe-divergent branch.
@@ -55,7 +58,6 @@ from ptd_jax.parallel.pipeline.cells import (
     LayerStep,
     Options,
     StepInputs,
-    branch_index,
     chunk_index,
     embed_backward,
     embed_input,
@@ -74,7 +76,7 @@ from ptd_jax.parallel.pipeline.table import Table
 from ptd_jax.parallel.vma import mark_like, mark_varying, varying_axes
 
 PIPE, TENSOR = Axis.PIPE.value, Axis.TENSOR.value
-F_, B_, I_ = (KIND_CODES[k] for k in "FBI")
+F_ = KIND_CODES["F"]
 
 
 class Carry(NamedTuple):
@@ -88,53 +90,76 @@ class Carry(NamedTuple):
 
 
 def run_layers(ctx: Context, cell: Cell, kinds: str, h, record: list, grads, direct: bool = False):
-    """The chunk's layers (module docstring, step 3): -> (h, record, grads)."""
+    """The chunk's layers (module docstring, step 3): -> (h, record, grads). One loop over the layers per kind the
+    tick's pattern runs: k trips where the cell runs that kind (every cell when `direct`), none elsewhere."""
     k = ctx.layers_per_chunk
     c = chunk_index(ctx, cell)
     taps = ctx.taps.zeros() if ctx.taps is not None else None
-    # a layer's gradients leave the switch in the compute dtype (half of float32 under --bf16/--fp16: the switch's
-    # output is one layer's gradients beside the accumulators) and are widened by the in-place add
+    # a layer's gradients in the compute dtype, widened by the in-place add
     zero_grads = jax.tree.map(
         lambda a, x: jnp.zeros(a.shape[2:], x.dtype) + jnp.zeros_like(a[0, 0], x.dtype), grads, ctx.chunks
     )
     step = LayerStep(ctx, cell, zero_grads)
-    branches, index = step.branches(kinds)
-    which = branch_index(cell, index)
-    backwards = (cell.kind == B_) | (cell.kind == I_)
     slots = [cell.slots[f"{pool}_slot"] for pool in ctx.record.pools]
-    writes = [
+    writers = [
         ("F" if b in ctx.record.residual_buffers else "") + ("I" if b in ctx.record.tap_buffers else "")
         for b in range(len(record))
     ]
 
-    def body(carry, j):
-        h, bufs, acc = carry
-        jl = jnp.where(backwards, k - 1 - j, j)
-        params_j = with_taps(jax.tree.map(lambda a: a[c, jl], ctx.chunks), taps)
-        if direct:  # one kind and every cell runs it (uniform, or no idle cell in the run): no switch to copy out of
-            h, values, d = branches[1](params_j, h, bufs, slots, jl)
-        else:
-            h, values, d = jax.lax.switch(which, branches, params_j, h, bufs, slots, jl)
-        # a buffer or accumulator that no kind of this pattern writes is left alone (statically: no zeros made, no
-        # masked write of a whole layer's gradient in an F tick)
-        bufs = [
-            buf.at[jnp.where(_writes(cell, w), slot, buf.shape[0]), jl].set(val, mode="drop") if _any(w, kinds) else buf
-            for buf, slot, val, w in zip(bufs, slots, values, writes)
-        ]
-        acc = {
+    def write_rows(bufs: dict, rows: dict, jl) -> dict:
+        # the masks drop the writes of an idle cell under "uniform" branching (its slots are out of bounds too)
+        return {
+            b: buf.at[jnp.where(_writes(cell, writers[b]), slots[b], buf.shape[0]), jl].set(rows[b], mode="drop")
+            if b in rows
+            else buf
+            for b, buf in bufs.items()
+        }
+
+    def add_grads(acc: dict, d: dict, jl) -> dict:
+        return {
             g: {
                 n: a.at[jnp.where(_writes(cell, _adders(g, n)), c, a.shape[0]), jl].add(
                     d[g][n].astype(a.dtype), mode="drop"
                 )
-                if _any(_adders(g, n), kinds)
-                else a
                 for n, a in leaves.items()
             }
             for g, leaves in acc.items()
         }
-        return (h, bufs, acc), None
 
-    (h, record, grads), _ = jax.lax.scan(body, (h, record, grads), jnp.arange(k))
+    for kind in kinds:
+        work = step.of_kind(kind)
+        # The loop's carry holds only the record buffers and accumulators this kind writes, updated in place; the
+        # others it reads as constants. An I's taps for the rows its residuals held ("hold" buffers, read and written
+        # by the same loop) wait in the carry and are written at the start of the next layer, before any row is
+        # read: written at once, beside reads of the same buffer, XLA:CPU copied the whole buffer every layer.
+        held = {b for b, pool in enumerate(ctx.record.pools) if pool == "hold" and kind == "I"}
+        read = record
+
+        def body(j, carry, work=work, held=held, read=read, kind=kind):
+            h, mine, acc, (pending, pending_jl) = carry
+            mine = write_rows(mine, pending, pending_jl)
+            bufs = [mine.get(b, buf) for b, buf in enumerate(read)]
+            jl = k - 1 - j if kind in "BI" else j  # F and W run the layers forwards, B and I backwards
+            params_j = with_taps(jax.tree.map(lambda leaf: leaf[c, jl], ctx.chunks), taps)
+            h, rows, d = work(params_j, h, bufs, slots, jl)
+            mine = write_rows(mine, {b: rows[b] for b in mine if b not in held}, jl)
+            return h, mine, add_grads(acc, d, jl), ({b: rows[b] for b in held}, jl)
+
+        mine = {b: buf for b, buf in enumerate(record) if kind in writers[b]}
+        acc = {g: {n: a for n, a in leaves.items() if kind in _adders(g, n)} for g, leaves in grads.items()}
+        # before the first layer, the "pending" rows are the first layer's own (written back unchanged): read from the
+        # buffers here, XLA schedules them with the loop, where zero rows were hoisted and all kept at once
+        first = k - 1 if kind in "BI" else 0
+        none_yet = ({b: record[b][slots[b], first] for b in held}, jnp.asarray(first))
+        trips = k if direct else jnp.where(cell.kind == KIND_CODES[kind], k, 0)
+        h, mine, acc, (pending, pending_jl) = jax.lax.fori_loop(0, trips, body, (h, mine, acc, none_yet))
+        mine = write_rows(mine, pending, pending_jl)
+        record = [mine.get(b, buf) for b, buf in enumerate(record)]
+        grads = {g: {n: acc[g].get(n, a) for n, a in leaves.items()} for g, leaves in grads.items()}
+        # Every record buffer's next use waits for this loop (its last layer index): a later loop that writes a
+        # buffer this one only read runs after it. Unordered, XLA:GPU kept a copy of the buffer for the reader
+        # (1.3B at p = 4, 1f1b: 9.7 GiB of temporaries against 5.7).
+        record = [jax.lax.optimization_barrier((buf, pending_jl))[0] for buf in record]
     return h, record, grads
 
 
@@ -148,10 +173,6 @@ def _writes(cell: Cell, kinds: str):
 def _adders(group: str, name: str) -> str:
     """The kinds that add to a parameter's gradient: a kernel's in B and W, the others' in B and I."""
     return "BW" if is_kernel(group, name) else "BI"
-
-
-def _any(writers: str, kinds: str) -> bool:
-    return any(k in kinds for k in writers)
 
 
 # --- the ring -------------------------------------------------------------------------------------------------------
