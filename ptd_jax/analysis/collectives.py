@@ -5,6 +5,10 @@ is one the paper names, and the measured side of the communication report.
   bodies of `scan`s by their length (each tick/microbatch/layer counted). Elements are the operand sizes.
 - `hlo_collectives(hlo_text)`: the same from compiled HLO text (after XLA's own rewrites and combining), bytes
   from result shapes, `while` bodies multiplied by their `known_trip_count`.
+
+A loop whose trip count is known only at run time counts once, in both: under "per-rank" branching the pipeline
+executor runs each kind's layers in such a loop (k trips where the cell runs that kind), so the collectives inside
+a layer count once per tick there, not once per layer.
 """
 
 from __future__ import annotations
@@ -141,8 +145,9 @@ _OP = re.compile(r"= (.*?) (" + "|".join(_HLO_COLLECTIVES) + r")(-start)?\(")
 
 def hlo_collectives(hlo_text: str) -> dict:
     """{op: {"count", "bytes", "replica_groups", "ops": [{shape, bytes, times, replica_groups, source_target_pairs}]}}
-    per execution of the ENTRY computation: loop bodies times their known trip count, of each conditional the branch
-    with the most collectives (exactly one runs; as `jaxpr_collectives` counts)."""
+    per execution of the ENTRY computation: loop bodies times their known trip count (once without one: module
+    docstring), of each conditional the branch with the most collectives (exactly one runs; as `jaxpr_collectives`
+    counts)."""
     computations, entry = _computations(hlo_text)
     own = {name: sum(1 for line in lines if _OP.search(line)) for name, lines in computations.items()}
     weight: dict[str, int] = {}

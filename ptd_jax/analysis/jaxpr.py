@@ -43,7 +43,9 @@ def equations(jaxpr, skip: Callable | None = None) -> Iterator:
 
 def tally(jaxpr, count: Callable, size: Callable = lambda c: sum(c.values())) -> Counter:
     """Sum of `count(eqn)` (a Counter, or None to descend) over the program as it runs: scan bodies times their
-    trip count, of each `cond` the branch that `size` finds largest."""
+    trip count, of each `cond` the branch that `size` finds largest. A `while` body counts once: its trip count is
+    known only at run time (the pipeline executor's per-rank layer loops: count their bodies, then multiply by the
+    layers per chunk)."""
     total: Counter = Counter()
     for eqn in _as_jaxpr(jaxpr).eqns:
         own = count(eqn)

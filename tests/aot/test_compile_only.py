@@ -77,7 +77,7 @@ def test_the_3d_interleaved_step_compiles_for_8_gpus(target, capsys):
 
 @pytest.mark.slow  # 20 s: another 3-D compile
 def test_per_rank_branching_compiles_for_8_h100s(capsys):
-    """Per-rank branching puts tensor collectives in pipe-divergent conditionals: XLA:GPU compiles them."""
+    """Per-rank branching puts tensor collectives in pipe-divergent conditionals and loops: XLA:GPU compiles them."""
     code, out, _ = compile_only([*ISSUE_COMMAND, "--target", "h100-sxm", "--pipeline-branching", "per-rank"], capsys)
     summary = json.loads(out)
     assert code == 0 and summary["resolved"]["pipeline_branching"] == "per-rank"

@@ -1,13 +1,13 @@
 """Probe: does this backend run the executor's pipe-divergent branches correctly, and how fast?
 
-Under `--pipeline-branching per-rank` each pipeline rank takes its own side of the executor's conds (only the last
-stage runs the head, only stage 0 embeds, idle cells skip their chunk), so tensor-parallel collectives sit inside
-branches that differ between pipe ranks; the ring over "pipe" stays outside, uniform (docs/architecture.md,
-"Pipeline"). XLA:CPU runs that correctly; a GPU is unmeasured. This runs the real gradient step of a small model at
-(p, t) = (2, 2), interleaved (v = 2, m = 4), under both branchings, on the first 4 devices of the default backend,
-each call in a thread with a timeout (a hang is reported, not waited for), and compares the loss and every
-gradient: "uniform" never branches per rank, so it is the reference. With fewer than 4 devices it says so and
-exits 0 (one GPU cannot show pipe-divergent behaviour).
+Under `--pipeline-branching per-rank` each pipeline rank takes its own side of the executor's conds and its own trip
+counts of the kinds' layer loops (only the last stage runs the head, only stage 0 embeds, idle cells skip their
+chunk), so tensor-parallel collectives sit inside branches and loops that differ between pipe ranks; the ring over
+"pipe" stays outside, uniform (docs/architecture.md, "Pipeline"). XLA:CPU runs that correctly; a GPU is unmeasured.
+This runs the real gradient step of a small model at (p, t) = (2, 2), interleaved (v = 2, m = 4), under both
+branchings, on the first 4 devices of the default backend, each call in a thread with a timeout (a hang is reported,
+not waited for), and compares the loss and every gradient: "uniform" never branches per rank, so it is the
+reference. With fewer than 4 devices it says so and exits 0 (one GPU cannot show pipe-divergent behaviour).
 
 Prints and writes {"backend", "devices", "status": "ok" | "mismatch" | "hung" | "skipped", "max_rel_diff",
 "uniform_s", "per_rank_s"}.

@@ -9,8 +9,8 @@ pattern (`lowering.tick_runs`: the kinds a tick's cells run and the ring directi
 2. prepares the layers' input: an F's activation (on virtual stage 0 the embedding, in a `lax.cond`), or a B's or
    I's output gradient (on the last stage the one its F left in the act slot);
 3. runs the chunk's layers, one loop over them per kind the tick's pattern runs (`run_layers`): k trips where the
-   cell runs that kind, none elsewhere, so a rank does only its own cell's work and an idle cell none
-   (`cells.LayerStep`):
+   cell runs that kind, none elsewhere, so under "per-rank" a rank does only its own cell's work and an idle cell
+   none (`cells.LayerStep`):
    - F: the layer under `jax.vjp`, its residuals to the record (`stash.Record`) at (slot, j);
    - B: the layer's vjp from its record: the input gradient passed down, every parameter gradient added;
    - I: the same with taps beside the matmuls: the input gradient and the small parameters' gradients, the taps

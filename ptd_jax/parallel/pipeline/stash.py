@@ -27,7 +27,7 @@ residuals (recomputation none, fused LayerNorm; measured in experiments/README.m
   waiting for its I costs (docs/architecture.md, "Pipeline"). Where W follows I at once (1F1B) fc2 keeps its input.
 
 The structures are learned once per step with `jax.eval_shape` (nothing is computed), including each leaf's varying
-mesh axes, so that the buffers carry the types the branches return.
+mesh axes, so that the buffers carry the types the kinds' loop bodies return.
 """
 
 from __future__ import annotations
