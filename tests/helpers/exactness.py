@@ -20,3 +20,9 @@ def assert_equals_reference(got, reference, rtol: float) -> None:
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
     ref_norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(ref_grads))))
     assert float(norm) == pytest.approx(ref_norm, rel=rtol)
+
+
+def rel(a, b) -> float:
+    """The worst error of `a` relative to `b`'s largest value, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))

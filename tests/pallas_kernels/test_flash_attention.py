@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockSizes, flash_attention, flash_attention_reference
+from tests.helpers.exactness import rel
 
 SHAPES = [
     ((2, 64, 3, 16), BlockSizes(16, 16)),
@@ -22,11 +23,6 @@ DEFAULT_SHAPES = ((2, 64, 3, 16), (1, 40, 2, 8))
 def inputs(shape, dtype, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,7 @@ from pallas_kernels.cross_entropy import BlockSizes as CEBlocks
 from pallas_kernels.cross_entropy import cross_entropy_reference, softmax_cross_entropy
 from pallas_kernels.layer_norm import BlockSizes as LNBlocks
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+from tests.helpers.exactness import rel
 
 
 @pytest.mark.parametrize(

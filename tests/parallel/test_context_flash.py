@@ -20,7 +20,7 @@ from ptd_jax.parallel.mesh import make_mesh
 from ptd_jax.parallel.step import make_parallel_grad_step, make_parallel_train_step, state_specs
 from ptd_jax.train.reference import accumulate_gradients, make_train_step
 from ptd_jax.presets import LLAMA_SWITCHES
-from tests.helpers.exactness import assert_equals_reference
+from tests.helpers.exactness import assert_equals_reference, rel
 
 RTOL = 1e-5
 
@@ -35,11 +35,6 @@ def inputs(B, S, G, R, K, seed=0):
     q = jax.random.normal(kq, (B, S, G, R, K), jnp.float32)
     k, v = (jax.random.normal(x, (B, S, G, K), jnp.float32) for x in (kk, kv))
     return q, k, v, jax.random.normal(kd, q.shape, jnp.float32)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def ring_value_and_grads(c, backend, q, k, v, do):
