@@ -167,7 +167,15 @@ def tap_weight_grad(name: str, tap, kernel):
     spec = dot_spec(name, kernel)
     # a gradient taken after `g` is replicated; the matmul's own output gradient is the same value, typed varying
     g = mark_varying(tap["g"], tuple(sorted(varying_axes(tap["x"]) | varying_axes(kernel))))
-    return jax.linear_transpose(lambda w: jnp.einsum(spec, tap["x"], w), kernel)(g)[0]
+    # The einsum of the input and the output gradient written out, not `jax.linear_transpose` of the forward one:
+    # the same sum, but XLA:CPU ran the transpose's operand order as a plain dot at half the speed of its fast
+    # matmul (experiments/README.md, "Zero-bubble step time"). Summed, as the transpose does, over the mesh axes the
+    # operands vary over and the kernel does not.
+    x_spec, rest = spec.split(",")
+    kernel_spec, out_spec = rest.split("->")
+    d = jnp.einsum(f"{x_spec},{out_spec}->{kernel_spec}", tap["x"], g)
+    over = tuple(sorted(varying_axes(d) - varying_axes(kernel)))
+    return (jax.lax.psum(d, over) if over else d).astype(kernel.dtype)
 
 
 def mlp_hidden(p, fc1_out, cfg: ModelConfig):
