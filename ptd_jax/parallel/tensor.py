@@ -169,12 +169,13 @@ def tap_weight_grad(name: str, tap, kernel):
     g = mark_varying(tap["g"], tuple(sorted(varying_axes(tap["x"]) | varying_axes(kernel))))
     # The einsum of the input and the output gradient written out, not `jax.linear_transpose` of the forward one:
     # the same sum, but XLA:CPU ran the transpose's operand order as a plain dot at half the speed of its fast
-    # matmul (experiments/README.md, "Zero-bubble step time"). Summed, as the transpose does, over the mesh axes the
-    # operands vary over and the kernel does not.
+    # matmul (experiments/README.md, "Zero-bubble step time"). Summed, as the transpose does, over the mesh axes x
+    # varies over and the kernel does not; an output gradient varying elsewhere is a typing error, as it was there.
     x_spec, rest = spec.split(",")
     kernel_spec, out_spec = rest.split("->")
     d = jnp.einsum(f"{x_spec},{out_spec}->{kernel_spec}", tap["x"], g)
-    over = tuple(sorted(varying_axes(d) - varying_axes(kernel)))
+    over = tuple(sorted(varying_axes(tap["x"]) - varying_axes(kernel)))
+    assert varying_axes(d) - varying_axes(kernel) == set(over), f"{name}'s output gradient varies where x does not"
     return (jax.lax.psum(d, over) if over else d).astype(kernel.dtype)
 
 

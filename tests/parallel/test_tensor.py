@@ -246,3 +246,35 @@ def test_a_ws_kernel_gradient_is_the_transpose_of_its_matmul(name):
     got = tap_weight_grad(name.removeprefix("swiglu_"), {"x": x, "g": g}, kernel)
     assert got.shape == kernel.shape
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_ws_kernel_gradient_sums_over_the_axes_x_varies_over_and_the_kernel_does_not():
+    """Inside shard_map with x split over "data" and the kernel replicated, the gradient is summed over "data" as the
+    transpose of the forward einsum sums it (typed invariant there), in bf16 as in float32."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from ptd_jax.parallel.tensor import DOTS, tap_weight_grad
+    from ptd_jax.parallel.vma import varying_axes
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    keys = jax.random.split(jax.random.key(1), 3)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jax.random.normal(keys[0], (4, 3, 8), dtype)
+        g = jax.random.normal(keys[1], (4, 3, 16), dtype)
+        kernel = jax.random.normal(keys[2], (8, 16), dtype)
+
+        def both(x, g, kernel):
+            expected = jax.linear_transpose(lambda w: jnp.einsum(DOTS["fc1"], x, w), kernel)(g)[0]
+            got = tap_weight_grad("fc1", {"x": x, "g": g}, kernel)
+            assert varying_axes(got) == varying_axes(expected) == frozenset()
+            assert got.dtype == expected.dtype == kernel.dtype
+            return got, expected
+
+        spec = P("data")
+        got, expected = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(P(), P())))(
+            x, g, kernel
+        )
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=1e-5, atol=1e-5)
+        whole = np.einsum("bsd,bsf->df", np.asarray(x, np.float32), np.asarray(g, np.float32))
+        tolerance = dict(rtol=2e-2, atol=5e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(got, np.float32), whole, **tolerance)  # a missing sum is off by ~1

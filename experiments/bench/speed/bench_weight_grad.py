@@ -6,24 +6,73 @@ and adds the gradient into a float32 accumulator in place; the bench model's sha
 the time per call (median of alternating rounds) and whether XLA:CPU gave the matmul to its fast path (a
 `ynn_fusion` in the compiled program) or ran it as a plain `dot`.
 
-Usage: python -m experiments.bench.speed.bench_weight_grad [--rounds 7]
+`--steps`: also the grad steps of the split schedules (p = 4, m = 8, per-rank, 4 fake CPU devices, the bench
+model) compiled with each formulation, timed side by side in alternating rounds against the single-device step.
+
+Usage: python -m experiments.bench.speed.bench_weight_grad [--rounds 7] [--steps [--step-rounds 7]]
        [--out experiments/results/bench_weight_grad.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import time
 
-from experiments.common import BENCH_MODEL, RESULTS, write_json
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+from experiments.common import BENCH_MODEL, RESULTS, alternate, pipeline_step, reference_step, write_json  # noqa: E402
+
+SPLIT = {"1f1b": 1, "zb-h1": 1, "zb-v": 2}
+
+
+def transposed_weight_grad(name: str, tap, kernel):
+    """The kernel gradient as it was: the transpose of the forward einsum (varying-axes typing as in
+    `tensor.tap_weight_grad`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ptd_jax.parallel import tensor as tp
+    from ptd_jax.parallel.vma import mark_varying, varying_axes
+
+    g = mark_varying(tap["g"], tuple(sorted(varying_axes(tap["x"]) | varying_axes(kernel))))
+    return jax.linear_transpose(lambda w: jnp.einsum(tp.dot_spec(name, kernel), tap["x"], w), kernel)(g)[0]
+
+
+def step_ratios(rounds: int) -> dict:
+    """{step: {"wall", "cpu"}} median ratios to the single-device step, each split schedule compiled with the
+    transposed ("before") and the written-out ("now") kernel gradient, all timed in the same alternating rounds."""
+    from ptd_jax.config import ModelConfig
+    from ptd_jax.parallel import tensor as tp
+
+    cfg = ModelConfig(**BENCH_MODEL)
+    steps = {"single": reference_step(cfg, "none", m=8)}
+    written_out = tp.tap_weight_grad
+    try:
+        for name, v in SPLIT.items():
+            tp.tap_weight_grad = transposed_weight_grad
+            steps[f"{name} before"] = pipeline_step(cfg, name, v, "per-rank", "none")
+            tp.tap_weight_grad = written_out
+            steps[f"{name} now"] = pipeline_step(cfg, name, v, "per-rank", "none")
+    finally:
+        tp.tap_weight_grad = written_out
+    times = alternate(steps, rounds)
+    single = {k: statistics.median(times["single"][k]) for k in ("wall", "cpu")}
+    return {
+        name: {k: statistics.median(t[k]) / single[k] for k in ("wall", "cpu")} | {"all": t}
+        for name, t in times.items()
+    }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=100, help="calls per round")
+    parser.add_argument("--steps", action="store_true", help="also time the split schedules' grad steps both ways")
+    parser.add_argument("--step-rounds", type=int, default=7)
     parser.add_argument("--out", default=str(RESULTS / "bench_weight_grad.json"))
     args = parser.parse_args(argv)
 
@@ -41,7 +90,7 @@ def main(argv=None) -> None:
     kernel = jnp.zeros((h, f), jnp.float32)
 
     def transposed(tap):
-        return jax.linear_transpose(lambda w: jnp.einsum(tp.DOTS["fc1"], tap["x"], w), kernel)(tap["g"])[0]
+        return transposed_weight_grad("fc1", tap, kernel)
 
     def written_out(tap):
         return tp.tap_weight_grad("fc1", tap, kernel)
@@ -76,9 +125,13 @@ def main(argv=None) -> None:
     }
     for name, row in rows.items():
         print(f"{name:20s} {row['median_ms']:.3f} ms per call, fast matmul path: {row['fast_matmul_path']}")
-    write_json(
-        args.out, {"shapes": {"s": s, "h": h, "ffn": f}, "rounds": args.rounds, "calls": args.calls, "rows": rows}
-    )
+    result = {"shapes": {"s": s, "h": h, "ffn": f}, "rounds": args.rounds, "calls": args.calls, "rows": rows}
+    if args.steps:
+        ratios = step_ratios(args.step_rounds)
+        for name, r in ratios.items():
+            print(f"{name:14s} wall {r['wall']:.3f}  cpu {r['cpu']:.3f}  of the single-device step", flush=True)
+        result["steps"] = {"p": 4, "m": 8, "branching": "per-rank", "rounds": args.step_rounds, "ratios": ratios}
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

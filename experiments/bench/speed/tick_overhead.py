@@ -6,7 +6,11 @@ Two measurements, per schedule (p = 4, m = 8, per-rank branching, recompute none
    tick count, beside the single-device step of the same tiny model;
 2. on the benchmark model (`common.BENCH_MODEL`), from one profiled step: how long 0, 1, ... 4 device threads were
    running (outside a collective). On a 2-core host a time with one running thread leaves a core idle unless XLA
-   splits that thread's operations, and a time with 3 or 4 shares the cores.
+   splits that thread's operations, and a time with 3 or 4 shares the cores. The device threads are those XLA names
+   "Eigen" that ran operations, and a thread counts as running from its first event to its last outside collectives
+   (its idle gaps in between count as running: the one-thread times are lower bounds).
+The first is an upper bound on the fixed cost: the tiny model's steps still hold some work (compare its single-device
+step); differences between schedules bound it better.
 
 Usage: python -m experiments.bench.speed.tick_overhead [--rounds 9] [--cases zb-h1 zb-v]
        [--out experiments/results/tick_overhead.json]
