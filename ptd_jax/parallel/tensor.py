@@ -89,6 +89,13 @@ def dot_spec(name: str, kernel) -> str:
     return SWIGLU_FC1 if name == "fc1" and kernel.ndim == 3 else DOTS[name]
 
 
+def spec_operands(spec: str) -> tuple[str, str, str]:
+    """(input, kernel, output) index strings of a matmul's einsum "input,kernel->output"."""
+    x_spec, rest = spec.split(",")
+    kernel_spec, out_spec = rest.split("->")
+    return x_spec, kernel_spec, out_spec
+
+
 TAP_SHAPES: dict | None = None
 """Set to {} by `pipeline.stash.Taps.trace` while it traces a layer: name -> {"x", "g"} -> the type each tap takes."""
 
@@ -171,8 +178,7 @@ def tap_weight_grad(name: str, tap, kernel):
     # the same sum, but XLA:CPU ran the transpose's operand order as a plain dot at half the speed of its fast
     # matmul (experiments/README.md, "Zero-bubble step time"). Summed, as the transpose does, over the mesh axes x
     # varies over and the kernel does not; an output gradient varying elsewhere is a typing error, as it was there.
-    x_spec, rest = spec.split(",")
-    kernel_spec, out_spec = rest.split("->")
+    x_spec, kernel_spec, out_spec = spec_operands(spec)
     d = jnp.einsum(f"{x_spec},{out_spec}->{kernel_spec}", tap["x"], g)
     over = tuple(sorted(varying_axes(tap["x"]) - varying_axes(kernel)))
     assert varying_axes(d) - varying_axes(kernel) == set(over), f"{name}'s output gradient varies where x does not"

@@ -234,13 +234,12 @@ def test_sequence_parallel_stashes_one_tth_of_a_layer(backend):
 def test_a_ws_kernel_gradient_is_the_transpose_of_its_matmul(name):
     """`tap_weight_grad` writes the kernel's gradient as an einsum of the matmul's input and output gradient; it must
     be the transpose of the forward einsum (a wrong index order in the written-out spec fails here)."""
-    from ptd_jax.parallel.tensor import DOTS, SWIGLU_FC1, tap_weight_grad
+    from ptd_jax.parallel.tensor import DOTS, SWIGLU_FC1, spec_operands, tap_weight_grad
 
     spec = SWIGLU_FC1 if name == "swiglu_fc1" else DOTS[name]
     sizes = dict(b=2, s=3, d=4, g=2, r=3, k=5, h=6, f=7, t=2)
-    x_spec, rest = spec.split(",")
-    kernel_spec, out_spec = rest.split("->")
     keys = iter(jax.random.split(jax.random.key(0), 3))
+    x_spec, kernel_spec, out_spec = spec_operands(spec)
     x, kernel, g = (jax.random.normal(next(keys), [sizes[c] for c in sp]) for sp in (x_spec, kernel_spec, out_spec))
     expected = jax.linear_transpose(lambda w: jnp.einsum(spec, x, w), kernel)(g)[0]
     got = tap_weight_grad(name.removeprefix("swiglu_"), {"x": x, "g": g}, kernel)
